@@ -1,0 +1,45 @@
+"""Shared fixtures: a local CreateOS server on a real socket and a client for it."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from local_server import LocalServer  # noqa: E402
+
+import createos_exec as cx  # noqa: E402
+
+SANDBOX = "sb_local"
+
+# Fast but real: backoff in milliseconds, a short idle timeout for stall tests.
+FAST_RETRY = cx.RetryPolicy(max_attempts=6, budget=10.0, initial_backoff=0.01, max_backoff=0.05)
+
+
+@pytest.fixture
+def server():
+    with LocalServer(heartbeat_interval=0.5) as local:
+        yield local
+
+
+def make_client(server, **overrides):
+    settings = dict(
+        api_url=server.url,
+        api_key=server.api_key,
+        retry=FAST_RETRY,
+        stream_idle_timeout=2.0,
+        cleanup_timeout=10.0,
+        rate_limit=None,
+    )
+    settings.update(overrides)
+    return cx.Client(**settings)
+
+
+@pytest.fixture
+def client(server):
+    with make_client(server) as local_client:
+        yield local_client

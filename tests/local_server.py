@@ -1,0 +1,1437 @@
+"""A CreateOS-compatible HTTP server backed by REAL local subprocesses.
+
+WARNING: this server RUNS COMMANDS ON THIS MACHINE, as the user who started
+it, for anyone who knows its API key. It binds loopback addresses only.
+
+It speaks the managed-process, files and exec endpoints of the CreateOS
+Sandbox REST API (see ``protocol.md``): JSend envelopes, ``X-Api-Key`` auth,
+NDJSON output streams over chunked HTTP/1.1 with heartbeats, a bounded
+replay journal with whole-frame eviction, ``wait`` long-polls and
+process-group termination with a grace period. Tests can also inject faults
+(error statuses, dropped / ended / stalled / corrupted streams, eviction, a
+lost create response).
+
+Python API::
+
+    with LocalServer() as server:          # sandbox "sb_local" exists
+        server.url, server.api_key         # http://127.0.0.1:PORT, "local-dev-key"
+        server.drop_stream(after_frames=2) # next connect breaks after 2 data frames
+
+Command line::
+
+    python tests/local_server.py --port 0  # prints the base URL, serves until SIGINT/SIGTERM
+
+Only the standard library is used; Linux only (process groups are inspected
+through ``/proc``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import binascii
+import collections
+import datetime
+import hmac
+import ipaddress
+import itertools
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import IO, Any, Callable, NamedTuple
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+__all__ = ["LocalServer", "RequestRecord", "main"]
+
+DEFAULT_API_KEY = "local-dev-key"
+DEFAULT_SANDBOX = "sb_local"
+
+FRAME_LIMIT = 64 * 1024  # raw bytes per data frame (one os.read)
+JSON_BODY_LIMIT = 256 * 1024  # the API's request limit (protocol §5.5, §8)
+FILE_BODY_LIMIT = 64 * 1024 * 1024
+POLL_INTERVAL = 0.02  # seconds between /proc scans while waiting for a tree
+KILL_TIMEOUT = 10.0  # seconds a SIGKILLed group gets to disappear
+STOLEN_LOCATION = "http://127.0.0.2:1/stolen"
+
+ALLOWED_SIGNALS = (
+    "SIGHUP",
+    "SIGINT",
+    "SIGQUIT",
+    "SIGKILL",
+    "SIGTERM",
+    "SIGUSR1",
+    "SIGUSR2",
+    "SIGWINCH",
+)
+ENDPOINTS = (
+    "create",
+    "list",
+    "get",
+    "connect",
+    "input",
+    "stdin_close",
+    "signal",
+    "wait",
+    "delete",
+    "files_get",
+    "files_put",
+    "exec",
+)
+ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+SANDBOX_ID = re.compile(r"[A-Za-z0-9_-]{1,200}\Z")
+UNSIGNED = re.compile(r"[0-9]+\Z")
+
+_SB = r"/v1/sandboxes/([^/]+)"
+_PROC = _SB + r"/processes/([^/]+)"
+# (method, path pattern, endpoint name); path groups are URL-decoded ids.
+ROUTES = (
+    ("GET", re.compile(r"/healthz\Z"), "healthz"),
+    ("POST", re.compile(_SB + r"/processes\Z"), "create"),
+    ("GET", re.compile(_SB + r"/processes\Z"), "list"),
+    ("GET", re.compile(_PROC + r"\Z"), "get"),
+    ("DELETE", re.compile(_PROC + r"\Z"), "delete"),
+    ("GET", re.compile(_PROC + r"/connect\Z"), "connect"),
+    ("POST", re.compile(_PROC + r"/input\Z"), "input"),
+    ("POST", re.compile(_PROC + r"/stdin/close\Z"), "stdin_close"),
+    ("POST", re.compile(_PROC + r"/signal\Z"), "signal"),
+    ("GET", re.compile(_PROC + r"/wait\Z"), "wait"),
+    ("GET", re.compile(_SB + r"/files\Z"), "files_get"),
+    ("PUT", re.compile(_SB + r"/files\Z"), "files_put"),
+    ("POST", re.compile(_SB + r"/exec\Z"), "exec"),
+)
+
+# Fault kinds. The faults of one endpoint wait in one FIFO and each is
+# consumed at the moment it applies to: a status fault at request start, a
+# stream fault once a stream has started, a lost response after a create. A
+# head fault that does not apply yet holds back those behind it, so
+# drop_stream() then fail("connect", 503) breaks the first stream and answers
+# 503 to the next connect. A replay fault only moves a connect's starting
+# point: it has a FIFO of its own and combines with the fault of that connect.
+STREAM_FAULTS = ("drop", "end", "stall", "corrupt")
+
+
+class RequestRecord(NamedTuple):
+    """One request seen by the server.
+
+    ``query`` is a dict of query parameters (last value wins); ``status`` is
+    the HTTP status answered, or 0 when the connection was dropped on purpose
+    (``drop_stream``, ``stall_stream``, ``lose_create_response``).
+    """
+
+    time: float
+    method: str
+    path: str
+    query: dict[str, str]
+    status: int
+    client_port: int
+
+
+class ApiError(Exception):
+    """An answer other than success: a JSend fail (4xx) or error (5xx)."""
+
+    def __init__(self, status: int, data: object):
+        super().__init__(status, data)
+        self.status = status
+        self.data = data
+
+
+def envelope(status: int, data: object) -> dict[str, Any]:
+    """The JSend envelope that goes with an HTTP status."""
+    if status < 300:
+        return {"status": "success", "data": data}
+    if status < 500:
+        return {"status": "fail", "data": data}
+    return {"status": "error", "message": str(data), "code": status}
+
+
+def utc_now() -> str:
+    """The current time as an RFC 3339 UTC timestamp."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return now.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return "SIG%d" % signum
+
+
+def live_process_groups() -> set[int]:
+    """Process group ids that still have a member which is not a zombie.
+
+    Scans /proc rather than calling ``os.killpg(pgid, 0)``: that succeeds
+    for zombies too, and reparented zombies may never be reaped in a
+    container whose PID 1 does not reap.
+    """
+    groups = set()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % name, "rb") as stat_file:
+                stat = stat_file.read()
+        except OSError:  # exited since listdir
+            continue
+        # "pid (comm) state ppid pgrp ...": comm may hold spaces and ')'.
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        if fields and fields[0] not in (b"Z", b"X"):
+            groups.add(int(fields[2]))
+    return groups
+
+
+def loopback_host(host: str) -> str:
+    """Return the address to bind, refusing anything that is not loopback."""
+    if host == "localhost":
+        return "127.0.0.1"
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError("host must be a loopback IP address, not %r" % host) from None
+    if not address.is_loopback:
+        raise ValueError("refusing to bind %s: the local server binds loopback only" % host)
+    return host
+
+
+# --------------------------------------------------------------------------
+# State: sandboxes, managed processes, faults
+
+
+class Frame:
+    """One journalled data frame, kept pre-encoded as its NDJSON line."""
+
+    __slots__ = ("seq", "size", "line")
+
+    def __init__(self, seq: int, stream: str, data: bytes):
+        self.seq = seq
+        self.size = len(data)
+        self.line = frame_line(
+            {
+                "type": "data",
+                "seq": seq,
+                "stream": stream,
+                "data_base64": base64.b64encode(data).decode("ascii"),
+            }
+        )
+
+
+def frame_line(frame: dict[str, Any]) -> bytes:
+    return json.dumps(frame, separators=(",", ":")).encode("ascii") + b"\n"
+
+
+HEARTBEAT_LINE = frame_line({"type": "heartbeat"})
+STOP = object()  # "the server is stopping" marker of OutputStream
+
+
+class Sandbox:
+    """A named sandbox: declared env variables and a lazily created work dir."""
+
+    def __init__(self, sandbox_id: str, envs: dict[str, str]):
+        self.id = sandbox_id
+        self.envs = envs
+        self._workdir: str | None = None
+        self._lock = threading.Lock()
+
+    def workdir(self) -> str:
+        with self._lock:
+            if self._workdir is None:
+                self._workdir = tempfile.mkdtemp(prefix="createos-%s-" % self.id)
+            return self._workdir
+
+    def remove_workdir(self) -> None:
+        with self._lock:
+            if self._workdir is not None:
+                shutil.rmtree(self._workdir, ignore_errors=True)
+                self._workdir = None
+
+
+class Process:
+    """A managed process: a real subprocess leading its own process group.
+
+    ``cond`` guards every field below it. The leader is reaped only while
+    ``cond`` is held, so code holding ``cond`` may signal ``pid`` without
+    racing pid reuse.
+    """
+
+    def __init__(
+        self,
+        process_id: str,
+        sandbox_id: str,
+        popen: subprocess.Popen[bytes],
+        cmd: str,
+        args: list[str],
+        cwd: str,
+        journal_limit: int,
+    ):
+        self.id = process_id
+        self.sandbox_id = sandbox_id
+        self.pid = popen.pid  # also the process group id (start_new_session)
+        self.cmd, self.args, self.cwd = cmd, args, cwd
+        self.created_at = utc_now()
+        self._popen = popen
+        assert popen.stdin and popen.stdout and popen.stderr  # started with three PIPEs
+        self._stdin, self._stdout, self._stderr = popen.stdin, popen.stdout, popen.stderr
+        self._journal_limit = journal_limit
+        self._stdin_lock = threading.Lock()  # serialises writes and close of stdin
+        self._input_seq = 0
+        self._threads: list[threading.Thread] = []
+
+        self.cond = threading.Condition()
+        self.returncode: int | None = None  # set once the leader is reaped
+        self.finished_at: str | None = None
+        self.terminating = False
+        self.journal: collections.deque[Frame] = collections.deque()
+        self.journal_bytes = 0
+        self.newest_seq = 0
+        self.evicted_through = 0  # highest seq dropped from the journal
+        self._open_pipes = 2
+        self._tree_gone = False  # latched: once empty, the group id may be reused
+
+    def start(self) -> None:
+        targets: tuple[tuple[Callable[..., None], tuple[Any, ...]], ...] = (
+            (self._pump, (self._stdout, "stdout")),
+            (self._pump, (self._stderr, "stderr")),
+            (self._reap, ()),
+        )
+        for target, args in targets:
+            thread = threading.Thread(
+                target=target, args=args, daemon=True, name="%s-%s" % (self.id, target.__name__)
+            )
+            thread.start()
+            self._threads.append(thread)
+
+    def join(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    # -- output ------------------------------------------------------------
+
+    def _pump(self, pipe: IO[bytes], stream: str) -> None:
+        """Journal one output pipe until EOF, one frame per read."""
+        fd = pipe.fileno()
+        while True:
+            try:
+                data = os.read(fd, FRAME_LIMIT)
+            except OSError:
+                data = b""
+            if not data:
+                break
+            with self.cond:
+                self._append(stream, data)
+        pipe.close()
+        with self.cond:
+            self._open_pipes -= 1
+            self.cond.notify_all()
+
+    def _append(self, stream: str, data: bytes) -> None:
+        self.newest_seq += 1
+        frame = Frame(self.newest_seq, stream, data)
+        self.journal.append(frame)
+        self.journal_bytes += frame.size
+        # Evict whole frames, oldest first, but always keep the newest one so
+        # that a reader keeping up never loses output to a tiny limit.
+        while self.journal_bytes > self._journal_limit and len(self.journal) > 1:
+            self._drop_oldest()
+        self.cond.notify_all()
+
+    def _drop_oldest(self) -> None:
+        frame = self.journal.popleft()
+        self.journal_bytes -= frame.size
+        self.evicted_through = frame.seq
+
+    def evict_all(self) -> None:
+        with self.cond:
+            while self.journal:
+                self._drop_oldest()
+            self.evicted_through = self.newest_seq
+            self.cond.notify_all()
+
+    def frames_after(self, cursor: int) -> list[Frame]:
+        """Retained frames with seq > cursor (caller holds cond)."""
+        if not self.journal:
+            return []
+        start = max(0, cursor + 1 - self.journal[0].seq)
+        return list(itertools.islice(self.journal, start, None))
+
+    @property
+    def output_finished(self) -> bool:
+        """Leader reaped and both pipes at EOF: time for the exit frame."""
+        return self.returncode is not None and self._open_pipes == 0
+
+    def exit_line(self) -> bytes:
+        """The exit frame (caller holds cond and has seen output_finished)."""
+        code = self.returncode
+        assert code is not None
+        if code < 0:
+            return frame_line({"type": "exit", "signal": signal_name(-code)})
+        return frame_line({"type": "exit", "exit_code": code})
+
+    # -- lifetime ------------------------------------------------------------
+
+    def _reap(self) -> None:
+        # Wait without reaping, then reap under cond: signal senders holding
+        # cond therefore never hit a recycled pid.
+        try:
+            os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOWAIT)
+        except ChildProcessError:
+            pass
+        with self.cond:
+            self._popen.wait()
+            self.returncode = self._popen.returncode
+            self.finished_at = utc_now()
+            self.cond.notify_all()
+        # Nobody may write after the leader exited. A write still blocked in
+        # write_input holds the lock; it closes the pipe itself when done.
+        if self._stdin_lock.acquire(blocking=False):
+            try:
+                self._close_stdin_pipe()
+            finally:
+                self._stdin_lock.release()
+
+    def tree_exited(self, groups: set[int] | None = None) -> bool:
+        """Leader reaped and no live member left in its process group."""
+        with self.cond:
+            if self._tree_gone or self.returncode is None:
+                return self._tree_gone
+        if groups is None:
+            groups = live_process_groups()
+        with self.cond:
+            self._tree_gone = self._tree_gone or self.pid not in groups
+            return self._tree_gone
+
+    def leader_exited(self) -> bool:
+        with self.cond:
+            return self.returncode is not None
+
+    def kill_group(self, signum: int) -> None:
+        with self.cond:
+            if self._tree_gone:
+                return
+            try:
+                os.killpg(self.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def send_signal(self, signum: int) -> None:
+        with self.cond:
+            if self.returncode is not None:
+                raise ApiError(409, {"process": "the leader has already exited"})
+            os.kill(self.pid, signum)
+
+    # -- stdin ---------------------------------------------------------------
+
+    def write_input(self, data: bytes) -> int:
+        with self._stdin_lock:
+            self._check_stdin_open()
+            try:
+                _write_all(self._stdin.fileno(), data)
+            except OSError:
+                self._close_stdin_pipe()
+                raise ApiError(409, {"stdin": "the process no longer reads its stdin"}) from None
+            finally:
+                if self.leader_exited():
+                    self._close_stdin_pipe()
+            self._input_seq += 1
+            return self._input_seq
+
+    def close_stdin(self) -> None:
+        with self._stdin_lock:
+            self._check_stdin_open()
+            self._close_stdin_pipe()
+
+    def _check_stdin_open(self) -> None:
+        if self.leader_exited():
+            raise ApiError(409, {"process": "the leader has already exited"})
+        if self._stdin.closed:
+            raise ApiError(409, {"stdin": "stdin is already closed"})
+
+    def _close_stdin_pipe(self) -> None:
+        try:
+            self._stdin.close()
+        except OSError:  # a broken pipe is closed all the same
+            pass
+
+    # -- record --------------------------------------------------------------
+
+    def record(self, groups: set[int] | None = None) -> dict[str, Any]:
+        """The ManagedProcess object of protocol §5.2."""
+        tree_exited = self.tree_exited(groups)
+        with self.cond:
+            code = self.returncode
+            if code is not None:
+                state = "exited"
+            else:
+                state = "terminating" if self.terminating else "running"
+            return {
+                "process_id": self.id,
+                "kind": "process",
+                "pid": self.pid,
+                "state": state,
+                "leader_exited": code is not None,
+                "tree_exited": tree_exited,
+                "created_at": self.created_at,
+                "finished_at": self.finished_at,
+                "exit_code": code if code is not None and code >= 0 else None,
+                "signal": signal_name(-code) if code is not None and code < 0 else None,
+                "cmd": self.cmd,
+                "args": list(self.args),
+                "cwd": self.cwd,
+                "output": self._output_window(),
+            }
+
+    def _output_window(self) -> dict[str, int]:
+        if self.newest_seq == 0:
+            return {"oldest_seq": 0, "newest_seq": 0, "bytes": 0}
+        return {
+            "oldest_seq": self.evicted_through + 1,
+            "newest_seq": self.newest_seq,
+            "bytes": self.journal_bytes,
+        }
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+class Fault:
+    """A queued fault and how many more requests it applies to."""
+
+    def __init__(
+        self,
+        kind: str,
+        count: int,
+        *,
+        status: int = 0,
+        retry_after: str | None = None,
+        body: object = None,
+        after_frames: int = 0,
+        mid_frame: bool = False,
+        seconds: float = 0.0,
+        line: bytes = b"",
+    ):
+        if count < 1:
+            raise ValueError("count must be at least 1")
+        if after_frames < 0:
+            raise ValueError("after_frames must be >= 0")
+        self.kind = kind
+        self.remaining = count
+        self.status = status
+        self.retry_after = retry_after
+        self.body = body
+        self.after_frames = after_frames
+        self.mid_frame = mid_frame
+        self.seconds = seconds
+        self.line = line
+
+
+# --------------------------------------------------------------------------
+# HTTP plumbing
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], app: LocalServer):
+        self.app = app
+        super().__init__(address, _Handler)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # Clients vanish mid-stream all the time; only talk when asked to.
+        if self.app.verbose:
+            super().handle_error(request, client_address)
+
+
+class _HTTPServerV6(_HTTPServer):
+    address_family = socket.AF_INET6
+
+
+class _Handler(BaseHTTPRequestHandler):
+    """HTTP mechanics; every endpoint lives on LocalServer."""
+
+    protocol_version = "HTTP/1.1"
+    server_version = "createos-local-server/1"
+    disable_nagle_algorithm = True  # frames and heartbeats must leave at once
+
+    server: _HTTPServer
+    # Per request, set by begin() and LocalServer._dispatch().
+    raw_path: str
+    query: dict[str, str]
+    arrived: float
+    answered: int | None  # status once the answer started, 0 = dropped
+    body: bytes
+
+    def setup(self) -> None:
+        super().setup()
+        self.server.app._track_connection(self.connection)
+
+    def finish(self) -> None:
+        try:
+            super().finish()
+        finally:
+            self.server.app._untrack_connection(self.connection)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        if self.server.app.verbose:
+            sys.stderr.write("local_server: %s %s\n" % (self.address_string(), format % args))
+
+    def do_GET(self) -> None:
+        self.server.app._handle(self)
+
+    do_POST = do_PUT = do_DELETE = do_GET
+
+    # -- request -----------------------------------------------------------
+
+    def begin(self) -> None:
+        """Parse the request line's target; set per-request attributes."""
+        target = urlsplit(self.path)
+        self.raw_path = target.path
+        self.query = dict(parse_qsl(target.query, keep_blank_values=True))
+        self.arrived = time.time()
+        self.answered = None
+
+    def read_body(self, limit: int) -> bytes:
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            return self._read_chunked_body(limit)
+        length = self.headers.get("Content-Length", "0")
+        if not UNSIGNED.match(length):
+            self.close_connection = True
+            raise ApiError(400, {"body": "invalid Content-Length"})
+        if int(length) > limit:
+            self.close_connection = True  # the body stays unread
+            raise ApiError(413, {"body": "request body larger than %d bytes" % limit})
+        return self.rfile.read(int(length))
+
+    def _read_chunked_body(self, limit: int) -> bytes:
+        parts: list[bytes] = []
+        total = 0
+        while True:
+            size_line = self.rfile.readline(1024).split(b";")[0].strip()
+            try:
+                size = int(size_line, 16)
+            except ValueError:
+                self.close_connection = True
+                raise ApiError(400, {"body": "invalid chunked encoding"}) from None
+            if size == 0:
+                while self.rfile.readline(1024).strip():  # trailers
+                    pass
+                return b"".join(parts)
+            total += size
+            if total > limit:
+                self.close_connection = True
+                raise ApiError(413, {"body": "request body larger than %d bytes" % limit})
+            parts.append(self.rfile.read(size))
+            self.rfile.readline(1024)
+
+    def json_body(self) -> dict[str, Any]:
+        try:
+            value = json.loads(self.body.decode("utf-8"))
+        except ValueError:
+            raise ApiError(400, {"body": "not valid JSON"}) from None
+        if not isinstance(value, dict):
+            raise ApiError(400, {"body": "must be a JSON object"})
+        return value
+
+    # -- answers -----------------------------------------------------------
+
+    def _start_answer(
+        self, status: int, headers: dict[str, str], recorded_status: int | None = None
+    ) -> None:
+        self._record(status if recorded_status is None else recorded_status)
+        self.send_response(status)
+        self.send_header("X-Request-ID", secrets.token_hex(8))
+        for name, value in headers.items():
+            self.send_header(name, value)
+        if self.close_connection:
+            self.send_header("Connection", "close")
+
+    def _record(self, status: int) -> None:
+        self.answered = status
+        record = RequestRecord(
+            self.arrived, self.command, self.raw_path, self.query, status, self.client_address[1]
+        )
+        self.server.app.requests.append(record)
+
+    def send_json(
+        self, status: int, payload: object, headers: dict[str, str] | None = None
+    ) -> None:
+        body = b"" if status in (204, 304) else json.dumps(payload).encode("utf-8")
+        self._start_answer(status, headers or {})
+        if body:
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def send_raw(self, data: bytes) -> None:
+        self._start_answer(200, {})
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def start_chunked(self, content_type: str, recorded_status: int) -> None:
+        self._start_answer(200, {}, recorded_status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Cache-Control", "no-store")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+
+    def write_chunk(self, data: bytes) -> None:
+        self.wfile.write(b"%X\r\n%s\r\n" % (len(data), data))
+
+    def write_half_chunk(self, data: bytes) -> None:
+        """A chunk header announcing all of data, followed by only its first half."""
+        self.wfile.write(b"%X\r\n%s" % (len(data), data[: len(data) // 2]))
+
+    def end_chunked(self) -> None:
+        self.wfile.write(b"0\r\n\r\n")
+
+    def abort(self) -> None:
+        """Close the socket abruptly: no further bytes, no terminating chunk."""
+        if self.answered is None:
+            self._record(0)
+        self.close_connection = True
+        try:
+            self.connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.connection.close()
+
+
+def match_route(method: str, path: str) -> tuple[str, list[str]]:
+    """(endpoint, url-decoded path ids) for a request; ApiError 404/405 otherwise."""
+    path_known = False
+    for route_method, pattern, endpoint in ROUTES:
+        match = pattern.match(path)
+        if match:
+            path_known = True
+            if route_method == method:
+                return endpoint, [unquote(group) for group in match.groups()]
+    if path_known:
+        raise ApiError(405, {"method": "%s is not allowed here" % method})
+    raise ApiError(404, {"path": "no such endpoint"})
+
+
+def endpoint_of(method: str, path: str) -> str | None:
+    try:
+        return match_route(method, path)[0]
+    except ApiError:
+        return None
+
+
+# --------------------------------------------------------------------------
+# Request validation helpers
+
+
+def uint_param(query: dict[str, str], name: str, default: int | None = None) -> int:
+    value = query.get(name)
+    if value is None:
+        if default is None:
+            raise ApiError(400, {name: "required"})
+        return default
+    if not UNSIGNED.match(value):
+        raise ApiError(400, {name: "must be an integer >= 0"})
+    return int(value)
+
+
+def absolute_path(query: dict[str, str]) -> str:
+    path = query.get("path", "")
+    if not path.startswith("/") or "\0" in path:
+        raise ApiError(400, {"path": "must be an absolute path"})
+    return path
+
+
+def command_of(spec: dict[str, Any]) -> tuple[str, list[str]]:
+    cmd = spec.get("cmd")
+    args = spec.get("args", [])
+    if args is None:
+        args = []
+    if not isinstance(cmd, str) or not cmd:
+        raise ApiError(400, {"cmd": "must be a non-empty string"})
+    if not isinstance(args, list) or not all(isinstance(arg, str) for arg in args):
+        raise ApiError(400, {"args": "must be a list of strings"})
+    return cmd, args
+
+
+def environment_of(spec: dict[str, Any], sandbox: Sandbox) -> dict[str, str]:
+    """os.environ + sandbox envs + request env (declared keys only, protocol §4)."""
+    env = spec.get("env") or {}
+    if not isinstance(env, dict) or not all(
+        isinstance(key, str) and isinstance(value, str) for key, value in env.items()
+    ):
+        raise ApiError(400, {"env": "must be an object of strings"})
+    undeclared = sorted(key for key in env if key not in sandbox.envs)
+    if undeclared:
+        raise ApiError(
+            400, {"env": "keys not declared for this sandbox: %s" % ", ".join(undeclared)}
+        )
+    merged = dict(os.environ)
+    merged.update(sandbox.envs)
+    merged.update(env)
+    return merged
+
+
+def start_error(exc: BaseException) -> ApiError:
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    return ApiError(400, {"cmd": "cannot start the command: %s" % reason})
+
+
+# --------------------------------------------------------------------------
+# The output stream of GET …/connect
+
+
+class OutputStream:
+    """Writes one connect response: replay, live frames, terminal frame.
+
+    A fault, if any, fires when the stream is about to write a data or
+    terminal frame after ``after_frames`` data frames have been written.
+    """
+
+    def __init__(
+        self, app: LocalServer, req: _Handler, proc: Process, cursor: int, fault: Fault | None
+    ):
+        self.app = app
+        self.req = req
+        self.proc = proc
+        self.cursor = cursor  # seq of the last data frame this reader has
+        self.fault = fault
+        self.data_frames = 0
+        self.last_write = time.monotonic()
+
+    def run(self) -> None:
+        dropping = self.fault is not None and self.fault.kind in ("drop", "stall")
+        self.req.start_chunked("application/x-ndjson", 0 if dropping else 200)
+        try:
+            self._follow()
+        except OSError:  # the client went away
+            self.req.close_connection = True
+
+    def _follow(self) -> None:
+        while True:
+            frames, final = self._wait_for_output()
+            for frame in frames:
+                if not self._emit(frame.line):
+                    return
+                self.data_frames += 1
+                self.cursor = frame.seq
+            if final is STOP:
+                self.req.abort()
+                return
+            if final is HEARTBEAT_LINE:
+                self._write(final)
+            elif isinstance(final, bytes):  # exit or error frame: the stream ends
+                if self._emit(final):
+                    self.req.end_chunked()
+                return
+
+    def _wait_for_output(self) -> tuple[list[Frame], object]:
+        """Block until there is something to write.
+
+        Returns (data frames, final): final is None after data frames, else
+        HEARTBEAT_LINE, a terminal (exit / error) line, or STOP when the
+        server is stopping.
+        """
+        proc = self.proc
+        with proc.cond:
+            while True:
+                if self.cursor < proc.evicted_through:
+                    return [], frame_line(
+                        {
+                            "type": "error",
+                            "error": "output_offset_expired",
+                            "oldest_available_seq": proc.evicted_through + 1,
+                        }
+                    )
+                frames = proc.frames_after(self.cursor)
+                if frames:
+                    return frames, None
+                if proc.output_finished:
+                    return [], proc.exit_line()
+                if self.app._stopping.is_set():
+                    return [], STOP
+                idle = self.last_write + self.app.heartbeat_interval - time.monotonic()
+                if idle <= 0:
+                    return [], HEARTBEAT_LINE
+                proc.cond.wait(idle)
+
+    def _emit(self, line: bytes) -> bool:
+        """Write a data or terminal frame, firing the fault first if due."""
+        fault = self.fault
+        if fault is not None and self.data_frames >= fault.after_frames:
+            self.fault = None
+            if fault.kind == "corrupt":
+                self._write(fault.line if fault.line.endswith(b"\n") else fault.line + b"\n")
+            elif fault.kind == "end":
+                self.req.end_chunked()
+                return False
+            elif fault.kind == "stall":
+                self.app._stopping.wait(fault.seconds)
+                self.req.abort()
+                return False
+            else:  # drop
+                if fault.mid_frame:
+                    self.req.write_half_chunk(line)
+                self.req.abort()
+                return False
+        self._write(line)
+        return True
+
+    def _write(self, line: bytes) -> None:
+        self.req.write_chunk(line)
+        self.last_write = time.monotonic()
+
+
+# --------------------------------------------------------------------------
+# The server
+
+
+class LocalServer:
+    """A CreateOS-compatible server on loopback that RUNS COMMANDS ON THIS MACHINE."""
+
+    def __init__(
+        self,
+        *,
+        api_key: str = DEFAULT_API_KEY,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        heartbeat_interval: float = 5.0,
+        journal_limit: int = 1024 * 1024,
+        verbose: bool = False,
+    ):
+        if heartbeat_interval <= 0:
+            raise ValueError("heartbeat_interval must be positive")
+        if journal_limit < 1:
+            raise ValueError("journal_limit must be positive")
+        self.api_key = api_key
+        self.host = loopback_host(host)
+        self.port = port
+        self.heartbeat_interval = heartbeat_interval
+        self.journal_limit = journal_limit
+        self.verbose = verbose
+        self.url = ""
+        self.requests: list[RequestRecord] = []
+
+        self._lock = threading.Lock()  # sandboxes, processes, faults, connections
+        self._sandboxes = {DEFAULT_SANDBOX: Sandbox(DEFAULT_SANDBOX, {})}
+        self._processes: dict[str, Process] = {}
+        self._faults: dict[tuple[str, bool], collections.deque[Fault]] = {}
+        self._connections: dict[socket.socket, threading.Thread] = {}
+        self._stopping = threading.Event()
+        self._httpd: _HTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle -----------------------------------------------------------
+
+    def start(self) -> LocalServer:
+        if self._httpd is not None or self._stopping.is_set():
+            raise RuntimeError("a LocalServer can be started once")
+        server_class = _HTTPServerV6 if ":" in self.host else _HTTPServer
+        self._httpd = server_class((self.host, self.port), self)
+        port = self._httpd.server_address[1]
+        host = "[%s]" % self.host if ":" in self.host else self.host
+        self.url = "http://%s:%d" % (host, port)
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever,
+            kwargs={"poll_interval": 0.05},
+            daemon=True,
+            name="local-server",
+        )
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop serving, SIGKILL every remaining process group, remove temp dirs."""
+        if self._httpd is None or self._thread is None or self._stopping.is_set():
+            return
+        self._stopping.set()
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join()
+        with self._lock:
+            processes = list(self._processes.values())
+            connections = dict(self._connections)
+        for proc in processes:
+            proc.kill_group(signal.SIGKILL)
+        self._await(
+            lambda: all(proc.tree_exited() for proc in processes), KILL_TIMEOUT, stoppable=False
+        )
+        for proc in processes:
+            with proc.cond:
+                proc.cond.notify_all()  # wake streams so they see _stopping
+            proc.join(1.0)
+        for sock in connections:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes handlers idle in keep-alive
+            except OSError:
+                pass
+        deadline = time.monotonic() + 2.0
+        for thread in connections.values():
+            thread.join(max(0.0, deadline - time.monotonic()))
+        for sandbox in self._sandboxes.values():
+            sandbox.remove_workdir()
+
+    def __enter__(self) -> LocalServer:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def _track_connection(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._connections[sock] = threading.current_thread()
+
+    def _untrack_connection(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._connections.pop(sock, None)
+
+    # -- sandboxes and inspection ----------------------------------------------
+
+    def add_sandbox(self, sandbox_id: str, *, envs: dict[str, str] | None = None) -> None:
+        """Create a sandbox; `envs` are exported into its commands and are the only
+        keys a request's `env` may override (protocol §4)."""
+        envs = dict(envs or {})
+        if not SANDBOX_ID.match(sandbox_id):
+            raise ValueError("invalid sandbox id %r" % sandbox_id)
+        for key, value in envs.items():
+            if not ENV_KEY.match(key) or not isinstance(value, str):
+                raise ValueError("invalid env entry %r" % key)
+        with self._lock:
+            if sandbox_id in self._sandboxes:
+                raise ValueError("sandbox %r already exists" % sandbox_id)
+            self._sandboxes[sandbox_id] = Sandbox(sandbox_id, envs)
+
+    def processes(self, sandbox_id: str = DEFAULT_SANDBOX) -> list[dict[str, Any]]:
+        """Records of the sandbox's processes, as GET …/processes lists them."""
+        with self._lock:
+            if sandbox_id not in self._sandboxes:
+                raise KeyError(sandbox_id)
+            procs = [p for p in self._processes.values() if p.sandbox_id == sandbox_id]
+        groups = live_process_groups()
+        return [proc.record(groups) for proc in procs]
+
+    def process(self, process_id: str) -> dict[str, Any]:
+        return self._get_process(process_id).record()
+
+    def tree_alive(self, process_id: str) -> bool:
+        """Whether the leader or any non-zombie member of its process group lives."""
+        return not self._get_process(process_id).tree_exited()
+
+    def wait_tree_gone(self, process_id: str, timeout: float = 10.0) -> bool:
+        """Poll until the process tree is gone; False if it outlived `timeout` seconds."""
+        proc = self._get_process(process_id)
+        return self._await(proc.tree_exited, timeout, stoppable=False)
+
+    def requests_to(self, endpoint: str) -> list[RequestRecord]:
+        """The recorded requests of one endpoint ("create", "connect", …)."""
+        return [r for r in list(self.requests) if endpoint_of(r.method, r.path) == endpoint]
+
+    def _get_process(self, process_id: str) -> Process:
+        with self._lock:
+            return self._processes[process_id]
+
+    # -- fault injection -----------------------------------------------------
+
+    def fail(
+        self,
+        endpoint: str,
+        status: int,
+        *,
+        count: int = 1,
+        retry_after: str | None = None,
+        body: dict[str, Any] | None = None,
+    ) -> None:
+        """Answer the next `count` requests of `endpoint` with `status`, doing nothing.
+
+        The body is a JSend fail (< 500) or error (>= 500) unless `body` is
+        given; 3xx answers also carry a Location to a foreign host.
+        """
+        if not 200 <= status <= 599:
+            raise ValueError("status must be between 200 and 599")
+        self._queue(
+            endpoint, Fault("status", count, status=status, retry_after=retry_after, body=body)
+        )
+
+    def drop_stream(
+        self, *, after_frames: int = 0, mid_frame: bool = False, count: int = 1
+    ) -> None:
+        """Break the socket (no terminating chunk) before the next data or final frame
+        once `after_frames` data frames were sent; `mid_frame` sends half of it first."""
+        self._queue("connect", Fault("drop", count, after_frames=after_frames, mid_frame=mid_frame))
+
+    def end_stream(self, *, after_frames: int = 0, count: int = 1) -> None:
+        """Same trigger as drop_stream, but end the body cleanly without the exit frame."""
+        self._queue("connect", Fault("end", count, after_frames=after_frames))
+
+    def stall_stream(self, *, after_frames: int = 0, seconds: float = 60.0, count: int = 1) -> None:
+        """Same trigger as drop_stream: send nothing (no heartbeat) for `seconds`, then break."""
+        self._queue("connect", Fault("stall", count, after_frames=after_frames, seconds=seconds))
+
+    def corrupt_stream(self, line: bytes, *, after_frames: int = 0, count: int = 1) -> None:
+        """Same trigger as drop_stream: insert `line` as a chunk of its own, then go on."""
+        self._queue("connect", Fault("corrupt", count, after_frames=after_frames, line=bytes(line)))
+
+    def replay_ignoring_after(self, *, count: int = 1) -> None:
+        """Start the next connects at the oldest retained frame, whatever `after` says."""
+        self._queue("connect", Fault("replay", count))
+
+    def lose_create_response(self, *, count: int = 1) -> None:
+        """Start the next created processes, then close the socket without an answer."""
+        self._queue("create", Fault("lose", count))
+
+    def evict(self, process_id: str) -> None:
+        """Drop every retained data frame of the process (older cursors then get 410)."""
+        self._get_process(process_id).evict_all()
+
+    def _queue(self, endpoint: str, fault: Fault) -> None:
+        if endpoint not in ENDPOINTS:
+            raise ValueError("unknown endpoint %r" % endpoint)
+        with self._lock:
+            self._fault_queue(endpoint, fault.kind).append(fault)
+
+    def _fault_queue(self, endpoint: str, kind: str) -> collections.deque[Fault]:
+        """The FIFO that faults of this kind wait in (caller holds _lock)."""
+        return self._faults.setdefault((endpoint, kind == "replay"), collections.deque())
+
+    def _take_fault(self, endpoint: str, kinds: tuple[str, ...]) -> Fault | None:
+        """Consume one use of the oldest queued fault if it is of one of these kinds."""
+        with self._lock:
+            queue = self._fault_queue(endpoint, kinds[0])
+            if not queue or queue[0].kind not in kinds:
+                return None
+            fault = queue[0]
+            fault.remaining -= 1
+            if fault.remaining == 0:
+                queue.popleft()
+            return fault
+
+    # -- request dispatch ------------------------------------------------------
+
+    def _handle(self, req: _Handler) -> None:
+        req.begin()
+        try:
+            self._dispatch(req)
+        except ApiError as exc:
+            req.send_json(exc.status, envelope(exc.status, exc.data))
+        except Exception:  # a bug here must not kill the connection silently
+            if self.verbose:
+                traceback.print_exc()
+            if req.answered is None:
+                req.send_json(500, envelope(500, "internal error in the local server"))
+            else:
+                req.abort()
+
+    def _dispatch(self, req: _Handler) -> None:
+        try:
+            endpoint, ids = match_route(req.command, req.raw_path)
+        except ApiError:
+            req.body = req.read_body(JSON_BODY_LIMIT)  # keep the connection in sync
+            raise
+        req.body = req.read_body(FILE_BODY_LIMIT if endpoint == "files_put" else JSON_BODY_LIMIT)
+        if endpoint == "healthz":
+            req.send_json(200, envelope(200, {"up": True}))
+            return
+        self._authenticate(req)
+        fault = self._take_fault(endpoint, ("status",))
+        if fault is not None:
+            self._send_fault(req, fault)
+            return
+        result = getattr(self, "_ep_" + endpoint)(req, *ids)
+        if result is not None:
+            req.send_json(200, envelope(200, result))
+
+    def _authenticate(self, req: _Handler) -> None:
+        key = req.headers.get("X-Api-Key", "")
+        if not hmac.compare_digest(key.encode("utf-8"), self.api_key.encode("utf-8")):
+            raise ApiError(401, {"auth": "missing or invalid X-Api-Key"})
+
+    @staticmethod
+    def _send_fault(req: _Handler, fault: Fault) -> None:
+        headers = {}
+        if fault.retry_after is not None:
+            headers["Retry-After"] = fault.retry_after
+        if 300 <= fault.status < 400:
+            headers["Location"] = STOLEN_LOCATION
+        payload = fault.body
+        if payload is None:
+            payload = envelope(
+                fault.status,
+                {} if fault.status < 300 else {"fault": "injected HTTP %d" % fault.status},
+            )
+        req.send_json(fault.status, payload, headers)
+
+    def _sandbox(self, sandbox_id: str) -> Sandbox:
+        with self._lock:
+            sandbox = self._sandboxes.get(sandbox_id)
+        if sandbox is None:
+            raise ApiError(404, {"sandbox": "not found"})
+        return sandbox
+
+    def _process(self, sandbox_id: str, process_id: str) -> Process:
+        self._sandbox(sandbox_id)
+        with self._lock:
+            proc = self._processes.get(process_id)
+        if proc is None or proc.sandbox_id != sandbox_id:
+            raise ApiError(404, {"process": "not found"})
+        return proc
+
+    def _await(
+        self, predicate: Callable[[], bool], timeout: float, *, stoppable: bool = True
+    ) -> bool:
+        """Poll predicate until true (True) or until timeout / server stop (False)."""
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or (stoppable and self._stopping.is_set()):
+                return False
+            time.sleep(min(POLL_INTERVAL, remaining))
+        return True
+
+    # -- endpoints: processes ----------------------------------------------------
+
+    def _ep_create(self, req: _Handler, sandbox_id: str) -> dict[str, Any] | None:
+        sandbox = self._sandbox(sandbox_id)
+        spec = req.json_body()
+        if spec.get("pty") is not None:
+            raise ApiError(400, {"pty": "not supported by the local server"})
+        cmd, args = command_of(spec)
+        cwd = spec.get("cwd") or sandbox.workdir()
+        if not isinstance(cwd, str) or not cwd.startswith("/"):
+            raise ApiError(400, {"cwd": "must be an absolute path"})
+        if not os.path.isdir(cwd):
+            raise ApiError(400, {"cwd": "no such directory"})
+        env = environment_of(spec, sandbox)
+        try:
+            popen = subprocess.Popen(
+                [cmd] + args,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=cwd,
+                env=env,
+                start_new_session=True,
+                bufsize=0,
+            )
+        except (OSError, ValueError) as exc:
+            raise start_error(exc) from None
+        proc = Process(
+            "proc_" + secrets.token_urlsafe(16),
+            sandbox_id,
+            popen,
+            cmd,
+            args,
+            cwd,
+            self.journal_limit,
+        )
+        with self._lock:
+            self._processes[proc.id] = proc
+        proc.start()
+        if self._take_fault("create", ("lose",)) is not None:
+            req.abort()
+            return None
+        return proc.record()
+
+    def _ep_list(self, req: _Handler, sandbox_id: str) -> dict[str, Any]:
+        self._sandbox(sandbox_id)
+        return {"processes": self.processes(sandbox_id)}
+
+    def _ep_get(self, req: _Handler, sandbox_id: str, process_id: str) -> dict[str, Any]:
+        return self._process(sandbox_id, process_id).record()
+
+    def _ep_connect(self, req: _Handler, sandbox_id: str, process_id: str) -> None:
+        proc = self._process(sandbox_id, process_id)
+        after = uint_param(req.query, "after")
+        with proc.cond:
+            evicted_through = proc.evicted_through
+        if self._take_fault("connect", ("replay",)) is not None:
+            after = evicted_through  # replay from the oldest retained frame
+        elif after < evicted_through:  # the reader's next frame is gone
+            raise ApiError(
+                410,
+                {"error": "output_offset_expired", "oldest_available_seq": evicted_through + 1},
+            )
+        OutputStream(self, req, proc, after, self._take_fault("connect", STREAM_FAULTS)).run()
+
+    def _ep_input(self, req: _Handler, sandbox_id: str, process_id: str) -> dict[str, Any]:
+        proc = self._process(sandbox_id, process_id)
+        encoded = req.json_body().get("data_base64")
+        if not isinstance(encoded, str):
+            raise ApiError(400, {"data_base64": "must be a base64 string"})
+        try:
+            data = base64.b64decode(encoded, validate=True)
+        except (binascii.Error, ValueError):
+            raise ApiError(400, {"data_base64": "invalid base64"}) from None
+        return {"input_seq": proc.write_input(data)}
+
+    def _ep_stdin_close(self, req: _Handler, sandbox_id: str, process_id: str) -> dict[str, Any]:
+        self._process(sandbox_id, process_id).close_stdin()
+        return {"ok": True}
+
+    def _ep_signal(self, req: _Handler, sandbox_id: str, process_id: str) -> dict[str, Any]:
+        proc = self._process(sandbox_id, process_id)
+        name = req.json_body().get("signal")
+        if name not in ALLOWED_SIGNALS:
+            raise ApiError(400, {"signal": "must be one of " + " ".join(ALLOWED_SIGNALS)})
+        proc.send_signal(getattr(signal, name))
+        return {"ok": True}
+
+    def _ep_wait(self, req: _Handler, sandbox_id: str, process_id: str) -> dict[str, Any]:
+        proc = self._process(sandbox_id, process_id)
+        scope = req.query.get("scope")
+        if scope not in ("leader", "tree"):
+            raise ApiError(400, {"scope": "must be leader or tree"})
+        timeout = uint_param(req.query, "timeout_ms", 30000) / 1000.0
+        condition = proc.leader_exited if scope == "leader" else proc.tree_exited
+        if not self._await(condition, timeout):
+            raise ApiError(408, {"timeout": "the %s has not exited yet" % scope})
+        return proc.record()
+
+    def _ep_delete(self, req: _Handler, sandbox_id: str, process_id: str) -> dict[str, Any]:
+        proc = self._process(sandbox_id, process_id)
+        grace = uint_param(req.query, "grace_ms", 1000) / 1000.0
+        if not proc.tree_exited():
+            with proc.cond:
+                proc.terminating = True
+            proc.kill_group(signal.SIGTERM)
+            if not self._await(proc.tree_exited, grace):
+                proc.kill_group(signal.SIGKILL)
+                if not self._await(proc.tree_exited, KILL_TIMEOUT):
+                    raise ApiError(500, "the process tree survived SIGKILL")
+        return proc.record()
+
+    # -- endpoints: files and exec -------------------------------------------------
+
+    def _ep_files_get(self, req: _Handler, sandbox_id: str) -> None:
+        self._sandbox(sandbox_id)
+        path = absolute_path(req.query)
+        try:
+            with open(path, "rb") as source:
+                data = source.read()
+        except (FileNotFoundError, NotADirectoryError):
+            raise ApiError(404, {"path": "no such file"}) from None
+        except OSError as exc:
+            raise ApiError(400, {"path": exc.strerror or "cannot read"}) from None
+        req.send_raw(data)
+
+    def _ep_files_put(self, req: _Handler, sandbox_id: str) -> dict[str, Any]:
+        self._sandbox(sandbox_id)
+        path = absolute_path(req.query)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            # 0600 from the start: staged files may hold secrets (env, stdin).
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as target:
+                target.write(req.body)
+        except OSError as exc:
+            raise ApiError(400, {"path": exc.strerror or "cannot write"}) from None
+        return {"path": path, "bytes": len(req.body)}
+
+    def _ep_exec(self, req: _Handler, sandbox_id: str) -> dict[str, Any]:
+        sandbox = self._sandbox(sandbox_id)
+        spec = req.json_body()
+        if req.query.get("stream") == "true" or spec.get("stream") is True:
+            raise ApiError(404, {"stream": "streaming exec is not supported by the local server"})
+        cmd, args = command_of(spec)
+        env = environment_of(spec, sandbox)
+        stdin = spec.get("stdin")
+        if stdin is not None and not isinstance(stdin, str):
+            raise ApiError(400, {"stdin": "must be a string"})
+        started = time.monotonic()
+        try:
+            done = subprocess.run(
+                [cmd] + args,
+                input=(stdin or "").encode("utf-8"),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=sandbox.workdir(),
+                env=env,
+                start_new_session=True,
+            )
+        except (OSError, ValueError) as exc:
+            raise start_error(exc) from None
+        code = done.returncode
+        return {
+            "result": {
+                "stdout": done.stdout.decode("utf-8", "replace"),
+                "stderr": done.stderr.decode("utf-8", "replace"),
+                # Shell convention for a signal death: exit_code is always an int here.
+                "exit_code": code if code >= 0 else 128 - code,
+            },
+            "exec_ms": (time.monotonic() - started) * 1000.0,
+        }
+
+
+# --------------------------------------------------------------------------
+# Command line
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="local_server.py",
+        description=(
+            "CreateOS-compatible test server. WARNING: it RUNS COMMANDS ON THIS "
+            "MACHINE, as you, for anyone holding the API key. It binds loopback "
+            "addresses only. Prints its base URL as the first line of stdout, "
+            "then serves until SIGINT or SIGTERM. Sandbox 'sb_local' exists."
+        ),
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="loopback address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=0, help="port, 0 = any free port (default 0)")
+    parser.add_argument(
+        "--api-key",
+        default=DEFAULT_API_KEY,
+        help="expected X-Api-Key (default %s)" % DEFAULT_API_KEY,
+    )
+    parser.add_argument(
+        "--heartbeat",
+        type=float,
+        default=5.0,
+        help="seconds of stream silence before a heartbeat frame (default 5)",
+    )
+    parser.add_argument("--verbose", action="store_true", help="log requests to stderr")
+    options = parser.parse_args(argv)
+    try:
+        server = LocalServer(
+            api_key=options.api_key,
+            host=options.host,
+            port=options.port,
+            heartbeat_interval=options.heartbeat,
+            verbose=options.verbose,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    received: list[int] = []
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        # Only record it: a handler must not take a lock the main thread may hold.
+        signal.signal(signum, lambda number, _frame: received.append(number))
+    try:
+        server.start()
+    except OSError as exc:
+        sys.stderr.write("local_server: cannot listen: %s\n" % exc.strerror)
+        return 1
+    try:
+        print(server.url, flush=True)
+        # Short sleeps, not one long lock wait: Python runs signal handlers
+        # only in the main thread, when it is back in the interpreter.
+        while not received:
+            time.sleep(0.1)
+    finally:
+        server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

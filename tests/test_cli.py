@@ -1,0 +1,136 @@
+"""`python -m createos_exec` as a real subprocess against the local server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import SANDBOX
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cli_env(server, **extra):
+    env = dict(os.environ)
+    env.update(
+        CREATEOS_API_URL=server.url,
+        CREATEOS_API_KEY=server.api_key,
+        PYTHONPATH=ROOT,
+        **extra,
+    )
+    env.pop("CREATEOS_SANDBOX_API_KEY", None)
+    return env
+
+
+def run_cli(server, *args, stdin=None, **extra):
+    return subprocess.run(
+        [sys.executable, "-m", "createos_exec", *args],
+        env=cli_env(server, **extra),
+        input=stdin,
+        capture_output=True,
+        timeout=60,
+    )
+
+
+def test_streams_stay_apart_and_the_exit_code_passes_through(server):
+    done = run_cli(server, SANDBOX, "--", "sh", "-c", "echo out; echo err >&2; exit 3")
+    assert done.returncode == 3
+    assert done.stdout == b"out\n"
+    assert done.stderr == b"err\n"
+
+
+def test_options_reach_the_command(server):
+    done = run_cli(
+        server,
+        "--cwd",
+        "/usr",
+        "--env",
+        "A=b=c",
+        "--stdin",
+        "-",
+        "--shell",
+        SANDBOX,
+        "--",
+        'pwd; echo "$A"; cat',
+        stdin=b"piped\n",
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == b"/usr\nb=c\npiped\n"
+
+
+def test_signal_death_is_128_plus_n(server):
+    done = run_cli(server, "--shell", SANDBOX, "--", "kill -TERM $$")
+    assert done.returncode == 128 + signal.SIGTERM
+
+
+def test_timeout_is_124(server):
+    done = run_cli(server, "--timeout", "0.5", "--shell", SANDBOX, "--", "echo t; sleep 30")
+    assert done.returncode == 124
+    assert done.stdout == b"t\n"
+
+
+def test_api_error_is_125_with_one_line(server):
+    done = run_cli(server, "sb_unknown", "--", "true")
+    assert done.returncode == 125
+    assert done.stderr.decode().count("\n") == 1
+    assert server.api_key not in done.stderr.decode()
+
+
+def test_missing_key_is_125(server):
+    env = cli_env(server)
+    del env["CREATEOS_API_KEY"]
+    done = subprocess.run(
+        [sys.executable, "-m", "createos_exec", SANDBOX, "--", "true"],
+        env=env,
+        capture_output=True,
+        timeout=60,
+    )
+    assert done.returncode == 125
+    assert b"API key" in done.stderr
+
+
+def test_usage_errors_exit_2(server):
+    assert run_cli(server, SANDBOX).returncode == 2
+    assert run_cli(server, "--env", "NOEQUALS", SANDBOX, "--", "true").returncode == 2
+    assert run_cli(server, "--shell", SANDBOX, "--", "echo", "two").returncode == 2
+
+
+def test_help_shows_examples_and_exit_codes(server):
+    done = run_cli(server, "--help")
+    assert done.returncode == 0
+    assert b"examples:" in done.stdout and b"124" in done.stdout
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_ctrl_c_terminates_the_remote_tree_then_exits_130(server):
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "createos_exec",
+            "--shell",
+            SANDBOX,
+            "--",
+            "echo ready; trap '' TERM; sleep 60 & sleep 60",
+        ],
+        env=cli_env(server),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert child.stdout.readline() == b"ready\n"
+        (record,) = server.processes()
+        child.send_signal(signal.SIGINT)
+        started = time.monotonic()
+        _, err = child.communicate(timeout=30)
+    finally:
+        child.kill()
+    assert child.returncode == 130
+    assert b"interrupted" in err
+    assert time.monotonic() - started < 15
+    assert server.requests_to("delete")
+    assert not server.tree_alive(record["process_id"])  # gone before the CLI exited

@@ -1,0 +1,296 @@
+"""execute() end to end: a real server, real sockets, real processes."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import threading
+import time
+
+import pytest
+from conftest import SANDBOX, make_client
+
+import createos_exec as cx
+
+
+def test_argv_runs_without_a_shell(client, server):
+    result = client.execute(SANDBOX, ["printf", "%s|", "a b", "$(echo no)", "*", "'q'"])
+    assert result.exit_code == 0
+    assert result.stdout == "a b|$(echo no)|*|'q'|"
+    assert result.stderr == ""
+    assert result.signal is None and not result.timed_out
+    assert result.process_id.startswith("proc_")
+    assert result.returncode == 0 and result.ok
+    assert result.reconnects == 0 and not result.exit_recovered
+
+
+def test_a_string_without_shell_is_one_program_name(client):
+    result = client.execute(SANDBOX, "true")
+    assert result.exit_code == 0
+    missing = client.execute(SANDBOX, "echo hi")  # no program is called "echo hi"
+    assert missing.exit_code == 127
+    assert missing.stdout == ""
+
+
+def test_shell_script_exit_code_and_both_streams(client):
+    result = client.execute(SANDBOX, "echo out; echo err >&2; exit 7", shell=True)
+    assert (result.exit_code, result.stdout, result.stderr) == (7, "out\n", "err\n")
+    assert result.returncode == 7 and not result.ok
+
+
+def test_death_by_signal(client):
+    result = client.execute(SANDBOX, "kill -KILL $$", shell=True)
+    assert result.exit_code is None
+    assert result.signal == "SIGKILL"
+    assert result.returncode == -9
+
+
+def test_cwd_env_and_stdin(client, server):
+    result = client.execute(
+        SANDBOX,
+        ["sh", "-c", 'pwd; printf "%s|%s\\n" "$ONE" "$TWO"; cat'],
+        cwd="/usr",
+        env={"ONE": "it's $(not run) `x`", "TWO": "line1\nline2"},
+        stdin=b"from stdin\x00binary\n",
+    )
+    assert result.exit_code == 0
+    assert result.stdout == "/usr\nit's $(not run) `x`|line1\nline2\nfrom stdin\x00binary\n"
+
+
+def test_stdin_none_is_eof(client):
+    result = client.execute(SANDBOX, ["cat"], timeout=20)
+    assert result.exit_code == 0 and result.stdout == ""
+
+
+def test_missing_cwd_fails_the_command(client):
+    result = client.execute(SANDBOX, ["true"], cwd="/no/such/dir")
+    assert result.exit_code == 1
+    assert "no/such/dir" in result.stderr
+
+
+def test_on_output_live_in_order_never_twice(client, server):
+    seen = []
+    server.drop_stream(after_frames=2)
+    result = client.execute(
+        SANDBOX,
+        "for i in 1 2 3 4 5; do echo o$i; echo e$i >&2; sleep 0.02; done",
+        shell=True,
+        on_output=lambda stream, text: seen.append((stream, text)),
+    )
+    assert result.reconnects == 1
+    assert "".join(t for s, t in seen if s == "stdout") == result.stdout
+    assert "".join(t for s, t in seen if s == "stderr") == result.stderr
+    assert result.stdout == "".join(f"o{i}\n" for i in range(1, 6))
+    assert result.stderr == "".join(f"e{i}\n" for i in range(1, 6))
+
+
+def test_on_output_is_live_not_buffered(client):
+    arrivals = []
+    started = time.monotonic()
+    client.execute(
+        SANDBOX,
+        "echo first; sleep 1; echo second",
+        shell=True,
+        on_output=lambda stream, text: arrivals.append(time.monotonic() - started),
+    )
+    assert len(arrivals) == 2
+    assert arrivals[1] - arrivals[0] > 0.5  # the first line came before the sleep ended
+
+
+def test_multibyte_text_split_across_frames_and_a_reconnect(client, server):
+    # Each printf is its own frame: the euro sign's three bytes arrive in three frames.
+    script = "printf '\\342'; sleep 0.1; printf '\\202'; sleep 0.1; printf '\\254'; echo"
+    server.drop_stream(after_frames=1)
+    pieces = []
+    result = client.execute(SANDBOX, script, shell=True, on_output=lambda s, t: pieces.append(t))
+    assert result.stdout == "\u20ac\n"
+    assert "".join(pieces) == "\u20ac\n"
+    assert result.reconnects == 1
+
+
+def test_invalid_utf8_is_replaced_or_strict(client):
+    result = client.execute(SANDBOX, "printf 'a\\377b'", shell=True)
+    assert result.stdout == "a\ufffdb"
+    latin = client.execute(SANDBOX, "printf 'a\\377b'", shell=True, encoding="latin-1")
+    assert latin.stdout == "a\xffb"
+
+
+def test_output_tail_is_kept_and_truncation_flagged(client):
+    result = client.execute(SANDBOX, "seq 1 20000; echo tail >&2", shell=True, max_output_chars=100)
+    assert result.stdout_truncated and not result.stderr_truncated
+    assert result.output_truncated
+    assert len(result.stdout) == 100
+    assert result.stdout.endswith("19999\n20000\n")
+    assert result.stderr == "tail\n"
+
+
+def test_large_output_is_exact(client):
+    result = client.execute(SANDBOX, ["seq", "1", "300000"])
+    assert result.stdout == "".join(f"{i}\n" for i in range(1, 300001))
+
+
+def test_timeout_returns_with_output_of_the_grace_period(client, server):
+    script = "trap 'echo got TERM; exit 0' TERM; echo started; while :; do sleep 0.05; done"
+    result = client.execute(SANDBOX, script, shell=True, timeout=1.0)
+    assert result.timed_out
+    assert result.exit_code is None
+    assert result.stdout == "started\ngot TERM\n"
+    assert server.wait_tree_gone(result.process_id)
+    assert 1.0 <= result.duration < 8
+
+
+def test_timeout_with_check_raises_command_error(client, server):
+    with pytest.raises(cx.CommandError) as caught:
+        client.execute(SANDBOX, "echo x; sleep 30", shell=True, timeout=0.5, check=True)
+    error = caught.value
+    assert error.result.timed_out and error.result.stdout == "x\n"
+    assert error.returncode is None or error.returncode < 0
+    assert server.wait_tree_gone(error.process_id)
+
+
+def test_check_raises_command_error_on_failure(client):
+    with pytest.raises(cx.CommandError) as caught:
+        client.execute(SANDBOX, "echo partial; exit 3", shell=True, check=True)
+    error = caught.value
+    assert isinstance(error, cx.CreateOSError)
+    assert error.returncode == 3 and error.output == "partial\n" and error.stdout == "partial\n"
+    assert "partial" not in str(error)
+    assert pickle.loads(pickle.dumps(error)).returncode == 3
+    assert client.execute(SANDBOX, "exit 0", shell=True, check=True).exit_code == 0
+
+
+def test_cancel_from_another_thread_terminates_the_tree(client, server):
+    cancel = threading.Event()
+    threading.Timer(0.5, cancel.set).start()
+    with pytest.raises(cx.CancelledError) as caught:
+        client.execute(SANDBOX, "echo go; sleep 30", shell=True, cancel=cancel)
+    error = caught.value
+    assert error.result is not None and error.result.stdout == "go\n"
+    assert server.wait_tree_gone(error.process_id)
+
+
+def test_raising_callback_terminates_the_tree_and_propagates(client, server):
+    class Stop(Exception):
+        pass
+
+    def explode(stream, text):
+        raise Stop()
+
+    with pytest.raises(Stop):
+        client.execute(SANDBOX, "echo boom; sleep 30 & sleep 30", shell=True, on_output=explode)
+    (record,) = [p for p in server.processes() if "sleep 30 &" in p["args"][1]]
+    assert server.wait_tree_gone(record["process_id"])
+
+
+def test_keyboard_interrupt_is_contained_then_reraised(client, server):
+    def interrupt(stream, text):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        client.execute(SANDBOX, "echo hi; sleep 30", shell=True, on_output=interrupt)
+    (record,) = [p for p in server.processes() if "sleep 30" in p["args"][1]]
+    assert server.wait_tree_gone(record["process_id"])
+
+
+def test_attach_follows_a_process_started_elsewhere(client, server):
+    result = client.execute(SANDBOX, "echo one; sleep 0.1; echo two", shell=True)
+    again = client.attach(SANDBOX, result.process_id)
+    assert again.stdout == "one\ntwo\n" and again.exit_code == 0 and again.args is None
+    tail = client.attach(SANDBOX, result.process_id, after=1)
+    assert tail.stdout == "two\n"
+
+
+def test_module_level_execute_reads_the_environment(server, monkeypatch):
+    monkeypatch.setenv("CREATEOS_API_URL", server.url)
+    monkeypatch.setenv("CREATEOS_API_KEY", server.api_key)
+    assert cx.execute(SANDBOX, ["echo", "env"]).stdout == "env\n"
+    with make_client(server) as client:
+        assert cx.execute(SANDBOX, ["echo", "given"], client=client).stdout == "given\n"
+
+
+def test_wrong_api_key_is_an_api_error(server):
+    with make_client(server, api_key="wrong") as client:
+        with pytest.raises(cx.APIError) as caught:
+            client.execute(SANDBOX, ["true"])
+    assert caught.value.status == 401
+    assert caught.value.operation == "process creation"
+    assert "wrong" not in str(caught.value)
+
+
+def test_unknown_sandbox_is_an_api_error(client):
+    with pytest.raises(cx.APIError) as caught:
+        client.execute("sb_missing", ["true"])
+    assert caught.value.status == 404
+
+
+def test_env_values_and_stdin_never_reach_the_process_record(client, server):
+    result = client.execute(
+        SANDBOX,
+        ["sh", "-c", "echo $TOKEN | wc -c; wc -c"],
+        env={"TOKEN": "env-secret-value"},
+        stdin="stdin-secret-value",
+    )
+    assert result.stdout.split() == ["17", "18"]
+    listing = repr(server.processes())
+    assert "env-secret-value" not in listing and "stdin-secret-value" not in listing
+    assert "env-secret-value" not in repr(client.attach(SANDBOX, result.process_id))
+
+
+def test_staged_file_is_private_and_removed(client, server, tmp_path):
+    result = client.execute(
+        SANDBOX,
+        ["sh", "-c", "ls -l /proc/self/fd/0; stat -L -c %a /proc/self/fd/0"],
+        env={"A": "1"},
+    )
+    assert result.exit_code == 0
+    assert "(deleted)" in result.stdout  # stdin is the staged file, already unlinked
+    assert result.stdout.split()[-1] == "600"
+
+
+def test_results_pickle(client):
+    result = client.execute(SANDBOX, ["echo", "x"])
+    assert pickle.loads(pickle.dumps(result)) == result
+    assert "x\n" not in repr(result)
+
+
+def test_many_threads_share_one_client(client):
+    results = {}
+
+    def run(i):
+        results[i] = client.execute(SANDBOX, ["sh", "-c", f"echo {i}; echo e{i} >&2"])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert {i: (r.stdout, r.stderr) for i, r in results.items()} == {
+        i: (f"{i}\n", f"e{i}\n") for i in range(16)
+    }
+
+
+def test_rate_limiter_paces_requests_without_delay_below_the_limit(server):
+    with make_client(server, rate_limit=(4, 1.0)) as client:
+        started = time.monotonic()
+        client.execute(SANDBOX, ["true"])  # two requests: create + connect
+        below = time.monotonic() - started
+        client.execute(SANDBOX, ["true"])
+        client.execute(SANDBOX, ["true"])  # requests 5 and 6 wait for the window
+        paced = time.monotonic() - started
+    assert below < 0.9
+    assert paced >= 0.9
+    stamps = sorted(r.time for r in server.requests)
+    assert all(b - a >= 0.9 for a, b in zip(stamps, stamps[4:]))
+
+
+def test_logging_reconnects_at_info_requests_at_debug_without_secrets(client, server, caplog):
+    server.drop_stream(after_frames=1)
+    with caplog.at_level(logging.DEBUG, logger="createos_exec"):
+        client.execute(SANDBOX, ["sh", "-c", "echo a; sleep 0.1; echo b"], env={"K": "envsecret"})
+    messages = [r.getMessage() for r in caplog.records]
+    debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert any(m.startswith("POST /v1/sandboxes/sb_local/processes") for m in debug)
+    assert any("resuming after seq 1" in m for m in info)
+    assert all(server.api_key not in m and "envsecret" not in m for m in messages)
+    assert all("?" not in m for m in debug)  # method + path only

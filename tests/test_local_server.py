@@ -1,0 +1,626 @@
+"""Tests of tests/local_server.py itself, over real sockets with plain requests."""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import json
+import os
+import re
+import select
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from local_server import LocalServer  # noqa: E402
+
+PROCESS_ID = re.compile(r"proc_[A-Za-z0-9_-]{22}")
+RFC3339_UTC = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z")
+THREE_FRAMES = "printf 1; sleep 0.1; printf 2 >&2; sleep 0.1; printf 3"
+
+
+class Api:
+    """A tiny client for one sandbox of a LocalServer."""
+
+    def __init__(self, server: LocalServer, sandbox: str = "sb_local"):
+        self.server = server
+        self.base = "%s/v1/sandboxes/%s" % (server.url, sandbox)
+        self.session = requests.Session()
+        self.session.headers["X-Api-Key"] = server.api_key
+
+    def request(self, method: str, path: str, **kwargs) -> requests.Response:
+        kwargs.setdefault("timeout", 10)
+        kwargs.setdefault("allow_redirects", False)
+        return self.session.request(method, self.base + path, **kwargs)
+
+    def create(self, *argv: str, **spec) -> str:
+        response = self.request(
+            "POST", "/processes", json=dict(spec, cmd=argv[0], args=list(argv[1:]))
+        )
+        assert response.status_code == 200, response.text
+        return response.json()["data"]["process_id"]
+
+    def sh(self, script: str) -> str:
+        return self.create("sh", "-c", script)
+
+    def connect(self, process_id: str, after: int = 0) -> requests.Response:
+        return self.request(
+            "GET", "/processes/%s/connect" % process_id, params={"after": after}, stream=True
+        )
+
+    def frames(self, process_id: str, after: int = 0) -> list:
+        response = self.connect(process_id, after)
+        assert response.status_code == 200, response.text
+        return read_frames(response)
+
+    def wait(self, process_id: str, scope: str = "tree", timeout_ms: int = 5000) -> dict:
+        response = self.request(
+            "GET",
+            "/processes/%s/wait" % process_id,
+            params={"scope": scope, "timeout_ms": timeout_ms},
+        )
+        assert response.status_code == 200, response.text
+        return response.json()["data"]
+
+
+def read_frames(response: requests.Response) -> list:
+    """Decode an NDJSON stream, checking that every HTTP chunk holds exactly one line."""
+    frames = []
+    for chunk in response.raw.read_chunked(decode_content=False):
+        assert chunk.endswith(b"\n") and chunk.count(b"\n") == 1, chunk
+        frames.append(json.loads(chunk))
+    return frames
+
+
+def payloads(frames: list) -> list:
+    return [
+        (f["seq"], f["stream"], base64.b64decode(f["data_base64"]))
+        for f in frames
+        if f["type"] == "data"
+    ]
+
+
+def raw_connect(server: LocalServer, process_id: str, after: int = 0) -> tuple:
+    """GET …/connect on a bare socket with Connection: close, read until the server closes.
+
+    Returns (status line, chunks, terminated cleanly, bytes of an unfinished chunk).
+    """
+    host, port = server.url[len("http://") :].rsplit(":", 1)
+    request = (
+        "GET /v1/sandboxes/sb_local/processes/%s/connect?after=%d HTTP/1.1\r\n"
+        "Host: %s\r\nX-Api-Key: %s\r\nConnection: close\r\n\r\n"
+        % (process_id, after, host, server.api_key)
+    )
+    received = b""
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(request.encode("ascii"))
+        while True:
+            part = sock.recv(65536)
+            if not part:
+                break
+            received += part
+    head, _, body = received.partition(b"\r\n\r\n")
+    chunks = []
+    while True:
+        size_line, found, rest = body.partition(b"\r\n")
+        if not found:
+            return head.split(b"\r\n")[0], chunks, False, body
+        size = int(size_line, 16)
+        if size == 0:
+            return head.split(b"\r\n")[0], chunks, True, b""
+        if len(rest) < size + 2:
+            return head.split(b"\r\n")[0], chunks, False, rest
+        chunks.append(rest[:size])
+        body = rest[size + 2 :]
+
+
+def finished_three_frames(api: Api) -> str:
+    """A process whose journal holds seq 1 (stdout "1"), 2 (stderr "2"), 3 (stdout "3")."""
+    process_id = api.sh(THREE_FRAMES)
+    api.wait(process_id)
+    assert api.server.process(process_id)["output"]["newest_seq"] == 3
+    return process_id
+
+
+@pytest.fixture
+def server():
+    local = LocalServer().start()
+    yield local
+    local.stop()
+
+
+@pytest.fixture
+def api(server):
+    return Api(server)
+
+
+# -- envelopes, auth, validation ---------------------------------------------------
+
+
+def test_healthz_needs_no_key_and_the_api_does(server, api):
+    health = requests.get(server.url + "/healthz", timeout=5)
+    assert health.status_code == 200
+    assert health.json() == {"status": "success", "data": {"up": True}}
+    for headers in ({}, {"X-Api-Key": "wrong"}):
+        response = requests.get(api.base + "/processes", headers=headers, timeout=5)
+        assert response.status_code == 401
+        assert response.json()["status"] == "fail"
+        assert isinstance(response.json()["data"], dict)
+    assert [r.status for r in server.requests_to("list")] == [401, 401]
+    listed = api.request("GET", "/processes")
+    assert listed.json() == {"status": "success", "data": {"processes": []}}
+
+
+def test_unknown_ids_and_bad_requests_are_refused(server, api):
+    other = requests.get(
+        server.url + "/v1/sandboxes/sb_nope/processes",
+        headers={"X-Api-Key": server.api_key},
+        timeout=5,
+    )
+    assert other.status_code == 404 and other.json()["status"] == "fail"
+    assert api.request("GET", "/processes/proc_missing").status_code == 404
+    assert api.request("GET", "/processes/proc_missing/connect?after=0").status_code == 404
+    assert api.request("DELETE", "/processes/proc_missing").status_code == 404
+    bad_bodies = [
+        ({"data": b"{not json"}, "body"),
+        ({"json": [1, 2]}, "body"),
+        ({"json": {"cmd": ""}}, "cmd"),
+        ({"json": {"cmd": "true", "args": "x"}}, "args"),
+        ({"json": {"cmd": "no-such-command-for-the-local-server"}}, "cmd"),
+        ({"json": {"cmd": "true", "cwd": "/no/such/dir"}}, "cwd"),
+        ({"json": {"cmd": "true", "pty": {"rows": 24, "cols": 80}}}, "pty"),
+        ({"json": {"cmd": "true", "env": {"UNDECLARED": "1"}}}, "env"),
+    ]
+    for kwargs, field in bad_bodies:
+        response = api.request("POST", "/processes", **kwargs)
+        assert response.status_code == 400, kwargs
+        assert response.json()["status"] == "fail" and field in response.json()["data"]
+    pty = api.request("POST", "/processes", json={"cmd": "true", "pty": {}})
+    assert "not supported by the local server" in pty.json()["data"]["pty"]
+    assert server.processes() == []
+
+
+def test_declared_env_keys_may_be_overridden(server):
+    server.add_sandbox("sb_env", envs={"GREETING": "hello", "OTHER": "x"})
+    api = Api(server, "sb_env")
+    process_id = api.create(
+        "sh", "-c", 'printf "%s %s" "$GREETING" "$OTHER"', env={"GREETING": "bye"}
+    )
+    assert payloads(api.frames(process_id)) == [(1, "stdout", b"bye x")]
+    assert server.processes("sb_env")[0]["process_id"] == process_id
+    assert server.processes() == []
+
+
+def test_process_record_shape(server, api):
+    process_id = api.create("sleep", "5")
+    assert PROCESS_ID.fullmatch(process_id)
+    record = api.request("GET", "/processes/%s" % process_id).json()["data"]
+    assert record["process_id"] == process_id and record["kind"] == "process"
+    assert record["pid"] > 0 and record["state"] == "running"
+    assert record["leader_exited"] is False and record["tree_exited"] is False
+    assert RFC3339_UTC.fullmatch(record["created_at"])
+    assert record["finished_at"] is None
+    assert record["exit_code"] is None and record["signal"] is None
+    assert record["cmd"] == "sleep" and record["args"] == ["5"]
+    assert os.path.isdir(record["cwd"])
+    assert record["output"] == {"oldest_seq": 0, "newest_seq": 0, "bytes": 0}
+    listed = api.request("GET", "/processes").json()["data"]["processes"]
+    assert [p["process_id"] for p in listed] == [process_id]
+    assert server.process(process_id)["pid"] == record["pid"]
+    with pytest.raises(KeyError):
+        server.process("proc_unknown")
+
+
+# -- output streams --------------------------------------------------------------
+
+
+def test_stdout_and_stderr_share_one_sequence_then_exit(server, api):
+    process_id = api.sh("printf a; sleep 0.1; printf b >&2; sleep 0.1; printf c; exit 3")
+    response = api.connect(process_id)
+    assert response.headers["Content-Type"] == "application/x-ndjson"
+    assert response.headers["Transfer-Encoding"] == "chunked"
+    frames = read_frames(response)
+    assert payloads(frames) == [(1, "stdout", b"a"), (2, "stderr", b"b"), (3, "stdout", b"c")]
+    assert frames[-1] == {"type": "exit", "exit_code": 3}
+    record = server.process(process_id)
+    assert (record["exit_code"], record["signal"], record["state"]) == (3, None, "exited")
+    assert RFC3339_UTC.fullmatch(record["finished_at"])
+    assert record["output"] == {"oldest_seq": 1, "newest_seq": 3, "bytes": 3}
+    # The connection stays usable after the stream's terminating chunk.
+    assert api.request("GET", "/processes").status_code == 200
+    ports = {r.client_port for r in server.requests if r.path.endswith(("/connect", "/processes"))}
+    assert len(ports) == 1
+
+
+def test_death_by_signal_reports_the_signal_only(api):
+    process_id = api.sh("kill -KILL $$")
+    assert api.frames(process_id)[-1] == {"type": "exit", "signal": "SIGKILL"}
+    record = api.wait(process_id)
+    assert (record["exit_code"], record["signal"]) == (None, "SIGKILL")
+
+
+def test_heartbeats_fill_silence():
+    with LocalServer(heartbeat_interval=0.2) as server:
+        api = Api(server)
+        frames = api.frames(api.create("sleep", "0.9"))
+    assert frames[-1] == {"type": "exit", "exit_code": 0}
+    assert all(f == {"type": "heartbeat"} for f in frames[:-1])
+    assert 3 <= len(frames) - 1 <= 5
+
+
+def test_after_replays_only_newer_frames(server, api):
+    process_id = finished_three_frames(api)
+    assert [p[0] for p in payloads(api.frames(process_id, after=0))] == [1, 2, 3]
+    tail = api.frames(process_id, after=2)
+    assert payloads(tail) == [(3, "stdout", b"3")] and tail[-1]["type"] == "exit"
+    assert api.frames(process_id, after=3) == [{"type": "exit", "exit_code": 0}]
+    for bad in ("-1", "x", "1.5", ""):
+        response = api.request("GET", "/processes/%s/connect" % process_id, params={"after": bad})
+        assert response.status_code == 400, bad
+    assert api.request("GET", "/processes/%s/connect" % process_id).status_code == 400
+
+
+def test_several_readers_see_the_same_live_output(server, api):
+    process_id = api.sh("sleep 0.2; printf x; sleep 0.2; printf y >&2")
+
+    def read():
+        return Api(server).frames(process_id)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        first, second = list(pool.map(lambda _: read(), range(2)))
+    assert payloads(first) == payloads(second) == [(1, "stdout", b"x"), (2, "stderr", b"y")]
+    assert first[-1] == second[-1] == {"type": "exit", "exit_code": 0}
+
+
+def test_evicted_output_answers_410(server, api):
+    process_id = finished_three_frames(api)
+    server.evict(process_id)
+    assert server.process(process_id)["output"] == {"oldest_seq": 4, "newest_seq": 3, "bytes": 0}
+    for after in (0, 2):
+        response = api.connect(process_id, after)
+        assert response.status_code == 410
+        assert response.json() == {
+            "status": "fail",
+            "data": {"error": "output_offset_expired", "oldest_available_seq": 4},
+        }
+    assert api.frames(process_id, after=3) == [{"type": "exit", "exit_code": 0}]
+
+
+def test_reader_behind_eviction_gets_an_error_frame():
+    with LocalServer(journal_limit=64 * 1024) as server:
+        api = Api(server)
+        # The pause lets the stream start before any output exists (else 410).
+        response = api.connect(api.sh("sleep 0.3; head -c 30000000 /dev/zero"))
+        assert response.status_code == 200
+        time.sleep(1.3)  # the output outruns the socket buffers and the 64 KiB journal
+        frames = read_frames(response)
+    seqs = [f["seq"] for f in frames[:-1]]  # may be empty: eviction can win at once
+    assert seqs == list(range(1, len(seqs) + 1))
+    assert frames[-1]["type"] == "error" and frames[-1]["error"] == "output_offset_expired"
+    assert frames[-1]["oldest_available_seq"] > len(seqs) + 1
+
+
+# -- wait, delete, stdin, signal ------------------------------------------------------
+
+
+def test_wait_for_leader_and_for_tree(server, api):
+    process_id = api.sh("sleep 1 >/dev/null 2>&1 & exit 0")
+    leader = api.wait(process_id, scope="leader")
+    assert leader["leader_exited"] is True and leader["tree_exited"] is False
+    expired = api.request(
+        "GET", "/processes/%s/wait" % process_id, params={"scope": "tree", "timeout_ms": 50}
+    )
+    assert expired.status_code == 408 and expired.json()["status"] == "fail"
+    assert server.tree_alive(process_id)
+    assert api.wait(process_id, scope="tree")["tree_exited"] is True
+    assert not server.tree_alive(process_id)
+    for params in ({}, {"scope": "all"}, {"scope": "tree", "timeout_ms": "soon"}):
+        response = api.request("GET", "/processes/%s/wait" % process_id, params=params)
+        assert response.status_code == 400, params
+
+
+def test_delete_kills_a_tree_that_ignores_sigterm(server, api):
+    process_id = api.sh('trap "" TERM; sleep 100 & sleep 100')
+    time.sleep(0.2)  # let both sleeps start
+    assert server.tree_alive(process_id)
+    started = time.monotonic()
+    response = api.request("DELETE", "/processes/%s?grace_ms=300" % process_id)
+    assert response.status_code == 200
+    assert time.monotonic() - started >= 0.3
+    record = response.json()["data"]
+    assert record["tree_exited"] is True and record["leader_exited"] is True
+    assert (record["signal"], record["state"]) == ("SIGKILL", "exited")
+    assert not server.tree_alive(process_id)
+    again = api.request("DELETE", "/processes/%s?grace_ms=300" % process_id)
+    assert again.status_code == 200 and again.json()["data"]["tree_exited"] is True
+    assert api.request("GET", "/processes/%s" % process_id).status_code == 200
+    assert api.frames(process_id)[-1] == {"type": "exit", "signal": "SIGKILL"}
+
+
+def test_delete_sends_sigterm_first(server, api):
+    process_id = api.create("sleep", "100")
+    started = time.monotonic()
+    response = api.request("DELETE", "/processes/%s" % process_id, params={"grace_ms": 5000})
+    assert time.monotonic() - started < 2.0
+    assert response.json()["data"]["signal"] == "SIGTERM"
+    assert server.wait_tree_gone(process_id, timeout=0.1)
+
+
+def test_input_reaches_stdin_and_close_is_409_twice(server, api):
+    process_id = api.create("cat")
+
+    def send(data: bytes) -> requests.Response:
+        return api.request(
+            "POST",
+            "/processes/%s/input" % process_id,
+            json={"data_base64": base64.b64encode(data).decode()},
+        )
+
+    assert send(b"hello ").json() == {"status": "success", "data": {"input_seq": 1}}
+    assert send(b"world").json()["data"] == {"input_seq": 2}
+    close = "/processes/%s/stdin/close" % process_id
+    assert api.request("POST", close).json() == {"status": "success", "data": {"ok": True}}
+    assert api.request("POST", close).status_code == 409
+    assert send(b"late").status_code == 409
+    frames = api.frames(process_id)
+    assert b"".join(p[2] for p in payloads(frames)) == b"hello world"
+    assert frames[-1] == {"type": "exit", "exit_code": 0}
+    assert api.request("POST", close).status_code == 409
+    bad = api.request("POST", "/processes/%s/input" % process_id, json={"data_base64": "@@"})
+    assert bad.status_code == 400
+
+
+def test_input_is_refused_after_exit_and_when_too_big(server, api):
+    process_id = api.create("cat")
+    big = base64.b64encode(b"x" * 300 * 1024).decode()
+    too_big = api.request("POST", "/processes/%s/input" % process_id, json={"data_base64": big})
+    assert too_big.status_code in (400, 413)
+    api.request("POST", "/processes/%s/stdin/close" % process_id)
+    api.wait(process_id, scope="leader")
+    late = api.request("POST", "/processes/%s/input" % process_id, json={"data_base64": "eA=="})
+    assert late.status_code == 409
+
+
+def test_signal_is_delivered_to_the_leader(server, api):
+    process_id = api.create("sleep", "100")
+    path = "/processes/%s/signal" % process_id
+    for name in ("SIGSTOP", "TERM", None):
+        assert api.request("POST", path, json={"signal": name}).status_code == 400
+    ok = api.request("POST", path, json={"signal": "SIGUSR1"})
+    assert ok.json() == {"status": "success", "data": {"ok": True}}
+    assert api.wait(process_id, scope="leader")["signal"] == "SIGUSR1"
+    assert api.request("POST", path, json={"signal": "SIGTERM"}).status_code == 409
+
+
+# -- files and exec ---------------------------------------------------------------
+
+
+def test_files_put_and_get(server, api, tmp_path):
+    target = tmp_path / "new" / "dir" / "secret.bin"
+    payload = bytes(range(256)) * 8
+    put = api.request(
+        "PUT",
+        "/files",
+        params={"path": str(target)},
+        data=payload,
+        headers={"Content-Type": "application/octet-stream"},
+    )
+    assert put.json() == {"status": "success", "data": {"path": str(target), "bytes": 2048}}
+    assert target.read_bytes() == payload
+    assert stat.S_IMODE(target.stat().st_mode) == 0o600
+    got = api.request("GET", "/files", params={"path": str(target)})
+    assert got.status_code == 200 and got.content == payload
+    assert got.headers["Content-Type"] == "application/octet-stream"
+    missing = api.request("GET", "/files", params={"path": str(tmp_path / "nothing")})
+    assert missing.status_code == 404 and missing.json()["status"] == "fail"
+    assert api.request("GET", "/files", params={"path": "relative"}).status_code == 400
+    assert api.request("PUT", "/files", params={"path": "relative"}, data=b"x").status_code == 400
+
+
+def test_exec_is_buffered_only(server, api):
+    response = api.request(
+        "POST",
+        "/exec",
+        json={"cmd": "sh", "args": ["-c", "cat; printf err >&2; exit 4"], "stdin": "in"},
+    )
+    data = response.json()["data"]
+    assert data["result"] == {"stdout": "in", "stderr": "err", "exit_code": 4}
+    assert isinstance(data["exec_ms"], float) and data["exec_ms"] >= 0
+    assert api.request("POST", "/exec?stream=true", json={"cmd": "true"}).status_code == 404
+    assert api.request("POST", "/exec", json={"cmd": "true", "stream": True}).status_code == 404
+
+
+# -- fault injection ------------------------------------------------------------
+
+
+def test_fail_answers_without_performing_the_operation(server, api):
+    server.fail("create", 503, retry_after="2")
+    response = api.request("POST", "/processes", json={"cmd": "sleep", "args": ["5"]})
+    assert response.status_code == 503 and response.headers["Retry-After"] == "2"
+    assert response.json()["status"] == "error" and response.json()["code"] == 503
+    assert server.processes() == []
+    server.fail("list", 429, count=2)
+    answers = [api.request("GET", "/processes") for _ in range(3)]
+    assert [a.status_code for a in answers] == [429, 429, 200]
+    assert answers[0].json()["status"] == "fail" and "Retry-After" not in answers[0].headers
+    server.fail("list", 302)
+    redirect = api.request("GET", "/processes")
+    assert redirect.status_code == 302
+    assert redirect.headers["Location"] == "http://127.0.0.2:1/stolen"
+    server.fail("list", 200, body={"not": "jsend"})
+    assert api.request("GET", "/processes").json() == {"not": "jsend"}
+    with pytest.raises(ValueError):
+        server.fail("nonsense", 500)
+
+
+def test_faults_queue_fifo_per_endpoint_and_replay_combines(server, api):
+    process_id = finished_three_frames(api)
+    server.drop_stream(after_frames=1)
+    server.fail("connect", 500)
+    status, chunks, complete, _ = raw_connect(server, process_id)
+    assert status.endswith(b"200 OK") and len(chunks) == 1 and not complete
+    assert api.connect(process_id).status_code == 500
+    server.fail("connect", 503)
+    server.end_stream()
+    assert api.connect(process_id).status_code == 503
+    assert api.frames(process_id) == []
+    server.replay_ignoring_after()
+    server.drop_stream(after_frames=2)  # both hit the next connect
+    _, chunks, complete, _ = raw_connect(server, process_id, after=2)
+    assert [json.loads(c)["seq"] for c in chunks] == [1, 2] and not complete
+    server.end_stream(after_frames=0)
+    server.end_stream(after_frames=1)  # first in, first used
+    assert api.frames(process_id) == []
+    assert len(api.frames(process_id)) == 1
+    assert len(payloads(api.frames(process_id))) == 3
+
+
+def test_drop_stream_closes_the_socket(server, api, capfd):
+    process_id = finished_three_frames(api)
+    server.drop_stream(after_frames=2)
+    _, chunks, complete, partial = raw_connect(server, process_id)
+    assert [json.loads(c)["seq"] for c in chunks] == [1, 2]
+    assert not complete and partial == b""
+    assert server.requests_to("connect")[-1].status == 0
+
+    server.drop_stream(after_frames=1, mid_frame=True)
+    _, chunks, complete, partial = raw_connect(server, process_id)
+    assert [json.loads(c)["seq"] for c in chunks] == [1]
+    assert not complete and partial.startswith(b'{"type":"data","seq":2')
+    assert not partial.endswith(b"\n")
+
+    server.drop_stream(after_frames=3)  # the trigger also fires before the exit frame
+    _, chunks, complete, _ = raw_connect(server, process_id)
+    assert len(chunks) == 3 and not complete
+    assert capfd.readouterr() == ("", "")  # dropped connections make no noise
+
+
+def test_end_stream_ends_the_body_without_exit(server, api):
+    process_id = finished_three_frames(api)
+    server.end_stream(after_frames=1)
+    _, chunks, complete, _ = raw_connect(server, process_id)
+    assert [json.loads(c)["type"] for c in chunks] == ["data"] and complete
+    server.end_stream(after_frames=2)
+    assert [f["type"] for f in api.frames(process_id)] == ["data", "data"]
+    assert api.request("GET", "/processes").status_code == 200  # keep-alive survives
+    assert (
+        len(
+            {
+                r.client_port
+                for r in server.requests_to("connect")[-1:] + server.requests_to("list")[-1:]
+            }
+        )
+        == 1
+    )
+
+
+def test_stall_stream_sends_nothing_then_closes():
+    with LocalServer(heartbeat_interval=0.1) as server:
+        api = Api(server)
+        process_id = finished_three_frames(api)
+        server.stall_stream(after_frames=1, seconds=0.6)
+        started = time.monotonic()
+        _, chunks, complete, _ = raw_connect(server, process_id)
+        assert time.monotonic() - started >= 0.6
+    assert [json.loads(c)["seq"] for c in chunks] == [1]  # no heartbeat during the stall
+    assert not complete
+
+
+def test_corrupt_stream_inserts_a_line(server, api):
+    process_id = finished_three_frames(api)
+    server.corrupt_stream(b"not json", after_frames=1)
+    _, chunks, complete, _ = raw_connect(server, process_id)
+    assert chunks[1] == b"not json\n" and len(chunks) == 5 and complete
+    assert [json.loads(c)["type"] for i, c in enumerate(chunks) if i != 1] == [
+        "data",
+        "data",
+        "data",
+        "exit",
+    ]
+
+
+def test_replay_ignoring_after(server, api):
+    process_id = finished_three_frames(api)
+    server.replay_ignoring_after()
+    assert [p[0] for p in payloads(api.frames(process_id, after=2))] == [1, 2, 3]
+    assert [p[0] for p in payloads(api.frames(process_id, after=2))] == [3]
+    server.evict(process_id)
+    server.replay_ignoring_after()  # an expired cursor is not refused either
+    assert api.frames(process_id, after=0) == [{"type": "exit", "exit_code": 0}]
+    assert api.connect(process_id, after=0).status_code == 410
+
+
+def test_lose_create_response_still_starts_the_process(server, api):
+    server.lose_create_response()
+    with pytest.raises(requests.ConnectionError):
+        api.request("POST", "/processes", json={"cmd": "sleep", "args": ["5"]})
+    (record,) = server.processes()
+    assert record["args"] == ["5"] and record["state"] == "running"
+    assert server.requests_to("create")[-1].status == 0
+    assert api.create("true")  # the next create answers normally
+
+
+# -- lifecycle and command line ---------------------------------------------------
+
+
+def test_stop_kills_remaining_groups_and_removes_temp_dirs():
+    server = LocalServer().start()
+    api = Api(server)
+    process_id = api.sh("sleep 100 & sleep 100")
+    time.sleep(0.1)
+    workdir = server.process(process_id)["cwd"]
+    server.stop()
+    assert not server.tree_alive(process_id)
+    assert not os.path.exists(workdir)
+    with pytest.raises(requests.ConnectionError):
+        requests.get(server.url + "/healthz", timeout=2)
+
+
+def test_binds_loopback_only():
+    for host in ("0.0.0.0", "192.0.2.1", "example.com"):
+        with pytest.raises(ValueError):
+            LocalServer(host=host)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_cli_prints_its_url_first_and_stops_on_a_signal(signum):
+    cli = subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "local_server.py"), "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert select.select([cli.stdout], [], [], 10)[0], "no URL within 10 s"
+        url = cli.stdout.readline().decode()
+        assert re.fullmatch(r"http://127\.0\.0\.1:\d+\n", url)
+        health = requests.get(url.strip() + "/healthz", timeout=5)
+        assert health.json()["data"] == {"up": True}
+        cli.send_signal(signum)
+        assert cli.wait(timeout=10) == 0
+        assert cli.stdout.read() == b"" and cli.stderr.read() == b""
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+            cli.wait()
+        cli.stdout.close()
+        cli.stderr.close()
+
+
+def test_cli_help_carries_the_warning():
+    shown = subprocess.run(
+        [sys.executable, os.path.join(HERE, "local_server.py"), "--help"],
+        stdout=subprocess.PIPE,
+        timeout=10,
+        check=True,
+    ).stdout.decode()
+    text = " ".join(shown.split())
+    assert "RUNS COMMANDS ON THIS MACHINE" in text and "loopback" in text
