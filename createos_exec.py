@@ -877,7 +877,7 @@ def _argv(command: Command, shell: bool) -> List[str]:
 
 def _staged_bytes(env: Optional[Dict[str, str]], stdin: Union[str, bytes, None]) -> Optional[bytes]:
     """NUL-terminated NAME=value entries, an empty entry, then the stdin bytes."""
-    if env is None and stdin is None:
+    if not env and stdin is None:
         return None
     entries = []
     for name, value in (env or {}).items():
@@ -962,8 +962,9 @@ class Client:
         limiter = (
             _RateLimiter.for_origin(f"{parts.scheme}://{parts.netloc}", *pacing) if pacing else None
         )
-        self._owns_session = session is None
-        self._transport = _Transport(base, key, session or _new_session(), limiter)
+        used = session if session is not None else _new_session()
+        self._own_session = None if used is session else used  # we close only our own
+        self._transport = _Transport(base, key, used, limiter)
 
     @property
     def api_url(self) -> str:
@@ -974,8 +975,8 @@ class Client:
 
     def close(self) -> None:
         """Close the HTTP session, unless it was the caller's."""
-        if self._owns_session:
-            self._transport._session.close()
+        if self._own_session is not None:
+            self._own_session.close()
 
     def __enter__(self) -> "Client":
         return self
@@ -1627,9 +1628,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _print_live(stream: str, text: str) -> None:
+    """Write output through as the bytes it was (decoded with surrogateescape)."""
     out = sys.stdout if stream == "stdout" else sys.stderr
-    out.write(text)
-    out.flush()
+    binary = getattr(out, "buffer", None)
+    if binary is None:
+        out.write(text)
+    else:
+        out.flush()
+        binary.write(text.encode("utf-8", "surrogateescape"))
+        binary.flush()
 
 
 def _cli_exit_code(result: ExecResult) -> int:
@@ -1658,6 +1665,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         env[name] = value
     try:
         stdin = _read_stdin_option(options.stdin)
+    except OSError:
+        print("createos_exec: cannot read the --stdin file.", file=sys.stderr)
+        return 125
+    try:
         with Client(api_url=options.api_url) as client:
             result = client.execute(
                 options.sandbox_id,
@@ -1668,13 +1679,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 stdin=stdin,
                 timeout=options.timeout,
                 on_output=_print_live,
+                errors="surrogateescape",
             )
     except KeyboardInterrupt:
         print("createos_exec: interrupted", file=sys.stderr)
         return 130
-    except (CreateOSError, OSError) as exc:
-        message = str(exc) if isinstance(exc, CreateOSError) else "cannot read --stdin file."
-        print(f"createos_exec: {message}", file=sys.stderr)
+    except BrokenPipeError:
+        # Our reader went away (`| head`): like a local pipeline, the command
+        # was stopped. Later flushes of stdout must not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13  # SIGPIPE, as a shell reports it
+    except CreateOSError as exc:
+        print(f"createos_exec: {exc}", file=sys.stderr)
         return 125
     return _cli_exit_code(result)
 

@@ -134,3 +134,40 @@ def test_ctrl_c_terminates_the_remote_tree_then_exits_130(server):
     assert time.monotonic() - started < 15
     assert server.requests_to("delete")
     assert not server.tree_alive(record["process_id"])  # gone before the CLI exited
+
+
+def test_output_bytes_pass_through_exactly(server):
+    done = run_cli(
+        server, "--shell", SANDBOX, "--", "printf 'a\\377\\342\\202\\254b'; printf '\\300' >&2"
+    )
+    assert done.returncode == 0
+    assert done.stdout == b"a\xff\xe2\x82\xacb"
+    assert done.stderr == b"\xc0"
+
+
+def test_a_closed_local_pipe_stops_the_remote_command(server):
+    reader = subprocess.Popen(["head", "-c", "1"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    writer = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "createos_exec",
+            "--shell",
+            SANDBOX,
+            "--",
+            "while :; do echo y; sleep 0.01; done",
+        ],
+        env=cli_env(server),
+        stdout=reader.stdin,
+        stderr=subprocess.PIPE,
+    )
+    reader.stdin.close()
+    try:
+        _, err = writer.communicate(timeout=30)
+    finally:
+        writer.kill()
+        reader.wait(timeout=10)
+    assert writer.returncode == 141
+    assert err == b""
+    (record,) = server.processes()
+    assert server.wait_tree_gone(record["process_id"])

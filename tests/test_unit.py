@@ -2067,7 +2067,7 @@ def test_cli_unreadable_stdin_file_is_125(
     rsps: responses.RequestsMock, cli_env: None, capsys: pytest.CaptureFixture[str], tmp_path: Any
 ) -> None:
     assert _cli("--stdin", str(tmp_path / "missing"), SB, "--", "cat") == 125
-    assert capsys.readouterr().err == "createos_exec: cannot read --stdin file.\n"
+    assert capsys.readouterr().err == "createos_exec: cannot read the --stdin file.\n"
     assert len(rsps.calls) == 0
 
 
