@@ -76,6 +76,7 @@ __all__ = [
     "RetryPolicy",
     "StreamEndedError",
     "TransportError",
+    "echo",
     "execute",
     "main",
 ]
@@ -93,7 +94,12 @@ Command = Union[str, Sequence[str]]
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class ExecResult:
-    """How a remote command ended, and the tail of what it printed."""
+    """How a remote command ended, and the tail of what it printed.
+
+    `stdout` and `stderr` each keep their last `max_output_chars` characters;
+    `output` keeps the last `max_output_chars` of both, interleaved in the order
+    the process wrote them.
+    """
 
     args: Any
     exit_code: Optional[int]
@@ -108,11 +114,13 @@ class ExecResult:
     exit_recovered: bool = False
     creation_recovered: bool = False
     duration: float = 0.0
+    output: str = ""
+    combined_truncated: bool = False
 
     @property
     def output_truncated(self) -> bool:
-        """True when the head of stdout or stderr was dropped to respect the cap."""
-        return self.stdout_truncated or self.stderr_truncated
+        """The head of stdout, stderr or `output` was dropped to respect the cap."""
+        return self.stdout_truncated or self.stderr_truncated or self.combined_truncated
 
     @property
     def returncode(self) -> Optional[int]:
@@ -138,6 +146,7 @@ class ExecResult:
             f"ExecResult(args={self.args!r}, exit_code={self.exit_code!r}, "
             f"signal={self.signal!r}, timed_out={self.timed_out!r}, "
             f"stdout=<{len(self.stdout)} chars>, stderr=<{len(self.stderr)} chars>, "
+            f"output=<{len(self.output)} chars>, "
             f"process_id={self.process_id!r}, reconnects={self.reconnects!r})"
         )
 
@@ -661,12 +670,15 @@ class _Data(NamedTuple):
     payload: bytes
 
 
+_STREAMS = ("stdout", "stderr")
+
+
 def _data_frame(frame: Dict[str, Any]) -> _Data:
     seq: Any = frame.get("seq")
     if not _is_int(seq) or seq < 1:
         raise ProtocolError("a data frame has no positive integer seq")
     stream = frame.get("stream")
-    if stream not in ("stdout", "stderr"):
+    if stream not in _STREAMS:
         raise ProtocolError("a data frame names an unknown stream")
     return _Data(seq, stream, _strict_base64(frame.get("data_base64")))
 
@@ -779,17 +791,20 @@ class _Tail:
         return self._parts[0][self._skip :] + "".join(list(self._parts)[1:])
 
 
-class _Capture:
-    """One output stream: its own incremental decoder feeding its own tail."""
+class _Output:
+    """What the process printed: a decoder and a tail per stream, plus the tail
+    of both in the order they were written (what `2>&1` would have shown)."""
 
     def __init__(self, encoding: str, errors: str, limit: int) -> None:
-        self._decoder = codecs.getincrementaldecoder(encoding)(errors)
-        self.tail = _Tail(limit)
+        self._decoders = {name: codecs.getincrementaldecoder(encoding)(errors) for name in _STREAMS}
+        self.tails = {name: _Tail(limit) for name in _STREAMS}
+        self.combined = _Tail(limit)
 
-    def feed(self, payload: bytes, final: bool = False) -> str:
-        text: str = self._decoder.decode(payload, final)
+    def feed(self, stream: str, payload: bytes, final: bool = False) -> str:
+        text: str = self._decoders[stream].decode(payload, final)
         if text:
-            self.tail.append(text)
+            self.tails[stream].append(text)
+            self.combined.append(text)
         return text
 
 
@@ -1275,10 +1290,7 @@ class _Run:
         self.exit_recovered = False
         self.creation_recovered = creation_recovered
         self.deadline = None if options.timeout is None else started + options.timeout
-        self._captures = {
-            name: _Capture(options.encoding, options.errors, options.max_output_chars)
-            for name in ("stdout", "stderr")
-        }
+        self._output = _Output(options.encoding, options.errors, options.max_output_chars)
 
     # -- the whole run -----------------------------------------------------
 
@@ -1301,11 +1313,11 @@ class _Run:
     def _result(
         self, status: Optional[_Exit], *, timed_out: bool = False, partial: bool = False
     ) -> ExecResult:
-        for name, capture in self._captures.items():
-            text = capture.feed(b"", final=True)  # an incomplete character at the very end
+        for name in _STREAMS:
+            text = self._output.feed(name, b"", final=True)  # a character cut off at the end
             if text and not partial and self._options.on_output is not None:
                 self._options.on_output(name, text)
-        out, err = self._captures["stdout"].tail, self._captures["stderr"].tail
+        out, err = self._output.tails["stdout"], self._output.tails["stderr"]
         return ExecResult(
             args=self._args,
             exit_code=None if timed_out or status is None else status.exit_code,
@@ -1315,6 +1327,8 @@ class _Run:
             stderr=err.text(),
             stdout_truncated=out.truncated,
             stderr_truncated=err.truncated,
+            output=self._output.combined.text(),
+            combined_truncated=self._output.combined.truncated,
             process_id=self.process_id,
             reconnects=self.reconnects,
             exit_recovered=self.exit_recovered,
@@ -1413,7 +1427,7 @@ class _Run:
             return  # replayed overlap after a resume
         if data.seq != self.cursor + 1:
             raise ProtocolError(f"output seq jumped from {self.cursor} to {data.seq}")
-        text = self._captures[data.stream].feed(data.payload)
+        text = self._output.feed(data.stream, data.payload)
         if text and self._options.on_output is not None:
             self._options.on_output(data.stream, text)
         self.cursor = data.seq
@@ -1585,6 +1599,11 @@ def execute(
         return own.execute(sandbox_id, command, **options)
 
 
+def echo(stream: str, text: str) -> None:
+    """A ready `on_output`: print output live, stderr to stderr (terminals, notebooks)."""
+    print(text, end="", file=sys.stderr if stream == "stderr" else sys.stdout, flush=True)
+
+
 # --------------------------------------------------------------------------
 # Command line
 # --------------------------------------------------------------------------
@@ -1595,6 +1614,7 @@ examples:
   python -m createos_exec --timeout 600 --env CI=1 sb_123 -- make test
   python -m createos_exec --shell sb_123 -- 'cd /app && ls | wc -l'
   echo hello | python -m createos_exec --stdin - sb_123 -- cat
+  python -m createos_exec --json sb_123 -- ls /    # one JSON object, for scripts
 
 exit status: the remote exit code; 128+N when killed by signal N; 124 on
 timeout; 130 after Ctrl-C (the remote tree is terminated first); 125 for
@@ -1622,6 +1642,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, metavar="S", help="seconds for the command")
     parser.add_argument("--shell", action="store_true", help="COMMAND is one bash script string")
     parser.add_argument("--stdin", metavar="FILE|-", help="feed this file (- for our stdin)")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="no live output; print the result (or the error) as one JSON object",
+    )
     parser.add_argument("sandbox_id", metavar="SANDBOX_ID")
     parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARG...]")
     return parser
@@ -1652,6 +1677,50 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """The command line; returns the exit status (see --help)."""
     parser = _parser()
     options = parser.parse_args(argv)
+    command, env = _command_and_env(parser, options)
+    try:
+        stdin = _read_stdin_option(options.stdin)
+    except OSError:
+        print("createos_exec: cannot read the --stdin file.", file=sys.stderr)
+        return 125
+    try:
+        with Client(api_url=options.api_url) as client:
+            result = client.execute(
+                options.sandbox_id,
+                command,
+                shell=options.shell,
+                cwd=options.cwd,
+                env=env,
+                stdin=stdin,
+                timeout=options.timeout,
+                on_output=None if options.json else _print_live,
+                # Live output passes through byte-exact; JSON needs valid text.
+                errors="replace" if options.json else "surrogateescape",
+            )
+    except KeyboardInterrupt:
+        print("createos_exec: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # Our reader went away (`| head`): like a local pipeline, the command
+        # was stopped. Later flushes of stdout must not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13  # SIGPIPE, as a shell reports it
+    except CreateOSError as exc:
+        if options.json:
+            error = {"type": type(exc).__name__, "message": str(exc), "process_id": exc.process_id}
+            print(json.dumps({"error": error}))
+        else:
+            print(f"createos_exec: {exc}", file=sys.stderr)
+        return 125
+    if options.json:
+        derived = {"output_truncated": result.output_truncated, "returncode": result.returncode}
+        print(json.dumps(dict(dataclasses.asdict(result), **derived)))
+    return _cli_exit_code(result)
+
+
+def _command_and_env(
+    parser: argparse.ArgumentParser, options: argparse.Namespace
+) -> Tuple[Command, Optional[Dict[str, str]]]:
     command: List[str] = options.command
     if not command:
         parser.error("no command given (put it after --)")
@@ -1663,36 +1732,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not sep:
             parser.error("--env takes K=V")
         env[name] = value
-    try:
-        stdin = _read_stdin_option(options.stdin)
-    except OSError:
-        print("createos_exec: cannot read the --stdin file.", file=sys.stderr)
-        return 125
-    try:
-        with Client(api_url=options.api_url) as client:
-            result = client.execute(
-                options.sandbox_id,
-                command[0] if options.shell else command,
-                shell=options.shell,
-                cwd=options.cwd,
-                env=env or None,
-                stdin=stdin,
-                timeout=options.timeout,
-                on_output=_print_live,
-                errors="surrogateescape",
-            )
-    except KeyboardInterrupt:
-        print("createos_exec: interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:
-        # Our reader went away (`| head`): like a local pipeline, the command
-        # was stopped. Later flushes of stdout must not fail again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 128 + 13  # SIGPIPE, as a shell reports it
-    except CreateOSError as exc:
-        print(f"createos_exec: {exc}", file=sys.stderr)
-        return 125
-    return _cli_exit_code(result)
+    return (command[0] if options.shell else command), (env or None)
 
 
 def _read_stdin_option(name: Optional[str]) -> Optional[bytes]:

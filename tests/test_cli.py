@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -171,3 +172,28 @@ def test_a_closed_local_pipe_stops_the_remote_command(server):
     assert err == b""
     (record,) = server.processes()
     assert server.wait_tree_gone(record["process_id"])
+
+
+def test_json_prints_one_object_and_keeps_the_exit_code(server):
+    done = run_cli(server, "--json", "--shell", SANDBOX, "--", "echo out; echo err >&2; exit 3")
+    assert done.returncode == 3
+    assert done.stderr == b""
+    (line,) = done.stdout.splitlines()
+    result = json.loads(line)
+    assert result["exit_code"] == 3 and result["returncode"] == 3
+    assert (result["stdout"], result["stderr"], result["output"]) == (
+        "out\n",
+        "err\n",
+        "out\nerr\n",
+    )
+    assert result["process_id"].startswith("proc_")
+    assert result["timed_out"] is False and result["output_truncated"] is False
+    assert result["args"] == "echo out; echo err >&2; exit 3"
+
+
+def test_json_reports_errors_as_one_object(server):
+    done = run_cli(server, "--json", "sb_missing", "--", "true")
+    assert done.returncode == 125
+    error = json.loads(done.stdout)["error"]
+    assert error["type"] == "APIError"
+    assert error["message"] == "CreateOS answered HTTP 404 to process creation."

@@ -294,3 +294,26 @@ def test_logging_reconnects_at_info_requests_at_debug_without_secrets(client, se
     assert any("resuming after seq 1" in m for m in info)
     assert all(server.api_key not in m and "envsecret" not in m for m in messages)
     assert all("?" not in m for m in debug)  # method + path only
+
+
+def test_combined_output_interleaves_in_write_order_across_a_reconnect(client, server):
+    server.drop_stream(after_frames=3)
+    script = "for i in 1 2 3 4; do echo o$i; sleep 0.02; echo e$i >&2; sleep 0.02; done"
+    result = client.execute(SANDBOX, script, shell=True)
+    assert result.output == "".join(f"o{i}\ne{i}\n" for i in range(1, 5))
+    assert result.reconnects == 1 and not result.output_truncated
+
+
+def test_combined_output_keeps_its_own_tail(client):
+    script = "printf 12345678; sleep 0.05; printf abcdefgh >&2"
+    result = client.execute(SANDBOX, script, shell=True, max_output_chars=10)
+    assert (result.stdout, result.stderr) == ("12345678", "abcdefgh")
+    assert not result.stdout_truncated and not result.stderr_truncated
+    assert result.output == "78abcdefgh"
+    assert result.combined_truncated and result.output_truncated
+
+
+def test_echo_prints_live_output_to_the_matching_stream(client, capsys):
+    client.execute(SANDBOX, "echo out; echo err >&2", shell=True, on_output=cx.echo)
+    captured = capsys.readouterr()
+    assert (captured.out, captured.err) == ("out\n", "err\n")

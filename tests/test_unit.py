@@ -1609,20 +1609,20 @@ def test_capture_decodes_multibyte_split_anywhere() -> None:
     text = "h€llo wörld 𝄞 – ok"
     raw = text.encode("utf-8")
     for cut in range(1, 5):
-        capture = cx._Capture("utf-8", "replace", 100)
-        pieces = [capture.feed(raw[i : i + cut]) for i in range(0, len(raw), cut)]
-        pieces.append(capture.feed(b"", final=True))
+        capture = cx._Output("utf-8", "replace", 100)
+        pieces = [capture.feed("stdout", raw[i : i + cut]) for i in range(0, len(raw), cut)]
+        pieces.append(capture.feed("stdout", b"", final=True))
         assert "".join(pieces) == text
         assert "\ufffd" not in "".join(pieces)
-        assert capture.tail.text() == text
+        assert capture.tails["stdout"].text() == text == capture.combined.text()
 
 
 def test_capture_other_encoding_and_strict_errors() -> None:
-    capture = cx._Capture("latin-1", "strict", 10)
-    assert capture.feed(b"caf\xe9") == "café"
-    strict = cx._Capture("utf-8", "strict", 10)
+    capture = cx._Output("latin-1", "strict", 10)
+    assert capture.feed("stderr", b"caf\xe9") == "café"
+    strict = cx._Output("utf-8", "strict", 10)
     with pytest.raises(UnicodeDecodeError):
-        strict.feed(b"\xff")
+        strict.feed("stdout", b"\xff")
 
 
 def test_lines_split_only_on_newline() -> None:
