@@ -282,7 +282,8 @@ class CommandError(CreateOSError, subprocess.CalledProcessError):
         super().__init__(message, process_id=result.process_id, result=result)
         # The attributes of subprocess.CalledProcessError, set by hand so that
         # its __init__ does not put the output into args.
-        self.returncode = result.returncode  # type: ignore[assignment]  # None: timed out
+        # None when the command timed out and then exited by itself.
+        self.returncode = result.returncode  # type: ignore[assignment]
         self.cmd = result.args
         self.output = result.stdout
         self.stderr = result.stderr
@@ -987,6 +988,10 @@ class Client:
 
     def __repr__(self) -> str:
         return f"Client(api_url={self.api_url!r})"
+
+    def __reduce__(self) -> Any:
+        # A session and a key do not belong in a pickle: build a client per process.
+        raise TypeError("A createos_exec.Client cannot be pickled; create one in each process.")
 
     def close(self) -> None:
         """Close the HTTP session, unless it was the caller's."""

@@ -317,3 +317,8 @@ def test_echo_prints_live_output_to_the_matching_stream(client, capsys):
     client.execute(SANDBOX, "echo out; echo err >&2", shell=True, on_output=cx.echo)
     captured = capsys.readouterr()
     assert (captured.out, captured.err) == ("out\n", "err\n")
+
+
+def test_a_client_refuses_to_be_pickled(client):
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(client)

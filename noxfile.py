@@ -1,0 +1,62 @@
+"""The test command: `python -m nox` (what CI runs).
+
+Sessions: `lint` (ruff, mypy --strict, vermin for the 3.8 floor), `tests`
+(the whole suite with branch coverage on the current interpreter) and
+`compat` (the core of the suite on every other supported Python). Add `-r`
+to reuse the virtual environments between runs, `-s tests` for one session.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import nox
+
+SUPPORTED = ("3.8", "3.9", "3.10", "3.11", "3.12", "3.13")
+CURRENT = f"{sys.version_info[0]}.{sys.version_info[1]}"
+OTHERS = [version for version in SUPPORTED if version != CURRENT]
+SOURCES = ("createos_exec.py", "noxfile.py", "tests", "examples")
+CORE_TESTS = ("tests/test_unit.py", "tests/test_execute.py", "tests/test_cli.py")
+
+nox.options.sessions = ["lint", "tests", "compat"]
+
+
+def _let_pyenv_shims_find_every_version() -> None:
+    """pyenv's `python3.X` shims answer only for active versions: activate them all."""
+    root = os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv"))
+    versions = os.path.join(root, "versions")
+    if not os.path.isdir(versions):
+        return
+    active = [v for v in os.environ.get("PYENV_VERSION", "").split(":") if v]
+    installed = sorted(os.listdir(versions), key=lambda v: not v.startswith(CURRENT + "."))
+    os.environ["PYENV_VERSION"] = ":".join(active + [v for v in installed if v not in active])
+
+
+_let_pyenv_shims_find_every_version()
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("ruff", "mypy", "types-requests", "vermin", "requests")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", *SOURCES)
+    session.run("mypy", "--strict", "createos_exec.py")
+    session.run(
+        "vermin", "--target=3.8-", "--violations", "--no-tips",
+        "--backport", "dataclasses", "--backport", "typing",
+        *SOURCES,
+    )  # fmt: skip
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    session.install("-e", ".[test]")
+    session.run("python", "-m", "pytest", "--cov=createos_exec", *session.posargs)
+
+
+# The standard venv: virtualenv no longer seeds environments for Python 3.8.
+@nox.session(python=OTHERS, venv_backend="venv")
+def compat(session: nox.Session) -> None:
+    session.install("-e", ".", "pytest", "pytest-timeout", "responses", "hypothesis")
+    session.run("python", "-m", "pytest", "-q", *CORE_TESTS, *session.posargs)
