@@ -97,8 +97,8 @@ class ExecResult:
     """How a remote command ended, and the tail of what it printed.
 
     `stdout` and `stderr` each keep their last `max_output_chars` characters;
-    `output` keeps the last `max_output_chars` of both, interleaved in the order
-    the process wrote them.
+    `output` keeps the last `max_output_chars` of both, interleaved by sequence
+    number: the order CreateOS received them from the two pipes.
     """
 
     args: Any

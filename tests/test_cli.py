@@ -175,7 +175,8 @@ def test_a_closed_local_pipe_stops_the_remote_command(server):
 
 
 def test_json_prints_one_object_and_keeps_the_exit_code(server):
-    done = run_cli(server, "--json", "--shell", SANDBOX, "--", "echo out; echo err >&2; exit 3")
+    script = "echo out; sleep 0.1; echo err >&2; exit 3"  # the sleep fixes the order
+    done = run_cli(server, "--json", "--shell", SANDBOX, "--", script)
     assert done.returncode == 3
     assert done.stderr == b""
     (line,) = done.stdout.splitlines()
@@ -188,7 +189,7 @@ def test_json_prints_one_object_and_keeps_the_exit_code(server):
     )
     assert result["process_id"].startswith("proc_")
     assert result["timed_out"] is False and result["output_truncated"] is False
-    assert result["args"] == "echo out; echo err >&2; exit 3"
+    assert result["args"] == script
 
 
 def test_json_reports_errors_as_one_object(server):

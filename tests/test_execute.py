@@ -298,7 +298,7 @@ def test_logging_reconnects_at_info_requests_at_debug_without_secrets(client, se
 
 def test_combined_output_interleaves_in_write_order_across_a_reconnect(client, server):
     server.drop_stream(after_frames=3)
-    script = "for i in 1 2 3 4; do echo o$i; sleep 0.02; echo e$i >&2; sleep 0.02; done"
+    script = "for i in 1 2 3 4; do echo o$i; sleep 0.05; echo e$i >&2; sleep 0.05; done"
     result = client.execute(SANDBOX, script, shell=True)
     assert result.output == "".join(f"o{i}\ne{i}\n" for i in range(1, 5))
     assert result.reconnects == 1 and not result.output_truncated
