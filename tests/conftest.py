@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import importlib
 import os
+import subprocess
 import sys
 
 import pytest
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
 
 from local_server import LocalServer  # noqa: E402
 
@@ -43,3 +46,33 @@ def make_client(server, **overrides):
 def client(server):
     with make_client(server) as local_client:
         yield local_client
+
+
+def cli_argv(*args):
+    return [sys.executable, "-m", "createos_exec", *args]
+
+
+def cli_env(server, **extra):
+    """The environment of a command-line run against `server`."""
+    env = dict(os.environ)
+    env.update(CREATEOS_API_URL=server.url, CREATEOS_API_KEY=server.api_key, PYTHONPATH=ROOT)
+    env.update(extra)
+    env.pop("CREATEOS_SANDBOX_API_KEY", None)
+    return env
+
+
+def run_example(name):
+    """Run examples/<name> as a user would, from the repository root."""
+    return subprocess.run(
+        [sys.executable, os.path.join("examples", name)],
+        cwd=ROOT,
+        capture_output=True,
+        timeout=120,
+    )
+
+
+def require(name):
+    """Import a test-only dependency: skipped locally when missing, an error in CI."""
+    if os.environ.get("CI", "").strip().lower() in ("", "0", "false", "no"):
+        return pytest.importorskip(name)
+    return importlib.import_module(name)

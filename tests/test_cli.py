@@ -3,33 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
 
 import pytest
-from conftest import SANDBOX
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def cli_env(server, **extra):
-    env = dict(os.environ)
-    env.update(
-        CREATEOS_API_URL=server.url,
-        CREATEOS_API_KEY=server.api_key,
-        PYTHONPATH=ROOT,
-        **extra,
-    )
-    env.pop("CREATEOS_SANDBOX_API_KEY", None)
-    return env
+from conftest import SANDBOX, cli_argv, cli_env
 
 
 def run_cli(server, *args, stdin=None, **extra):
     return subprocess.run(
-        [sys.executable, "-m", "createos_exec", *args],
+        cli_argv(*args),
         env=cli_env(server, **extra),
         input=stdin,
         capture_output=True,
@@ -85,7 +70,7 @@ def test_missing_key_is_125(server):
     env = cli_env(server)
     del env["CREATEOS_API_KEY"]
     done = subprocess.run(
-        [sys.executable, "-m", "createos_exec", SANDBOX, "--", "true"],
+        cli_argv(SANDBOX, "--", "true"),
         env=env,
         capture_output=True,
         timeout=60,
@@ -109,15 +94,7 @@ def test_help_shows_examples_and_exit_codes(server):
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 def test_ctrl_c_terminates_the_remote_tree_then_exits_130(server):
     child = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "createos_exec",
-            "--shell",
-            SANDBOX,
-            "--",
-            "echo ready; trap '' TERM; sleep 60 & sleep 60",
-        ],
+        cli_argv("--shell", SANDBOX, "--", "echo ready; trap '' TERM; sleep 60 & sleep 60"),
         env=cli_env(server),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -149,15 +126,7 @@ def test_output_bytes_pass_through_exactly(server):
 def test_a_closed_local_pipe_stops_the_remote_command(server):
     reader = subprocess.Popen(["head", "-c", "1"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
     writer = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "createos_exec",
-            "--shell",
-            SANDBOX,
-            "--",
-            "while :; do echo y; sleep 0.01; done",
-        ],
+        cli_argv("--shell", SANDBOX, "--", "while :; do echo y; sleep 0.01; done"),
         env=cli_env(server),
         stdout=reader.stdin,
         stderr=subprocess.PIPE,

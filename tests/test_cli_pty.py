@@ -9,34 +9,18 @@ exits 130.
 from __future__ import annotations
 
 import io
-import os
 import sys
 import time
 
 import pytest
-from conftest import SANDBOX
+from conftest import ROOT, SANDBOX, cli_argv, cli_env, require
 
 if sys.platform == "win32":  # pragma: no cover - the local server is Linux only
     pytest.skip("pseudo-terminals are POSIX", allow_module_level=True)
 
-if os.environ.get("CI"):
-    import pexpect  # a test dependency: in CI, missing it is a failure, not a skip
-else:
-    pexpect = pytest.importorskip("pexpect")
+pexpect = require("pexpect")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPECT_TIMEOUT = 30  # seconds for any single expectation
-
-
-def cli_env(server):
-    env = dict(os.environ)
-    env.update(
-        CREATEOS_API_URL=server.url,
-        CREATEOS_API_KEY=server.api_key,
-        PYTHONPATH=ROOT,
-    )
-    env.pop("CREATEOS_SANDBOX_API_KEY", None)
-    return env
 
 
 def spawn(server, program, args):
@@ -55,7 +39,8 @@ def spawn(server, program, args):
 
 
 def spawn_cli(server, *args):
-    return spawn(server, sys.executable, ["-m", "createos_exec", *args])
+    program, *rest = cli_argv(*args)
+    return spawn(server, program, rest)
 
 
 def finish(child):

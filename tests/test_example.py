@@ -2,20 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import run_example
 
 
 def test_quickstart_runs_and_shows_a_resumed_stream():
-    done = subprocess.run(
-        [sys.executable, os.path.join("examples", "quickstart.py")],
-        cwd=ROOT,
-        capture_output=True,
-        timeout=120,
-    )
+    done = run_example("quickstart.py")
     out = done.stdout.decode()
     assert done.returncode == 0, done.stderr.decode()
     assert "out| hello from a sandbox" in out

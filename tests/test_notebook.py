@@ -9,7 +9,6 @@ tree, and leave the kernel usable.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import queue
@@ -17,19 +16,10 @@ import sys
 import time
 
 import pytest
+from conftest import ROOT, require
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _require(name):
-    """Import a test-only dependency: skipped locally when missing, an error under CI."""
-    if os.environ.get("CI", "").strip().lower() in ("", "0", "false", "no"):
-        return pytest.importorskip(name)
-    return importlib.import_module(name)
-
-
-_require("ipykernel")
-_require("jupyter_client")
+require("ipykernel")
+require("jupyter_client")
 
 from jupyter_client.kernelspec import KernelSpecManager  # noqa: E402
 from jupyter_client.manager import KernelManager  # noqa: E402
@@ -65,31 +55,26 @@ def _kernel_env(server, tmp_path):
     return env
 
 
-def _next_iopub(kc, msg_id, deadline, what):
-    """The next iopub message of one execution, or a failure at the deadline."""
+def _next_message(receive, msg_id, deadline, what):
+    """The next message of one execution from `receive` (a channel), or a failure."""
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            pytest.fail(f"no iopub message in time while waiting for {what}")
+            pytest.fail(f"no message in time while waiting for {what}")
         try:
-            msg = kc.get_iopub_msg(timeout=remaining)
+            msg = receive(timeout=remaining)
         except queue.Empty:
             continue
         if msg["parent_header"].get("msg_id") == msg_id:
             return msg
+
+
+def _next_iopub(kc, msg_id, deadline, what):
+    return _next_message(kc.get_iopub_msg, msg_id, deadline, what)
 
 
 def _shell_reply(kc, msg_id, deadline, what):
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            pytest.fail(f"no execute_reply in time for {what}")
-        try:
-            msg = kc.get_shell_msg(timeout=remaining)
-        except queue.Empty:
-            continue
-        if msg["parent_header"].get("msg_id") == msg_id:
-            return msg
+    return _next_message(kc.get_shell_msg, msg_id, deadline, what)
 
 
 def _drain_until_idle(kc, msg_id, deadline, what, outputs):

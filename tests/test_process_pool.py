@@ -10,18 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing
-import os
 import re
 import subprocess
-import sys
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
-from conftest import SANDBOX
+from conftest import SANDBOX, run_example
 
 import createos_exec as cx
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT_TIMEOUT = 60  # seconds to wait for any one future
 
 # (command, options): exit codes, both streams, multi-byte text, a signal, a timeout.
@@ -184,12 +181,7 @@ def test_an_api_error_keeps_its_status_and_operation(server, pool):
 
 
 def test_the_example_runs():
-    done = subprocess.run(
-        [sys.executable, os.path.join("examples", "process_pool.py")],
-        cwd=ROOT,
-        capture_output=True,
-        timeout=120,
-    )
+    done = run_example("process_pool.py")
     out = done.stdout.decode()
     assert done.returncode == 0, done.stderr.decode()
     assert done.stderr == b""

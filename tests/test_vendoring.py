@@ -15,9 +15,10 @@ import shutil
 import subprocess
 import sys
 
+from conftest import ROOT
+
 import createos_exec as cx
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODULE = os.path.join(ROOT, "createos_exec.py")
 
 # `requests` and what it depends on; nothing else may be installed.
