@@ -36,6 +36,7 @@ import random
 import re
 import secrets
 import signal as _signal
+import socket
 import subprocess
 import sys
 import threading
@@ -319,6 +320,7 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _FRAME_LIMIT = 1024 * 1024  # longest NDJSON line accepted, in bytes
 _WAIT_POLL_MS = 30_000  # server-side long-poll of one `wait`
 _TERMINATE_GRACE = 1.0  # seconds between SIGTERM and SIGKILL when terminating
+_CANCEL_POLL = 0.1  # seconds between looks at the cancel event while a read blocks
 _EXIT_CHECK_MS = 5_000  # how long an exit frame without status is checked against `wait`
 
 
@@ -1366,7 +1368,7 @@ class _Run:
     def _read_stream(self, budget: _Budget) -> _Exit:
         """Connect after the cursor and read until the exit frame."""
         response = self._connect()
-        with contextlib.closing(response):
+        with contextlib.closing(response), _unblocked_by(self._options.cancel, response):
             chunks = response.iter_content(chunk_size=None)
             for line in _lines(self._received(chunks)):
                 status = self._take(_frame(line), budget)
@@ -1555,6 +1557,38 @@ class _Run:
             raise cleanup from exc
         if self._launch is not None and not isinstance(exc, KeyboardInterrupt):
             self._launch.unstage()
+
+
+@contextlib.contextmanager
+def _unblocked_by(cancel: Optional[threading.Event], response: requests.Response) -> Iterator[None]:
+    """While reading `response`, let `cancel` end a read that is waiting for data.
+
+    A quiet process sends nothing but heartbeats, whose interval is unknown:
+    without this, cancelling could wait that long. Shutting the socket down
+    wakes the blocked read; the reader then sees the cancel event.
+    """
+    if cancel is None:
+        yield
+        return
+    done = threading.Event()
+    watcher = threading.Thread(
+        target=_shut_down_on, args=(cancel, done, response), name="createos_exec-cancel"
+    )
+    watcher.daemon = True
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()  # the watcher ends within one poll; nothing waits for it
+
+
+def _shut_down_on(cancel: threading.Event, done: threading.Event, response: Any) -> None:
+    while not done.is_set():
+        if cancel.wait(_CANCEL_POLL):
+            connection: Any = getattr(response.raw, "connection", None)
+            with contextlib.suppress(OSError, AttributeError):
+                connection.sock.shutdown(socket.SHUT_RDWR)
+            return
 
 
 def _read_to_end(chunks: Iterator[bytes]) -> None:

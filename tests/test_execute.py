@@ -326,3 +326,20 @@ def test_echo_prints_live_output_to_the_matching_stream(client, capsys):
 def test_a_client_refuses_to_be_pickled(client):
     with pytest.raises(TypeError, match="cannot be pickled"):
         pickle.dumps(client)
+
+
+def test_cancel_is_prompt_even_without_heartbeats():
+    # No byte for a minute and a long idle timeout: the cancel must not wait
+    # for the next byte (or for the idle timeout) to be seen.
+    with LocalServer(heartbeat_interval=60) as server, make_client(
+        server, stream_idle_timeout=30
+    ) as client:
+        cancel = threading.Event()
+        threading.Timer(0.5, cancel.set).start()
+        started = time.monotonic()
+        with pytest.raises(cx.CancelledError) as caught:
+            client.execute(SANDBOX, "echo go; sleep 30", shell=True, cancel=cancel)
+        assert time.monotonic() - started < 3
+        assert server.wait_tree_gone(caught.value.process_id)
+    time.sleep(0.5)  # the watcher ends within one poll of the cancel event
+    assert not [t for t in threading.enumerate() if t.name == "createos_exec-cancel"]
