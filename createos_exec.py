@@ -6,8 +6,7 @@
     print(result.exit_code, result.stdout)
 
     with cx.Client() as client:          # $CREATEOS_API_URL, $CREATEOS_API_KEY
-        client.execute("sb_123", "make test 2>&1 | tail", shell=True, check=True,
-                       on_output=lambda stream, text: print(text, end=""))
+        client.execute("sb_123", "make test", shell=True, check=True, on_output=cx.echo)
 
 A command runs as a CreateOS managed process. It is created exactly once; its
 output is read from a replayable NDJSON stream that is resumed from the last
