@@ -838,7 +838,9 @@ def _plan(
     env: Optional[Dict[str, str]],
     stdin: Union[str, bytes, None],
 ) -> _Plan:
-    """Build the bash wrapper that runs the command.
+    """Build the bash wrapper that runs the command: `bash -c WRAPPER MARKER ARGV...`.
+
+    The random marker ($0) lets an ambiguously created process be found again.
 
     Env values and stdin are secrets: anyone listing the sandbox's processes
     reads cmd/args. They travel in a private file instead, which the wrapper
@@ -862,11 +864,10 @@ def _plan(
         )
     if cwd is not None:
         lines.append(f"cd -- {_quote(_checked_text('cwd', cwd))} || exit 1")
-    if shell:
-        lines.append(f"exec bash -c -- {_quote(argv[0])}")
-    else:
-        lines.append("exec -- " + " ".join(_quote(arg) for arg in argv))
-    body = {"cmd": "bash", "args": ["-c", "\n".join(lines) + "\n", marker]}
+    # The command travels as the wrapper's positional parameters, untouched by
+    # any quoting, each its own exec string (Linux caps one at 128 KiB).
+    lines.append('exec bash -c -- "$1"' if shell else 'exec -- "$@"')
+    body = {"cmd": "bash", "args": ["-c", "\n".join(lines) + "\n", marker, *argv]}
     return _Plan(marker, body, staged_path, staged)
 
 

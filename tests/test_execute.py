@@ -182,7 +182,7 @@ def test_raising_callback_terminates_the_tree_and_propagates(client, server):
 
     with pytest.raises(Stop):
         client.execute(SANDBOX, "echo boom; sleep 30 & sleep 30", shell=True, on_output=explode)
-    (record,) = [p for p in server.processes() if "sleep 30 &" in p["args"][1]]
+    (record,) = [p for p in server.processes() if "sleep 30 &" in p["args"][-1]]
     assert server.wait_tree_gone(record["process_id"])
 
 
@@ -192,7 +192,7 @@ def test_keyboard_interrupt_is_contained_then_reraised(client, server):
 
     with pytest.raises(KeyboardInterrupt):
         client.execute(SANDBOX, "echo hi; sleep 30", shell=True, on_output=interrupt)
-    (record,) = [p for p in server.processes() if "sleep 30" in p["args"][1]]
+    (record,) = [p for p in server.processes() if "sleep 30" in p["args"][-1]]
     assert server.wait_tree_gone(record["process_id"])
 
 
@@ -343,3 +343,11 @@ def test_cancel_is_prompt_even_without_heartbeats():
         assert server.wait_tree_gone(caught.value.process_id)
     time.sleep(0.5)  # the watcher ends within one poll of the cancel event
     assert not [t for t in threading.enumerate() if t.name == "createos_exec-cancel"]
+
+
+def test_arguments_larger_than_one_exec_string_limit(client):
+    # Linux caps ONE execve string at 128 KiB; two 100 KiB arguments must still work.
+    first, second = "a" * 100_000, "b" * 100_000
+    result = client.execute(SANDBOX, ["printf", "%s|%s", first, second])
+    assert result.exit_code == 0
+    assert result.stdout == f"{first}|{second}"

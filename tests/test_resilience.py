@@ -201,7 +201,7 @@ def test_410_on_reconnect_is_eviction(client, server):
     def evict_then_break(stream, text):
         if text == "1\n":
             time.sleep(0.4)  # let the process print more, then lose it
-            (record,) = [p for p in server.processes() if "seq 2 4" in p["args"][1]]
+            (record,) = [p for p in server.processes() if "seq 2 4" in p["args"][-1]]
             server.evict(record["process_id"])
 
     server.drop_stream(after_frames=1)

@@ -527,9 +527,10 @@ def test_created_process_runs_the_command_behind_a_marker(rsps: responses.Reques
     body = body_of(calls(rsps, "POST", PROCS)[0])
     assert body["cmd"] == "bash"
     assert body["args"][0] == "-c"
-    assert re.fullmatch(r"createos_exec-[0-9a-f]{24}", body["args"][-1])
+    assert re.fullmatch(r"createos_exec-[0-9a-f]{24}", body["args"][2])
     script = body["args"][1]
-    assert "exec -- 'printf' '%s' 'it'\\''s $HOME'" in script
+    assert script.endswith('exec -- "$@"\n')  # the argv follows, untouched by quoting
+    assert body["args"][3:] == ["printf", "%s", "it's $HOME"]
     assert "cd -- '/srv/app dir' || exit 1" in script
     assert "exec 0</dev/null" in script  # no stdin: EOF at once
     assert "env" not in body and "pty" not in body
@@ -803,7 +804,7 @@ def test_markers_are_random_per_command() -> None:
     markers = {plan.marker for plan in plans}
     assert len(markers) == 5
     for plan in plans:
-        assert plan.body["args"][-1] == plan.marker
+        assert plan.body["args"][2] == plan.marker
         assert plan.staged_path is None and plan.staged is None
 
 
@@ -1998,7 +1999,7 @@ def test_cli_exit_code_and_separate_streams(
     assert captured.out == "out-1\nout-2\n"
     assert captured.err == "err-1\n"
     body = body_of(calls(rsps, "POST", PROCS)[0])
-    assert "exec -- 'make' 'test'" in body["args"][1]
+    assert body["args"][3:] == ["make", "test"]
 
 
 def test_cli_zero_exit(rsps: responses.RequestsMock, cli_env: None) -> None:
@@ -2119,9 +2120,9 @@ def test_cli_env_shell_cwd_and_stdin_file(
     )
     assert code == 0
     assert calls(rsps, "PUT", FILES)[0].request.body == b"A=b=c\0EMPTY=\0\0payload\n"
-    script = body_of(calls(rsps, "POST", PROCS)[0])["args"][1]
-    assert "cd -- '/work' || exit 1" in script
-    assert "exec bash -c -- 'cat | wc -c'" in script
+    args = body_of(calls(rsps, "POST", PROCS)[0])["args"]
+    assert "cd -- '/work' || exit 1" in args[1]
+    assert args[1].endswith('exec bash -c -- "$1"\n') and args[3:] == ["cat | wc -c"]
 
 
 def test_cli_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
