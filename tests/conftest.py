@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -76,3 +77,22 @@ def require(name):
     if os.environ.get("CI", "").strip().lower() in ("", "0", "false", "no"):
         return pytest.importorskip(name)
     return importlib.import_module(name)
+
+
+class Figures:
+    """Figures of the reliability campaign, appended as JSON lines to the file
+    named by $CREATEOS_RELIABILITY_REPORT (nothing is written when it is unset)."""
+
+    def __init__(self, path):
+        self._path = path
+
+    def record(self, item, **figures):
+        """`item`: e.g. "1. fault matrix"; figures: runs=, faults=, exact=, ... (numbers)."""
+        if self._path:
+            with open(self._path, "a", encoding="utf-8") as report:
+                report.write(json.dumps({"item": item, **figures}) + "\n")
+
+
+@pytest.fixture(scope="session")
+def figures():
+    return Figures(os.environ.get("CREATEOS_RELIABILITY_REPORT"))

@@ -273,6 +273,7 @@ class Process:
         args: list[str],
         cwd: str,
         journal_limit: int,
+        frame_limit: int = FRAME_LIMIT,
     ):
         self.id = process_id
         self.sandbox_id = sandbox_id
@@ -283,6 +284,7 @@ class Process:
         assert popen.stdin and popen.stdout and popen.stderr  # started with three PIPEs
         self._stdin, self._stdout, self._stderr = popen.stdin, popen.stdout, popen.stderr
         self._journal_limit = journal_limit
+        self._frame_limit = frame_limit
         self._stdin_lock = threading.Lock()  # serialises writes and close of stdin
         self._input_seq = 0
         self._threads: list[threading.Thread] = []
@@ -323,7 +325,7 @@ class Process:
         fd = pipe.fileno()
         while True:
             try:
-                data = os.read(fd, FRAME_LIMIT)
+                data = os.read(fd, self._frame_limit)
             except OSError:
                 data = b""
             if not data:
@@ -910,17 +912,23 @@ class LocalServer:
         port: int = 0,
         heartbeat_interval: float = 5.0,
         journal_limit: int = 1024 * 1024,
+        frame_limit: int = FRAME_LIMIT,
         verbose: bool = False,
     ):
         if heartbeat_interval <= 0:
             raise ValueError("heartbeat_interval must be positive")
         if journal_limit < 1:
             raise ValueError("journal_limit must be positive")
+        if not 1 <= frame_limit <= FRAME_LIMIT:
+            raise ValueError("frame_limit must be from 1 to %d" % FRAME_LIMIT)
         self.api_key = api_key
         self.host = loopback_host(host)
         self.port = port
         self.heartbeat_interval = heartbeat_interval
         self.journal_limit = journal_limit
+        # Tests use a tiny frame_limit for a known number of frames: a process
+        # that writes N bytes at once is journalled in ceil(N / frame_limit) frames.
+        self.frame_limit = frame_limit
         self.verbose = verbose
         self.url = ""
         self.requests: list[RequestRecord] = []
@@ -1235,6 +1243,7 @@ class LocalServer:
             args,
             cwd,
             self.journal_limit,
+            self.frame_limit,
         )
         with self._lock:
             self._processes[proc.id] = proc
