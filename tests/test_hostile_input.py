@@ -53,7 +53,9 @@ def local():
     env=st.dictionaries(NAME, TEXT, max_size=3),
     stdin=TEXT,
 )
-def test_hostile_strings_round_trip_exactly(local, tmp_path_factory, argv, dirname, env, stdin):
+def test_hostile_strings_round_trip_exactly(
+    local, tmp_path_factory, figures, argv, dirname, env, stdin
+):
     server, client = local
     cwd = os.path.join(str(tmp_path_factory.mktemp("cwd")), dirname)
     os.mkdir(cwd)
@@ -72,16 +74,18 @@ def test_hostile_strings_round_trip_exactly(local, tmp_path_factory, argv, dirna
     assert seen["env"] == env
     assert seen["stdin"] == stdin
     assert not os.path.exists(CANARY)
+    figures.record("6. hostile input", runs=1, exact=1, strings=len(argv) + len(env) + 2)
 
 
 @settings(max_examples=20, deadline=None)
 @given(script=TEXT)
-def test_a_shell_script_is_passed_to_bash_unchanged(local, script):
+def test_a_shell_script_is_passed_to_bash_unchanged(local, figures, script):
     server, client = local
     result = client.execute(SANDBOX, "printf %s " + shlex.quote(script), shell=True)
     assert result.exit_code == 0
     assert result.stdout == script
     assert not os.path.exists(CANARY)
+    figures.record("6. hostile input", runs=1, exact=1, strings=1)
 
 
 def test_hundred_kib_strings_everywhere(local, tmp_path):
@@ -108,9 +112,10 @@ def test_hundred_kib_strings_everywhere(local, tmp_path):
         {"command": ["echo"], "env": {"": "x"}},
     ],
 )
-def test_nul_bytes_and_bad_env_names_are_refused_before_any_request(local, kwargs):
+def test_nul_bytes_and_bad_env_names_are_refused_before_any_request(local, figures, kwargs):
     server, client = local
     before = len(server.requests)
     with pytest.raises(cx.ConfigError):
         client.execute(SANDBOX, **kwargs)
     assert len(server.requests) == before
+    figures.record("6. hostile input", refused_before_sending=1)
