@@ -613,7 +613,7 @@ def _jsend_data(response: requests.Response, operation: str) -> Any:
         return None
     try:
         body = response.json()
-    except ValueError:
+    except (ValueError, RecursionError):
         raise ProtocolError(f"the answer to {operation} is not JSON") from None
     if not isinstance(body, dict) or body.get("status") != "success":
         raise ProtocolError(f"the answer to {operation} is not a JSend success envelope")
@@ -1531,16 +1531,22 @@ class _Run:
     # -- contain: terminate the remote tree ----------------------------------
 
     def _terminate_and_drain(self) -> Optional[_Exit]:
-        """After the deadline: terminate, then read what the grace period printed."""
-        _terminate(self._client, self._sandbox_id, self.process_id)
+        """After the deadline: terminate, reading what the grace period prints meanwhile.
+
+        The reading starts while the DELETE is still waiting out the grace
+        period: a service may forget a process once it is deleted.
+        """
+        termination = _Background(_terminate, self._client, self._sandbox_id, self.process_id)
         self.deadline = time.monotonic() + self._client.cleanup_timeout
         try:
-            return self._follow()
+            status: Optional[_Exit] = self._follow()
         except (_TimedOut, CreateOSError):
             logger.warning(
                 "Output of %s printed after its timeout could not be read", self.process_id
             )
-            return None
+            status = None
+        termination.join()
+        return status
 
     def _contain_after(self, exc: BaseException) -> None:
         """Terminate the tree after `exc`; the caller re-raises it unless this raises."""
@@ -1591,6 +1597,27 @@ def _shut_down_on(cancel: threading.Event, done: threading.Event, response: Any)
             return
 
 
+class _Background:
+    """A call running in a daemon thread; join() re-raises what it raised."""
+
+    def __init__(self, function: Callable[..., Any], *args: Any) -> None:
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, args=(function, args))
+        self._thread.daemon = True
+        self._thread.start()
+
+    def _run(self, function: Callable[..., Any], args: Tuple[Any, ...]) -> None:
+        try:
+            function(*args)
+        except BaseException as exc:  # handed over to join()
+            self._error = exc
+
+    def join(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
 def _read_to_end(chunks: Iterator[bytes]) -> None:
     """Finish the body after the exit frame so the connection can be reused.
 
@@ -1617,7 +1644,7 @@ def _evicted_seq(response: requests.Response) -> Optional[int]:
     try:
         data = response.json().get("data")
         oldest = data.get("oldest_available_seq")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         return None
     finally:
         response.close()
