@@ -313,6 +313,7 @@ class RetryPolicy:
 # --------------------------------------------------------------------------
 
 DEFAULT_API_URL = "https://api.sb.createos.sh"
+_HEADER_SAFE = re.compile(r"[!-~]+\Z")  # printable ASCII, no spaces at all
 _HOST = re.compile(r"[A-Za-z0-9._:-]+\Z")  # a name, IPv4 or (unbracketed) IPv6
 _ID = re.compile(r"[A-Za-z0-9_-]{1,200}\Z")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -380,7 +381,7 @@ def _api_key(key: Optional[str]) -> str:
         raise ConfigError(
             "No API key: pass api_key= or set CREATEOS_API_KEY (or CREATEOS_SANDBOX_API_KEY)."
         )
-    if not isinstance(key, str) or any(c in key for c in "\r\n\0") or key != key.strip():
+    if not isinstance(key, str) or not _HEADER_SAFE.match(key):
         raise ConfigError("The API key contains characters that cannot be sent in a header.")
     return key
 
@@ -901,16 +902,26 @@ def _staged_bytes(env: Optional[Dict[str, str]], stdin: Union[str, bytes, None])
     for name, value in (env or {}).items():
         if not isinstance(name, str) or not _ENV_NAME.match(name):
             raise ConfigError("Env names must match [A-Za-z_][A-Za-z0-9_]*.")
-        value = _checked_text(f"The value of env {name}", value)
-        try:
-            entries.append(f"{name}={value}".encode("utf-8") + b"\0")
-        except UnicodeEncodeError:
-            raise ConfigError(f"The value of env {name} is not valid Unicode.") from None
+        what = f"The value of env {name}"
+        entries.append(
+            name.encode("ascii") + b"=" + _utf8(what, _checked_text(what, value)) + b"\0"
+        )
     if isinstance(stdin, str):
-        stdin = stdin.encode("utf-8")
+        stdin = _utf8("stdin", stdin)
     elif stdin is not None and not isinstance(stdin, (bytes, bytearray)):
         raise ConfigError("stdin must be str, bytes or None.")
     return b"".join(entries) + b"\0" + bytes(stdin or b"")
+
+
+def _utf8(what: str, text: str) -> bytes:
+    """UTF-8 of a secret; the error raised for a lone surrogate must not carry the text."""
+    try:
+        encoded: Optional[bytes] = text.encode("utf-8")
+    except UnicodeEncodeError:
+        encoded = None  # raised below, outside the handler: no __context__ holding the text
+    if encoded is None:
+        raise ConfigError(f"{what} is not valid Unicode (pass bytes for binary stdin).")
+    return encoded
 
 
 class _Options(NamedTuple):
@@ -1110,7 +1121,7 @@ class Client:
 
 def _new_session() -> requests.Session:
     session = requests.Session()
-    adapter = requests.adapters.HTTPAdapter(pool_maxsize=32)
+    adapter = requests.adapters.HTTPAdapter(pool_maxsize=64)  # threads share one client
     session.mount("https://", adapter)
     session.mount("http://", adapter)
     return session
