@@ -1,0 +1,330 @@
+"""4. Containment under interruption, against the local server's real processes.
+
+The command's tree holds children that ignore SIGTERM (a bash subshell with
+`trap '' TERM` and a python child with SIG_IGN), so only the SIGKILL after
+the grace period of `DELETE …?grace_ms=` removes them. For each interruption
+— a real SIGINT to the command line, `cancel` set from another thread, an
+`on_output` that raises, Ctrl-C inside the library, and `timeout` — the call
+must end the way design.md says, within the client's `cleanup_timeout`
+(plus a little slack) of the interruption, and the whole tree must already be
+gone when it does: the DELETE confirmed it, so nothing is awaited before
+looking. A second Ctrl-C during a slow cleanup must end the command line at
+once.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Dict, Iterator, List, Tuple
+
+import pytest
+import requests
+from conftest import SANDBOX, cli_argv, cli_env, make_client
+
+import createos_exec as cx
+
+if sys.platform == "win32":  # pragma: no cover - the local server is Linux only
+    pytest.skip("POSIX signals and /proc", allow_module_level=True)
+
+CLEANUP = 5.0  # cleanup_timeout of the library clients here
+CLI_CLEANUP = 30.0  # the command line's Client uses the default
+SLACK = 1.5  # seconds allowed beyond the cleanup deadline
+READY_TIMEOUT = 20.0  # for the tree to start and report
+
+PY_CHILD = (
+    "import signal, time\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "print('py-ready', flush=True)\n"
+    "time.sleep(60)\n"
+)
+# Leader: a bash that prints during its grace period; children ignore SIGTERM.
+TREE = (
+    "(trap '' TERM; echo sub-ready; exec sleep 60) & sub=$!\n"
+    f"{shlex.quote(sys.executable)} -c {shlex.quote(PY_CHILD)} & py=$!\n"
+    'echo "pids $sub $py"\n'
+    "trap 'echo grace-output; exit 0' TERM\n"
+    "echo ready\n"
+    "wait\n"
+)
+
+# One entry per scenario: (name, seconds from interruption to return, tree left).
+SCENARIOS: List[Tuple[str, float, bool]] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _figures(figures: Any) -> Iterator[None]:
+    yield
+    if SCENARIOS:
+        figures.record(
+            "4. containment",
+            scenarios=len(SCENARIOS),
+            trees_left=sum(left for _, _, left in SCENARIOS),
+            max_return_seconds=round(max(seconds for _, seconds, _ in SCENARIOS), 3),
+        )
+
+
+def ready_pids(text: str) -> List[int]:
+    """The two child pids once every member of the tree has reported; else []."""
+    lines = text.splitlines()
+    pids = [line.split()[1:] for line in lines if line.startswith("pids ")]
+    if not pids or not {"ready", "sub-ready", "py-ready"} <= set(lines):
+        return []
+    return [int(pid) for pid in pids[0]]
+
+
+def pid_alive(pid: int) -> bool:
+    """A live (non-zombie) process with this pid exists."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat_file:
+            stat = stat_file.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2 :].split()[0] not in (b"Z", b"X")
+
+
+def assert_tree_gone(server: Any, process_id: str, pids: List[int]) -> None:
+    # Immediately, without waiting: the confirmed DELETE already emptied it.
+    assert not server.tree_alive(process_id)
+    assert not [pid for pid in pids if pid_alive(pid)]
+    assert server.wait_tree_gone(process_id, timeout=5)
+    deletes = server.requests_to("delete")
+    assert deletes and deletes[-1].status == 200
+    assert deletes[-1].path.endswith("/" + process_id)
+
+
+def only_process(server: Any) -> str:
+    (record,) = server.processes()
+    return str(record["process_id"])
+
+
+class Watch:
+    """An on_output that notices when the whole tree is up, and what it printed."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.ready = threading.Event()
+        self.pids: List[int] = []
+
+    def __call__(self, stream: str, text: str) -> None:
+        if stream == "stdout":
+            self.text += text
+        if not self.ready.is_set():
+            self.pids = ready_pids(self.text)
+            if self.pids:
+                self.ready.set()
+                self.on_ready()
+
+    def on_ready(self) -> None:
+        pass
+
+
+# -- the command line: a real SIGINT ------------------------------------------------
+
+
+def start_cli(server: Any) -> "subprocess.Popen[bytes]":
+    return subprocess.Popen(
+        cli_argv("--shell", SANDBOX, "--", TREE),
+        env=cli_env(server),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+
+
+def read_until_ready(child: "subprocess.Popen[bytes]") -> List[int]:
+    """Read the CLI's stdout (bounded) until the whole remote tree has reported."""
+    assert child.stdout is not None
+    fd = child.stdout.fileno()
+    seen = b""
+    deadline = time.monotonic() + READY_TIMEOUT
+    while True:
+        pids = ready_pids(seen.decode("utf-8", "replace"))
+        if pids:
+            return pids
+        left = deadline - time.monotonic()
+        assert left > 0, f"the tree never reported ready: {seen!r}"
+        readable, _, _ = select.select([fd], [], [], left)
+        if readable:
+            chunk = os.read(fd, 4096)
+            assert chunk, f"the command line ended early: {seen!r}"
+            seen += chunk
+
+
+def finish(child: "subprocess.Popen[bytes]", timeout: float) -> Tuple[bytes, bytes]:
+    try:
+        return child.communicate(timeout=timeout)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.communicate(timeout=10)
+
+
+def test_sigint_to_the_cli_terminates_the_tree_then_exits_130(server):
+    child = start_cli(server)
+    try:
+        pids = read_until_ready(child)
+        process_id = only_process(server)
+        assert server.tree_alive(process_id) and all(pid_alive(pid) for pid in pids)
+        child.send_signal(signal.SIGINT)
+        interrupted = time.monotonic()
+        _, err = finish(child, CLI_CLEANUP + SLACK)
+        elapsed = time.monotonic() - interrupted
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.communicate(timeout=10)
+    assert child.returncode == 130
+    assert err == b"createos_exec: interrupted\n"
+    assert elapsed <= CLI_CLEANUP + SLACK
+    assert_tree_gone(server, process_id, pids)
+    assert len(server.requests_to("delete")) == 1
+    SCENARIOS.append(("cli SIGINT", elapsed, server.tree_alive(process_id)))
+
+
+def test_a_second_sigint_aborts_a_slow_cleanup_at_once(server):
+    # Cleanup made slow: the first DELETE is answered 503 with Retry-After: 20,
+    # which the default policy honours (cleanup deadline 30 s), so without a
+    # second Ctrl-C the command line would sleep 20 s before trying again.
+    server.fail("delete", 503, count=1, retry_after="20")
+    child = start_cli(server)
+    try:
+        pids = read_until_ready(child)
+        process_id = only_process(server)
+        child.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 10
+        while not server.requests_to("delete"):
+            assert time.monotonic() < deadline, "cleanup never started"
+            time.sleep(0.02)
+        time.sleep(1.0)
+        # Still cleaning up (waiting out Retry-After), and no second attempt yet.
+        assert child.poll() is None
+        assert [r.status for r in server.requests_to("delete")] == [503]
+        child.send_signal(signal.SIGINT)
+        second = time.monotonic()
+        _, err = finish(child, 10)
+        elapsed = time.monotonic() - second
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.communicate(timeout=10)
+    assert child.returncode == 130
+    assert elapsed < 2.0
+    assert b"createos_exec: interrupted\n" in err and b"Traceback" not in err
+    # The aborted cleanup left the tree running (what a second Ctrl-C means):
+    # terminate it ourselves through the API, then check nothing survived.
+    assert server.tree_alive(process_id)
+    answer = requests.delete(
+        f"{server.url}/v1/sandboxes/{SANDBOX}/processes/{process_id}",
+        params={"grace_ms": 100},
+        headers={"X-Api-Key": server.api_key},
+        timeout=30,
+    )
+    assert answer.status_code == 200 and answer.json()["data"]["tree_exited"] is True
+    assert_tree_gone(server, process_id, pids)
+    SCENARIOS.append(("second SIGINT", elapsed, server.tree_alive(process_id)))
+
+
+# -- the library: cancel, a raising callback, Ctrl-C, timeout ----------------------------
+
+
+def test_cancel_from_another_thread_raises_cancelled_after_termination(server):
+    cancel = threading.Event()
+    watch = Watch()
+    marks: Dict[str, float] = {}
+
+    def cancel_when_ready() -> None:
+        if watch.ready.wait(READY_TIMEOUT):
+            marks["interrupted"] = time.monotonic()
+            cancel.set()
+
+    canceller = threading.Thread(target=cancel_when_ready, daemon=True)
+    canceller.start()
+    with make_client(server, cleanup_timeout=CLEANUP) as client:
+        with pytest.raises(cx.CancelledError) as caught:
+            client.execute(SANDBOX, TREE, shell=True, cancel=cancel, on_output=watch)
+    returned = time.monotonic()
+    canceller.join(timeout=5)
+    elapsed = returned - marks["interrupted"]
+    assert elapsed <= CLEANUP + SLACK
+    error = caught.value
+    assert error.result is not None and "py-ready" in error.result.stdout
+    assert_tree_gone(server, error.process_id, watch.pids)
+    SCENARIOS.append(("cancel", elapsed, server.tree_alive(error.process_id)))
+
+
+class Boom(Exception):
+    """The caller's own failure, raised from on_output."""
+
+
+def test_a_raising_callback_propagates_its_own_exception_after_termination(server):
+    raised: Dict[str, Any] = {}
+
+    class Raiser(Watch):
+        def on_ready(self) -> None:
+            raised["error"] = Boom("from on_output")
+            raised["at"] = time.monotonic()
+            raise raised["error"]
+
+    watch = Raiser()
+    with make_client(server, cleanup_timeout=CLEANUP) as client:
+        with pytest.raises(Boom) as caught:
+            client.execute(SANDBOX, TREE, shell=True, on_output=watch)
+    elapsed = time.monotonic() - raised["at"]
+    assert caught.value is raised["error"]  # the callback's own exception, not wrapped
+    assert elapsed <= CLEANUP + SLACK
+    process_id = only_process(server)
+    assert_tree_gone(server, process_id, watch.pids)
+    SCENARIOS.append(("raising on_output", elapsed, server.tree_alive(process_id)))
+
+
+def test_ctrl_c_inside_the_library_is_reraised_after_termination(server):
+    raised: Dict[str, float] = {}
+
+    class CtrlC(Watch):
+        def on_ready(self) -> None:
+            raised["at"] = time.monotonic()
+            raise KeyboardInterrupt
+
+    watch = CtrlC()
+    with make_client(server, cleanup_timeout=CLEANUP) as client:
+        with pytest.raises(KeyboardInterrupt):
+            client.execute(SANDBOX, TREE, shell=True, on_output=watch)
+    elapsed = time.monotonic() - raised["at"]
+    assert elapsed <= CLEANUP + SLACK
+    process_id = only_process(server)
+    assert_tree_gone(server, process_id, watch.pids)
+    SCENARIOS.append(("KeyboardInterrupt", elapsed, server.tree_alive(process_id)))
+
+
+def test_timeout_returns_timed_out_after_termination(server):
+    timeout = 2.5
+    watch = Watch()
+    with make_client(server, cleanup_timeout=CLEANUP) as client:
+        started = time.monotonic()
+        result = client.execute(SANDBOX, TREE, shell=True, timeout=timeout, on_output=watch)
+    returned = time.monotonic()
+    assert watch.ready.is_set(), "the tree was not up before the deadline"
+    assert result.timed_out and result.exit_code is None and not result.ok
+    assert "py-ready\n" in result.stdout and "sub-ready\n" in result.stdout
+    assert result.stdout == watch.text  # delivered live, once
+    elapsed = returned - (started + timeout)
+    assert -0.1 <= elapsed <= CLEANUP + SLACK
+    assert_tree_gone(server, result.process_id, watch.pids)
+    SCENARIOS.append(("timeout", elapsed, server.tree_alive(result.process_id)))
+
+
+GRACE = "trap 'echo grace-output; exit 0' TERM\necho ready\nsleep 60 & wait\n"
+
+
+def test_timeout_keeps_what_the_grace_period_printed(server):
+    with make_client(server, cleanup_timeout=CLEANUP) as client:
+        result = client.execute(SANDBOX, GRACE, shell=True, timeout=1.0)
+    assert result.timed_out and result.exit_code is None
+    assert result.stdout == "ready\ngrace-output\n"
+    assert not server.tree_alive(result.process_id)

@@ -1,0 +1,899 @@
+"""8. Fuzzing the reader: arbitrary and mostly-valid byte streams, chunked anywhere.
+
+Two levels:
+
+(a) the internals, layer by layer as `_Run._read_stream` drives them:
+    `cx._lines` (bytes -> lines, bounded by the frame limit) -> `cx._frame`
+    (line -> JSON object with a type) -> `cx._data_frame` + a `cx._Output`
+    decoder for data frames, `cx._exit_status` for exit frames;
+(b) the public path: `Client.execute()` against canned answers served by
+    `responses`, the connect bodies delivered in hypothesis-chosen chunks and
+    cut where hypothesis says.
+
+Whatever the input: nothing hangs (hypothesis deadlines plus a pytest-timeout
+per test), nothing but a `CreateOSError` escapes, a valid stream comes back
+exactly, and the reader never holds more than the frame limit of an
+unterminated line.
+"""
+
+from __future__ import annotations
+
+import base64
+import codecs
+import collections
+import contextlib
+import io
+import itertools
+import json
+import urllib.parse
+from datetime import timedelta
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import pytest
+import responses
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import createos_exec as cx
+
+LIMIT = cx._FRAME_LIMIT  # 1 MiB: the longest NDJSON line the reader accepts
+STREAMS = ("stdout", "stderr")
+
+# Figures of this file, recorded once at the end (see `_figures`).
+STATS = {"examples": 0, "max_pending": 0, "errors_other_than_createos": 0}
+
+FUZZ = settings(
+    max_examples=150,
+    deadline=timedelta(seconds=2),  # "never hangs": one example may not take longer
+    database=None,  # write nothing into the working tree
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _figures(figures: Any) -> Iterator[None]:
+    yield
+    figures.record(
+        "8. reader fuzz",
+        examples=STATS["examples"],
+        max_pending=STATS["max_pending"],
+        frame_limit=LIMIT,
+        errors_other_than_createos=STATS["errors_other_than_createos"],
+    )
+
+
+# --------------------------------------------------------------------------
+# A chunked stream that watches the reader's memory
+# --------------------------------------------------------------------------
+
+
+def split(data: bytes, sizes: Sequence[int]) -> List[bytes]:
+    """`data` cut into chunks of the given sizes, cycled."""
+    chunks = []
+    offset = 0
+    for size in itertools.cycle(sizes):
+        if offset >= len(data):
+            return chunks
+        chunks.append(data[offset : offset + size])
+        offset += size
+    raise AssertionError("unreachable")
+
+
+class Feed:
+    """A byte stream in chunks; counts what the reader pulled and gave back.
+
+    When `_lines` asks for the next chunk it has handed out every line of
+    the previous one, so `consumed - emitted` is exactly the unterminated
+    tail it buffers (its `pending`) at that moment.
+    """
+
+    def __init__(self, chunks: Sequence[bytes], limit: int = LIMIT) -> None:
+        self.chunks = list(chunks)
+        self.limit = limit
+        self.pulled = 0  # chunks
+        self.consumed = 0  # bytes pulled
+        self.emitted = 0  # bytes returned as lines, newline included
+        self.max_pending = 0
+        self.exhausted = False
+
+    @property
+    def data(self) -> bytes:
+        return b"".join(self.chunks)
+
+    def _pull(self) -> Iterator[bytes]:
+        for chunk in self.chunks:
+            self._watch()
+            self.pulled += 1
+            self.consumed += len(chunk)
+            yield chunk
+        self._watch()
+        self.exhausted = True
+
+    def _watch(self) -> None:
+        pending = self.consumed - self.emitted
+        assert pending <= self.limit, "the reader buffered more than the frame limit"
+        self.max_pending = max(self.max_pending, pending)
+        if self.limit == LIMIT:
+            STATS["max_pending"] = max(STATS["max_pending"], pending)
+
+    def lines(self) -> Iterator[bytes]:
+        for line in cx._lines(self._pull(), self.limit):
+            self.emitted += len(line) + 1
+            yield line
+
+
+RETRY = "resume"  # the reader's verdict for a stream that ends inside a line
+
+
+class Decoded:
+    """What the reader's layers made of a stream (up to its exit frame)."""
+
+    def __init__(self) -> None:
+        self.frames: List[Dict[str, Any]] = []
+        self.output = cx._Output("utf-8", "replace", 4 * 1024 * 1024)
+        self.status: Optional[cx._Exit] = None
+        self.text = {name: "" for name in STREAMS}
+
+
+def read(feed: Feed) -> Decoded:
+    """Drive the layers the way `_Run._read_stream`/`_take` do (seq checks aside)."""
+    decoded = Decoded()
+    for line in feed.lines():
+        frame = cx._frame(line)
+        decoded.frames.append(frame)
+        if frame["type"] == "data":
+            data = cx._data_frame(frame)
+            decoded.text[data.stream] += decoded.output.feed(data.stream, data.payload)
+        elif frame["type"] == "exit":
+            decoded.status = cx._exit_status(frame)
+            break  # the reader stops at the exit frame
+    for name in STREAMS:
+        decoded.text[name] += decoded.output.feed(name, b"", final=True)
+    # A clean EOF without an exit frame ends here too; _read_stream then
+    # raises _Retryable ("clean EOF before the exit frame") and resumes.
+    return decoded
+
+
+def outcome(feed: Feed) -> Any:
+    """`read(feed)`, or the error it failed closed with; anything else fails the test."""
+    STATS["examples"] += 1
+    try:
+        return read(feed)
+    except cx.CreateOSError as exc:
+        return exc
+    except cx._Retryable:
+        # The one non-public exception allowed: `_lines` raises it at the END
+        # of the input when the last line is unterminated. That is the
+        # documented "broken connection" signal; `_Run._follow` turns it into
+        # a resume from the cursor, so it never reaches the caller.
+        assert feed.exhausted and feed.data and not feed.data.endswith(b"\n")
+        return RETRY
+    except BaseException:
+        STATS["errors_other_than_createos"] += 1
+        raise
+
+
+# --------------------------------------------------------------------------
+# Strategies: arbitrary bytes, valid NDJSON streams, corruption
+# --------------------------------------------------------------------------
+
+CHUNK_SIZES = st.lists(st.integers(1, 64), min_size=1, max_size=8)
+NASTY = [b"\n", b"\r", b"\xff", b"\xe2\x82", b"\x00", b'"', b"{", b"}", b"[", b"\\", b",", b":"]
+BYTES = st.lists(
+    st.binary(max_size=24) | st.sampled_from(NASTY) | st.sampled_from([b'{"type":"heartbeat"}']),
+    max_size=30,
+).map(b"".join)
+
+JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.sampled_from([0, 1, -1, 256, 1.0, 2.5, float("nan"), float("inf")])
+    | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+SIGNALS = {
+    "SIGKILL": "SIGKILL",
+    "SIGTERM": "SIGTERM",
+    "SIGRTMIN1": "SIGRTMIN1",
+    "killed": "SIGKILL",
+    "Terminated": "SIGTERM",
+    "segmentation fault": "SIGSEGV",
+}
+
+
+@st.composite
+def outputs(draw: Any) -> List[Tuple[str, bytes]]:
+    """(stream, payload) per data frame; text is cut at random byte offsets, so
+    multi-byte characters are split across frames (and across the streams)."""
+    frames: List[Tuple[str, bytes]] = []
+    for _ in range(draw(st.integers(0, 8))):
+        stream = draw(st.sampled_from(STREAMS))
+        blob = draw(
+            st.binary(max_size=16)
+            | st.text(max_size=8).map(lambda text: text.encode("utf-8", "surrogatepass"))
+        )
+        cuts = sorted(draw(st.lists(st.integers(0, len(blob)), max_size=3)))
+        edges = [0, *cuts, len(blob)]
+        frames.extend((stream, blob[a:b]) for a, b in zip(edges, edges[1:]))
+    return frames
+
+
+class Valid:
+    """A valid NDJSON stream and what the client must make of it."""
+
+    def __init__(
+        self,
+        items: List[Tuple[int, Dict[str, Any]]],
+        payloads: List[Tuple[str, bytes]],
+        status: cx._Exit,
+        encode: Any,
+    ) -> None:
+        self.items = items  # (seq of the last data frame so far, frame), exit frame last
+        self.payloads = payloads
+        self.status = status
+        self.encode = encode  # frame -> line bytes, newline included
+
+    @property
+    def frames(self) -> List[Dict[str, Any]]:
+        return [frame for _, frame in self.items]
+
+    def body(self, after: int = 0) -> Tuple[bytes, List[Tuple[int, int]]]:
+        """The connect body that replays from seq `after` + 1, and (end offset, seq)
+        of each data line in it."""
+        parts: List[bytes] = []
+        ends: List[Tuple[int, int]] = []
+        size = 0
+        for position, frame in self.items:
+            if frame["type"] == "data" and frame["seq"] <= after:
+                continue
+            if frame["type"] == "heartbeat" and position < after:
+                continue
+            line = self.encode(frame)
+            parts.append(line)
+            size += len(line)
+            if frame["type"] == "data":
+                ends.append((size, frame["seq"]))
+        return b"".join(parts), ends
+
+    def text(self, stream: str) -> str:
+        raw = b"".join(p for s, p in self.payloads if s == stream)
+        return raw.decode("utf-8", "replace")
+
+    def callbacks(self) -> Tuple[List[Tuple[str, str]], str]:
+        """What on_output must see, in order, and the combined `output`."""
+        decoders = {name: codecs.getincrementaldecoder("utf-8")("replace") for name in STREAMS}
+        seen = [(s, decoders[s].decode(p)) for s, p in self.payloads]
+        seen += [(s, decoders[s].decode(b"", True)) for s in STREAMS]
+        seen = [(s, t) for s, t in seen if t]
+        return seen, "".join(t for _, t in seen)
+
+
+@st.composite
+def valid_streams(draw: Any) -> Valid:
+    payloads = draw(outputs())
+    items: List[Tuple[int, Dict[str, Any]]] = []
+    seq = 0
+    for stream, payload in payloads:
+        if draw(st.integers(0, 3)) == 0:
+            items.append((seq, {"type": "heartbeat"}))
+        seq += 1
+        frame: Dict[str, Any] = {
+            "type": "data",
+            "seq": seq,
+            "stream": stream,
+            "data_base64": base64.b64encode(payload).decode("ascii"),
+        }
+        if draw(st.integers(0, 4)) == 0:  # unknown extra fields are ignored
+            frame["note"] = draw(st.text(max_size=6)) + "\u2028é€😀"
+        items.append((seq, frame))
+    kind = draw(st.sampled_from(["code", "signal", "both"]))
+    code = draw(st.integers(0, 255))
+    word = draw(st.sampled_from(sorted(SIGNALS)))
+    exit_frame: Dict[str, Any] = {"type": "exit"}
+    if kind in ("code", "both"):
+        exit_frame["exit_code"] = code
+    if kind in ("signal", "both"):
+        exit_frame["signal"] = word
+    elif draw(st.booleans()):
+        exit_frame["signal"] = None
+    items.append((seq, exit_frame))
+    status = cx._Exit(code, None) if kind == "code" else cx._Exit(None, SIGNALS[word])
+
+    ensure_ascii, sort_keys, compact, crlf = draw(st.tuples(*[st.booleans()] * 4))
+
+    def encode(frame: Dict[str, Any]) -> bytes:
+        text = json.dumps(
+            frame,
+            ensure_ascii=ensure_ascii,
+            sort_keys=sort_keys,
+            separators=(",", ":") if compact else None,
+        )
+        return text.encode("utf-8", "surrogatepass") + (b"\r\n" if crlf else b"\n")
+
+    return Valid(items, payloads, status, encode)
+
+
+FIELDS = ["type", "seq", "stream", "data_base64", "exit_code", "signal", "error", "note"]
+FIELD_EDITS = st.lists(
+    st.tuples(st.integers(0, 30), st.sampled_from(FIELDS), st.just(None) | JSON.map(lambda v: [v])),
+    max_size=3,
+)
+BYTE_EDITS = st.lists(
+    st.tuples(
+        st.sampled_from(["flip", "delete", "insert", "truncate", "duplicate"]),
+        st.floats(0, 1),
+        st.sampled_from(NASTY) | st.binary(min_size=1, max_size=3),
+    ),
+    max_size=4,
+)
+
+
+def corrupt(valid: Valid, field_edits: Any, byte_edits: Any) -> bytes:
+    """The valid stream with some fields replaced (or removed) and some bytes mangled."""
+    frames = [dict(frame) for frame in valid.frames]
+    for index, field, value in field_edits:
+        frame = frames[index % len(frames)]
+        if value is None:
+            frame.pop(field, None)
+        else:
+            frame[field] = value[0]
+    data = b"".join(json.dumps(frame).encode("utf-8", "surrogatepass") + b"\n" for frame in frames)
+    for op, where, blob in byte_edits:
+        at = int(where * len(data))
+        if op == "flip" and at < len(data):
+            data = data[:at] + bytes([data[at] ^ (blob[0] or 1)]) + data[at + 1 :]
+        elif op == "delete":
+            data = data[:at] + data[at + len(blob) :]
+        elif op == "insert":
+            data = data[:at] + blob + data[at:]
+        elif op == "truncate":
+            data = data[:at]
+        elif op == "duplicate":
+            data = data[:at] + data[at // 2 : at] + data[at:]
+    return data
+
+
+# --------------------------------------------------------------------------
+# (a) the internals
+# --------------------------------------------------------------------------
+
+
+def lines_oracle(data: bytes, limit: int) -> Tuple[List[bytes], Any]:
+    """What `_lines` must do with `data`, however it is chunked."""
+    *lines, tail = data.split(b"\n")
+    good: List[bytes] = []
+    for line in lines:
+        if len(line) > limit:
+            return good, cx.ProtocolError
+        good.append(line)
+    if not tail:
+        return good, None
+    return good, cx.ProtocolError if len(tail) > limit else cx._Retryable
+
+
+@pytest.mark.timeout(60)
+@FUZZ
+@given(data=BYTES, limit=st.integers(0, 40), sizes=CHUNK_SIZES)
+def test_lines_split_exactly_and_never_buffer_past_the_limit(data, limit, sizes):
+    STATS["examples"] += 1
+    feed = Feed(split(data, sizes), limit)
+    expected_lines, expected_error = lines_oracle(data, limit)
+    got: List[bytes] = []
+    error = None
+    try:
+        for line in feed.lines():
+            got.append(line)
+    except (cx.ProtocolError, cx._Retryable) as exc:
+        error = type(exc)
+    assert got == expected_lines
+    assert error is expected_error
+    # An oversized line fails as soon as its buffered part passes the limit,
+    # not when (if ever) its newline arrives.
+    assert feed.max_pending <= limit
+
+
+@pytest.mark.timeout(60)
+@FUZZ
+@given(data=BYTES | st.binary(max_size=400), sizes=CHUNK_SIZES)
+def test_arbitrary_bytes_fail_closed(data, sizes):
+    result = outcome(Feed(split(data, sizes)))
+    if isinstance(result, Decoded):  # it happened to be a valid stream
+        assert all(isinstance(frame["type"], str) for frame in result.frames)
+
+
+@pytest.mark.timeout(60)
+@FUZZ
+@given(valid=valid_streams(), sizes=CHUNK_SIZES)
+def test_valid_ndjson_in_any_chunks_decodes_exactly(valid, sizes):
+    data, _ = valid.body()
+    feed = Feed(split(data, sizes))
+    result = outcome(feed)
+    assert isinstance(result, Decoded), result
+    assert result.frames == valid.frames
+    assert result.status == valid.status
+    for name in STREAMS:
+        assert result.text[name] == valid.text(name)
+        assert result.output.tails[name].text() == valid.text(name)
+    assert feed.emitted == len(data) and feed.consumed == len(data)
+
+
+@pytest.mark.timeout(60)
+@FUZZ
+@given(valid=valid_streams(), fields=FIELD_EDITS, edits=BYTE_EDITS, sizes=CHUNK_SIZES)
+def test_corrupted_ndjson_fails_closed(valid, fields, edits, sizes):
+    data = corrupt(valid, fields, edits)
+    result = outcome(Feed(split(data, sizes)))
+    if isinstance(result, cx.CreateOSError):
+        assert type(result) is cx.ProtocolError, type(result)
+        assert result.problem and "{" not in str(result)  # a fixed sentence, no frame text
+    if not fields and not edits:
+        assert isinstance(result, Decoded) and result.status == valid.status
+
+
+@pytest.mark.timeout(60)
+@settings(FUZZ, max_examples=300)
+@given(text=st.text(alphabet="AQgw/+=9aZ_-\n ", max_size=13) | JSON)
+def test_strict_base64_accepts_only_canonical_text(text):
+    STATS["examples"] += 1
+    try:
+        payload = cx._strict_base64(text)
+    except cx.ProtocolError:
+        return
+    assert base64.b64encode(payload).decode("ascii") == text
+
+
+class Endless:
+    """An unterminated line that never ends, pulled in `size`-byte chunks."""
+
+    def __init__(self, prefix: bytes, size: int, fill: bytes = b"x") -> None:
+        self.prefix = prefix
+        self.size = size
+        self.fill = fill
+        self.pulled = 0
+        self.consumed = 0
+
+    def __iter__(self) -> Iterator[bytes]:
+        pieces = itertools.chain(
+            split(self.prefix, [self.size]), itertools.repeat((self.fill * self.size)[: self.size])
+        )
+        for chunk in pieces:
+            self.pulled += 1
+            self.consumed += len(chunk)
+            yield chunk
+
+
+@pytest.mark.timeout(60)
+@settings(FUZZ, max_examples=12, deadline=timedelta(seconds=10))
+@given(
+    size=st.integers(1024, 70_000),
+    before=st.lists(st.sampled_from([b'{"type":"heartbeat"}', b"not json", b""]), max_size=3),
+    fill=st.sampled_from([b"x", "€".encode(), b" "]),
+)
+def test_an_endless_line_fails_before_more_than_the_limit_is_buffered(size, before, fill):
+    STATS["examples"] += 1
+    prefix = b"".join(line + b"\n" for line in before) + b'{"type":"data","pad":"'
+    stream = Endless(prefix, size, fill)
+    seen = []
+    with pytest.raises(cx.ProtocolError):
+        for line in cx._lines(stream):
+            seen.append(line)
+    assert seen == before
+    # Everything pulled beyond the good lines is the bad line: at most the
+    # limit plus the one chunk that pushed it over.
+    held = stream.consumed - sum(len(line) + 1 for line in before)
+    assert LIMIT < held <= LIMIT + size
+    assert stream.pulled <= (len(prefix) + LIMIT) // size + 2
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("size", [1024, 4096, 65536, LIMIT + 10])
+def test_a_frame_of_exactly_the_limit_passes_and_one_byte_more_fails(size):
+    STATS["examples"] += 1
+    head, tail = b'{"type":"heartbeat","pad":"', b'"}'
+    exact = head + b"x" * (LIMIT - len(head) - len(tail)) + tail
+    assert len(exact) == LIMIT
+    data = exact + b"\n" + b'{"type":"exit","exit_code":0}\n'
+    feed = Feed(split(data, [size]))
+    result = outcome(feed)
+    assert isinstance(result, Decoded) and result.status == cx._Exit(0, None)
+    assert feed.max_pending <= LIMIT
+    over = head + b"y" + exact[len(head) :]
+    feed = Feed(split(over + b"\n", [size]))
+    assert isinstance(outcome(feed), cx.ProtocolError)
+
+
+# --------------------------------------------------------------------------
+# (b) the public path: Client.execute() against canned answers
+# --------------------------------------------------------------------------
+
+BASE = "https://api.fuzz.test"
+SB = "sb_fuzz"
+PID = "proc_fuzzfuzzfuzzfuzz"
+PROCS = f"{BASE}/v1/sandboxes/{SB}/processes"
+PROC = f"{PROCS}/{PID}"
+CONNECT = f"{PROC}/connect"
+WAIT = f"{PROC}/wait"
+KEY = "fuzz-key"
+
+
+def ok(data: Any) -> Dict[str, Any]:
+    return {"status": "success", "data": data}
+
+
+def record(newest: int = 0, **fields: Any) -> Dict[str, Any]:
+    base = {
+        "process_id": PID,
+        "kind": "process",
+        "pid": 42,
+        "state": "running",
+        "leader_exited": False,
+        "tree_exited": False,
+        "created_at": "2024-01-01T00:00:00Z",
+        "output": {"oldest_seq": 0, "newest_seq": newest, "bytes": 0},
+    }
+    base.update(fields)
+    return base
+
+
+EXITED = record(leader_exited=True, tree_exited=True, state="exited", exit_code=0)
+
+
+class Body(io.BufferedReader):
+    """A response body read in the given pieces, optionally reset after them.
+
+    `responses` hands a BufferedReader body to urllib3 as it is, so each
+    `read()` here is one chunk of `iter_content(chunk_size=None)`; the reset
+    surfaces as requests' ChunkedEncodingError, as a real one does.
+    """
+
+    def __init__(self, pieces: Sequence[bytes], reset: bool = False) -> None:
+        super().__init__(io.BytesIO(b""))  # type: ignore[arg-type]
+        self._pieces = collections.deque(pieces)
+        self._reset = reset
+
+    def read(self, size: Optional[int] = -1) -> bytes:
+        if self._pieces:
+            return self._pieces.popleft()
+        if self._reset:
+            self._reset = False
+            raise ConnectionResetError("connection reset by peer")
+        self.close()
+        return b""
+
+
+def after_of(request: Any) -> int:
+    query = dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(request.url).query))
+    return int(query["after"])
+
+
+def client(**kw: Any) -> cx.Client:
+    kw.setdefault(
+        "retry",
+        cx.RetryPolicy(max_attempts=10, budget=30.0, initial_backoff=0, max_backoff=0),
+    )
+    return cx.Client(
+        BASE,
+        KEY,
+        rate_limit=None,
+        request_timeout=5.0,
+        stream_idle_timeout=5.0,
+        cleanup_timeout=5.0,
+        **kw,
+    )
+
+
+@contextlib.contextmanager
+def mocked() -> Iterator[Tuple[responses.RequestsMock, List[Any]]]:
+    """The canned API, and the list of its calls (which outlives the mock's reset)."""
+    with responses.RequestsMock(assert_all_requests_are_fired=False) as mock:
+        mock.add(responses.POST, PROCS, json=ok(record()))
+        mock.add(responses.DELETE, PROC, json=ok(EXITED))
+        calls: List[Any] = []
+        try:
+            yield mock, calls
+        finally:
+            calls.extend(mock.calls)
+
+
+def calls_to(calls: List[Any], method: str, url: str) -> int:
+    return sum(
+        1
+        for call in calls
+        if call.request.method == method and call.request.url.split("?", 1)[0] == url
+    )
+
+
+CUTS = st.lists(
+    st.tuples(
+        st.integers(0, 3),  # replay overlap: frames re-sent from before `after`
+        st.floats(0, 0.999),  # where the body is cut
+        st.booleans(),  # True: a connection reset; False: a clean EOF
+    ),
+    max_size=5,
+)
+
+
+@pytest.mark.timeout(120)
+@settings(FUZZ, max_examples=100)
+@given(
+    valid=valid_streams(),
+    cuts=CUTS,
+    sizes=CHUNK_SIZES,
+    limit=st.just(4 * 1024 * 1024) | st.integers(0, 40),
+)
+def test_valid_streams_through_execute_come_back_exactly(valid, cuts, sizes, limit):
+    STATS["examples"] += 1
+    afters: List[int] = []
+    expected_afters = [0]
+
+    def connect(request: Any) -> Any:
+        after = after_of(request)
+        afters.append(after)
+        number = len(afters) - 1
+        if number >= len(cuts):
+            body, _ = valid.body(after)
+            return (200, {}, Body(split(body, sizes)))
+        overlap, where, reset = cuts[number]
+        body, ends = valid.body(max(0, after - overlap))
+        cut = int(where * len(body))
+        # The cursor the client must resume from: the last data line that
+        # arrived whole, newline included.
+        expected_afters.append(max([after] + [seq for end, seq in ends if end <= cut]))
+        return (200, {}, Body(split(body[:cut], sizes), reset=reset))
+
+    seen: List[Tuple[str, str]] = []
+    with mocked() as (mock, calls), client() as local:
+        mock.add_callback(responses.GET, CONNECT, callback=connect)
+        try:
+            result = local.execute(
+                SB,
+                ["fuzz"],
+                max_output_chars=limit,
+                on_output=lambda stream, text: seen.append((stream, text)),
+            )
+        except BaseException:
+            STATS["errors_other_than_createos"] += 1
+            raise
+    expected_seen, combined = valid.callbacks()
+    assert seen == expected_seen  # live, in order, never twice
+    for name in STREAMS:
+        full = valid.text(name)
+        assert getattr(result, name) == (full[-limit:] if limit else "")
+        assert getattr(result, name + "_truncated") == (len(full) > limit)
+    assert result.output == (combined[-limit:] if limit else "")
+    assert (result.exit_code, result.signal) == tuple(valid.status)
+    assert not result.timed_out and not result.exit_recovered
+    assert result.process_id == PID
+    assert result.reconnects == len(cuts) == len(afters) - 1
+    assert afters == expected_afters  # resumed after the last accepted seq, every time
+    assert calls_to(calls, "POST", PROCS) == 1
+
+
+# What the server may answer to a later connect or to a wait, in the corrupted runs.
+ANSWERS = st.one_of(
+    st.tuples(st.sampled_from([200, 410, 404, 408, 429, 500, 503]), JSON | st.binary(max_size=40)),
+    st.tuples(st.just(200), BYTES),
+)
+
+
+@pytest.mark.timeout(120)
+@settings(FUZZ, max_examples=150)
+@given(
+    valid=valid_streams(),
+    fields=FIELD_EDITS,
+    edits=BYTE_EDITS,
+    sizes=CHUNK_SIZES,
+    reset=st.booleans(),
+    later=st.lists(ANSWERS, max_size=3),
+    waits=st.lists(ANSWERS | st.tuples(st.just(200), st.just(ok(EXITED))), max_size=3),
+)
+def test_corrupted_streams_through_execute_fail_closed(
+    valid, fields, edits, sizes, reset, later, waits
+):
+    STATS["examples"] += 1
+    first = corrupt(valid, fields, edits)
+    connects: List[int] = []
+    waited: List[int] = []
+
+    def canned(status: int, body: Any) -> Any:
+        if isinstance(body, bytes):
+            return (status, {}, Body(split(body, sizes)))
+        return (status, {"Content-Type": "application/json"}, json.dumps(body))
+
+    def connect(request: Any) -> Any:
+        connects.append(after_of(request))
+        if len(connects) == 1:
+            return (200, {}, Body(split(first, sizes), reset=reset))
+        if len(connects) - 2 < len(later):
+            return canned(*later[len(connects) - 2])
+        return (503, {}, "")  # bounded: the run must end once the answers run out
+
+    def wait(request: Any) -> Any:
+        waited.append(1)
+        if len(waited) <= len(waits):
+            return canned(*waits[len(waited) - 1])
+        return (503, {}, "")
+
+    with mocked() as (mock, calls), client(
+        retry=cx.RetryPolicy(max_attempts=3, budget=30.0, initial_backoff=0, max_backoff=0)
+    ) as local:
+        mock.add_callback(responses.GET, CONNECT, callback=connect)
+        mock.add_callback(responses.GET, WAIT, callback=wait)
+        try:
+            result = local.execute(SB, ["fuzz"], on_output=lambda stream, text: None)
+        except cx.CreateOSError as exc:
+            # Contained: whatever went wrong after creation, the tree was deleted.
+            assert calls_to(list(mock.calls), "DELETE", PROC) == 1
+            assert exc.process_id == PID
+            assert KEY not in str(exc) and "{" not in str(exc)
+            return
+        except BaseException:
+            STATS["errors_other_than_createos"] += 1
+            raise
+    assert isinstance(result, cx.ExecResult)
+    assert result.exit_code is not None or result.signal is not None
+    if not fields and not edits and not reset:
+        assert (result.exit_code, result.signal) == tuple(valid.status)
+        assert (result.stdout, result.stderr) == (valid.text("stdout"), valid.text("stderr"))
+
+
+# --------------------------------------------------------------------------
+# Every malformed input of protocol.md §10.4, through the public path
+# --------------------------------------------------------------------------
+
+
+def line(frame: Any) -> str:
+    return (frame if isinstance(frame, str) else json.dumps(frame)) + "\n"
+
+
+def data(seq: Any, raw: bytes = b"x", stream: str = "stdout", **extra: Any) -> Dict[str, Any]:
+    frame = {"type": "data", "seq": seq, "stream": stream}
+    frame["data_base64"] = base64.b64encode(raw).decode("ascii")
+    frame.update(extra)
+    return frame
+
+
+EXIT0 = {"type": "exit", "exit_code": 0}
+FIRST = line(data(1, b"first\n"))
+EVICTED_410 = (410, {"status": "fail", "data": {"error": "output_offset_expired"}})
+
+# name: (connect answer: a body or (status, JSON), wait answer or None, expected class,
+#        wait requests expected)
+MALFORMED = {
+    "gap": (FIRST + line(data(3)) + line(EXIT0), None, cx.ProtocolError, 0),
+    "seq true": (FIRST + line(data(True)) + line(EXIT0), None, cx.ProtocolError, 0),
+    "seq false": (FIRST + line(data(False)) + line(EXIT0), None, cx.ProtocolError, 0),
+    'seq "2"': (FIRST + line(data("2")) + line(EXIT0), None, cx.ProtocolError, 0),
+    "seq 2.0": (FIRST + line(data(2.0)) + line(EXIT0), None, cx.ProtocolError, 0),
+    "seq 0": (line(data(0)) + line(EXIT0), None, cx.ProtocolError, 0),
+    "seq -1": (line(data(-1)) + line(EXIT0), None, cx.ProtocolError, 0),
+    "seq null": (line(data(None)) + line(EXIT0), None, cx.ProtocolError, 0),
+    "stream pty": (FIRST + line(data(2, stream="pty")) + line(EXIT0), None, cx.ProtocolError, 0),
+    "stream missing": (
+        FIRST + line({"type": "data", "seq": 2, "data_base64": "eA=="}) + line(EXIT0),
+        None,
+        cx.ProtocolError,
+        0,
+    ),
+    "non-canonical base64": (
+        FIRST + line(data(2, data_base64="eR==")) + line(EXIT0),
+        None,
+        cx.ProtocolError,
+        0,
+    ),
+    "base64 url alphabet": (
+        FIRST + line(data(2, data_base64="-_-_")) + line(EXIT0),
+        None,
+        cx.ProtocolError,
+        0,
+    ),
+    "invalid JSON": (FIRST + '{"type":"data",\n' + line(EXIT0), None, cx.ProtocolError, 0),
+    "not an object": (FIRST + '["data"]\n' + line(EXIT0), None, cx.ProtocolError, 0),
+    "unknown type": (FIRST + line({"type": "progress"}) + line(EXIT0), None, cx.ProtocolError, 0),
+    "oversized line": (
+        FIRST + '{"type":"heartbeat","pad":"' + "x" * LIMIT + '"}\n' + line(EXIT0),
+        None,
+        cx.ProtocolError,
+        0,
+    ),
+    "exit without status, wait 408": (
+        FIRST + line({"type": "exit"}),
+        (408, {"status": "fail", "data": {}}),
+        cx.ProtocolError,
+        1,
+    ),
+    "exit with null status, wait fails": (
+        FIRST + line({"type": "exit", "exit_code": None, "signal": None}),
+        (500, {"status": "error", "message": "down"}),
+        cx.ProtocolError,
+        3,  # the wait is an ordinary request: retried under the policy (3 attempts)
+    ),
+    "error frame": (
+        FIRST + line({"type": "error", "error": "internal"}),
+        None,
+        cx.ProtocolError,
+        0,
+    ),
+    "output_offset_expired frame": (
+        FIRST
+        + line({"type": "error", "error": "output_offset_expired", "oldest_available_seq": 7}),
+        None,
+        cx.OutputEvictedError,
+        0,
+    ),
+    "410 on connect": (EVICTED_410, None, cx.OutputEvictedError, 0),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", sorted(MALFORMED))
+def test_each_malformed_input_fails_closed_without_reconnecting(name):
+    answer, wait_answer, expected, waits = MALFORMED[name]
+    STATS["examples"] += 1
+    with mocked() as (mock, calls), client(
+        retry=cx.RetryPolicy(max_attempts=3, budget=30.0, initial_backoff=0, max_backoff=0)
+    ) as local:
+        if isinstance(answer, str):
+            mock.add(responses.GET, CONNECT, body=answer)
+        else:
+            mock.add(responses.GET, CONNECT, status=answer[0], json=answer[1])
+        if wait_answer is not None:
+            mock.add(responses.GET, WAIT, status=wait_answer[0], json=wait_answer[1])
+        with pytest.raises(cx.CreateOSError) as caught:
+            local.execute(SB, ["fuzz"])
+    assert type(caught.value) is expected
+    assert calls_to(calls, "GET", CONNECT) == 1  # a protocol error is never retried
+    assert calls_to(calls, "GET", WAIT) == waits
+    assert calls_to(calls, "DELETE", PROC) == 1  # the tree is terminated
+    assert caught.value.process_id == PID
+    if isinstance(answer, str) and answer.startswith(FIRST) and expected is cx.ProtocolError:
+        assert caught.value.result is not None and caught.value.result.stdout == "first\n"
+
+
+def test_exit_without_status_is_recovered_by_one_wait():
+    STATS["examples"] += 1
+    with mocked() as (mock, calls), client() as local:
+        mock.add(responses.GET, CONNECT, body=FIRST + line({"type": "exit"}))
+        mock.add(responses.GET, WAIT, json=ok(dict(EXITED, exit_code=5)))
+        result = local.execute(SB, ["fuzz"])
+    assert (result.exit_code, result.exit_recovered, result.stdout) == (5, True, "first\n")
+    assert calls_to(calls, "GET", WAIT) == 1 and calls_to(calls, "GET", CONNECT) == 1
+
+
+# --------------------------------------------------------------------------
+# Found while fuzzing (fixed): JSON nested too deeply for json.loads
+# --------------------------------------------------------------------------
+
+DEEP = "[" * 100_000 + "]" * 100_000  # RecursionError inside json.loads
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["410 on connect", "wait", "create", "delete"])
+def test_deeply_nested_json_answers_are_protocol_errors(where):
+    mock = responses.RequestsMock(assert_all_requests_are_fired=False)
+    with mock, client(
+        retry=cx.RetryPolicy(max_attempts=2, budget=30.0, initial_backoff=0, max_backoff=0)
+    ) as local:
+        if where == "create":
+            mock.add(responses.POST, PROCS, body=DEEP)
+            mock.add(responses.GET, PROCS, json=ok({"processes": []}))
+        else:
+            mock.add(responses.POST, PROCS, json=ok(record()))
+        mock.add(
+            responses.DELETE,
+            PROC,
+            **({"body": DEEP} if where == "delete" else {"json": ok(EXITED)}),
+        )
+        if where == "410 on connect":
+            mock.add(responses.GET, CONNECT, status=410, body=DEEP)
+        elif where == "wait":
+            mock.add(responses.GET, CONNECT, body=FIRST + line({"type": "exit"}))
+            mock.add(responses.GET, WAIT, body=DEEP)
+        else:  # a gap: the run fails and the tree is deleted
+            mock.add(responses.GET, CONNECT, body=FIRST + line(data(3)))
+        with pytest.raises(cx.CreateOSError):
+            local.execute(SB, ["fuzz"])

@@ -1,0 +1,1138 @@
+"""5. Secrets: the API key, env values and stdin never leak, whatever fails.
+
+Every failure path of items 1-4 (stream faults and resume, chaos, protocol
+violations, creation trouble, containment: Ctrl-C, cancel, a raising
+on_output, timeout) and HTTP errors whose bodies echo the request back are
+run with distinctive secrets. Then the secrets must appear in no exception
+(message, repr, args, any link of its __cause__ / __context__ graph, its
+formatted traceback, its attributes and pickle), no log record (DEBUG and
+up: message, args, exception text), no repr of the client or result, no
+process record of the sandbox (what anyone listing its processes reads), no
+request line the server logged, and on no stream of the command line.
+Redirects are never followed: the key never reaches the Location host.
+"""
+
+from __future__ import annotations
+
+import base64
+import glob
+import http.server
+import json
+import logging
+import os
+import pickle
+import random
+import re
+import select
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from hashlib import sha256
+from secrets import token_hex
+
+import pytest
+import requests
+import responses
+from conftest import SANDBOX, cli_argv, cli_env, make_client
+from local_server import STOLEN_LOCATION, LocalServer, endpoint_of
+
+import createos_exec as cx
+
+# Distinctive secrets. Each carries a random hex token that survives any
+# encoding (JSON, URL, repr) unchanged, so a partial or escaped leak is found
+# too; the full values are never spelled out in this file.
+KEY = "KEY-5ecret-" + token_hex(12)
+ENV_A = "ENV-5ecret-" + token_hex(12)
+ENV_B = "ENV-5ecret-" + token_hex(12) + "\nsecond line = 'quoted' $HOME \"x\""
+STDIN = "STDIN-5ecret-" + token_hex(12) + "\nmore stdin \u20ac\n"
+ENV = {"SECRET_A": ENV_A, "SECRET_B": ENV_B}
+SECRETS = {"api key": KEY, "env SECRET_A": ENV_A, "env SECRET_B": ENV_B, "stdin": STDIN}
+NEEDLES = []
+for _label, _value in SECRETS.items():
+    NEEDLES.append((_label, _value))
+    NEEDLES.append((_label + " token", re.search(r"5ecret-([0-9a-f]+)", _value).group(1)))
+
+# What the command prints: a digest proving env and stdin arrived, never them.
+# One os.write per line, so one line is one frame (PYTHONUNBUFFERED would
+# split a print() into two writes).
+DIGEST = sha256(f"{ENV_A}|{ENV_B}|{STDIN}".encode("utf-8")).hexdigest()
+PROGRAM = (
+    "import hashlib, os, sys, time\n"
+    "data = (os.environ['SECRET_A'] + '|' + os.environ['SECRET_B'] + '|').encode()\n"
+    "os.write(1, (hashlib.sha256(data + sys.stdin.buffer.read()).hexdigest() + '\\n').encode())\n"
+    "for i in range(int(sys.argv[1])):\n"
+    "    time.sleep(float(sys.argv[2]))\n"
+    "    os.write(1, b'line %d\\n' % i)\n"
+    "time.sleep(float(sys.argv[3]))\n"
+    "sys.exit(int(sys.argv[4]))\n"
+)
+
+
+def program(lines=4, delay=0.05, tail=0.0, code=0):
+    """argv of the command: the digest, then `lines` lines, a quiet `tail`, exit `code`."""
+    return [sys.executable, "-c", PROGRAM, str(lines), str(delay), str(tail), str(code)]
+
+
+def printed(lines=4):
+    return DIGEST + "\n" + "".join(f"line {i}\n" for i in range(lines))
+
+
+def echo_body(status):
+    """An answer body that echoes the whole request back, secrets included."""
+    echoed = {
+        "headers": {"X-Api-Key": KEY, "Content-Type": "application/octet-stream"},
+        "env": dict(ENV),
+        "stdin": STDIN,
+        "staged": base64.b64encode(
+            f"SECRET_A={ENV_A}\0SECRET_B={ENV_B}\0\0{STDIN}".encode()
+        ).decode("ascii"),
+        "raw": f"SECRET_A={ENV_A}\0SECRET_B={ENV_B}\0\0{STDIN}",
+    }
+    if status < 300:
+        return {"status": "odd", "echo": echoed, "message": f"key {KEY} stdin {STDIN}"}
+    if status < 500:
+        return {"status": "fail", "data": echoed}
+    return {
+        "status": "error",
+        "message": "request was " + json.dumps(echoed),
+        "code": status,
+        "data": echoed,
+    }
+
+
+# --------------------------------------------------------------------------
+# The leak scanner and the figures
+# --------------------------------------------------------------------------
+
+
+class Tally:
+    """Totals over the module, for the figures of the campaign."""
+
+    def __init__(self):
+        self.paths = set()  # distinct failure paths scanned
+        self.checks = 0  # texts searched for every secret
+        self.leaks = 0  # secrets found where they must not be
+        self.stolen_capture = 0  # a capture server listened on the local server's Location
+        self.staged_left = 0  # staged files the client could not remove (all 0600)
+
+
+TALLY = Tally()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _secrets_figures(figures):
+    yield
+    figures.record(
+        "5. secrets",
+        paths=len(TALLY.paths),
+        checks=TALLY.checks,
+        leaks=TALLY.leaks,
+        stolen_capture=TALLY.stolen_capture,
+        staged_left=TALLY.staged_left,
+    )
+
+
+class Scan:
+    """Collects every place a secret shows up; a test asserts it found none."""
+
+    def __init__(self, detail=""):
+        self.found = []
+        test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+        TALLY.paths.add(test + detail)
+
+    def text(self, where, value):
+        if value is None:
+            return
+        TALLY.checks += 1
+        if isinstance(value, (bytes, bytearray)):
+            value = bytes(value).decode("utf-8", "backslashreplace")
+        if not isinstance(value, str):
+            value = repr(value)
+        for label, needle in NEEDLES:
+            if needle in value:
+                TALLY.leaks += 1
+                self.found.append(f"{label} in {where}")
+
+    def error(self, exc):
+        """The exception, every link of its cause/context graph, its traceback."""
+        self.text(
+            "formatted traceback",
+            "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        )
+        for link in chain(exc):
+            name = type(link).__name__
+            self.text(f"str({name})", str(link))
+            self.text(f"repr({name})", repr(link))
+            self.text(f"{name}.args", repr(link.args))
+            for arg in link.args:
+                self.text(f"{name}.args item", str(arg))
+            if isinstance(link, cx.CreateOSError):
+                self.text(f"vars({name})", repr(vars(link)))
+                self.text(f"pickle({name})", pickle.dumps(link))
+                if link.result is not None:
+                    self.text(f"{name}.result", repr(link.result))
+
+    def logs(self, caplog):
+        for record in caplog.records:
+            where = f"log {record.name}:{record.levelname}"
+            self.text(where + " message", record.getMessage())
+            self.text(where + " msg", str(record.msg))
+            self.text(where + " args", repr(record.args))
+            self.text(where + " exc_text", record.exc_text)
+            if record.exc_info:
+                self.text(where + " exc_info", logging.Formatter().formatException(record.exc_info))
+                if record.exc_info[1] is not None:
+                    self.error(record.exc_info[1])
+            self.text(where + " stack_info", record.stack_info)
+        self.text("caplog.text", caplog.text)
+
+    def server(self, server):
+        """What anyone listing the sandbox's processes reads, and the request log."""
+        self.text("server.processes()", repr(server.processes()))
+        self.text("server request log", repr(server.requests))
+        self.text("GET …/processes", listing(server))
+
+    def staged_files(self):
+        """Staged env/stdin files left behind: private (0600), then removed by us."""
+        left = 0
+        for path in glob.glob("/tmp/.createos_exec-*"):
+            try:
+                with open(path, "rb") as handle:
+                    content = handle.read()
+                mode = stat.S_IMODE(os.stat(path).st_mode)
+            except OSError:  # removed meanwhile by its wrapper
+                continue
+            if not any(needle.encode() in content for _, needle in NEEDLES):
+                continue  # not ours
+            left += 1
+            TALLY.staged_left += 1
+            if mode & 0o077:
+                self.found.append(f"staged file {path} has mode {oct(mode)}")
+            os.remove(path)
+        return left
+
+    def assert_clean(self):
+        assert self.found == [], self.found
+
+
+def listing(server):
+    """The raw JSON of GET …/processes, past any faults still queued for it."""
+    for _ in range(100):
+        response = requests.get(
+            server.url + f"/v1/sandboxes/{SANDBOX}/processes",
+            headers={"X-Api-Key": KEY},
+            timeout=10,
+            allow_redirects=False,  # the key must not go to a queued redirect's Location
+        )
+        if response.status_code == 200 and response.json().get("status") == "success":
+            return response.text
+    raise AssertionError("GET …/processes kept failing")
+
+
+def chain(exc):
+    """Every exception reachable through __cause__ and __context__, once each."""
+    seen, todo = [], [exc]
+    while todo:
+        link = todo.pop()
+        if link is None or any(link is known for known in seen):
+            continue
+        seen.append(link)
+        todo.extend((link.__cause__, link.__context__))
+    return seen
+
+
+@pytest.fixture
+def server():
+    with LocalServer(api_key=KEY, heartbeat_interval=0.5) as local:
+        yield local
+
+
+@pytest.fixture(autouse=True)
+def _debug_logs(caplog):
+    caplog.set_level(logging.DEBUG)  # every logger, createos_exec and urllib3 included
+    caplog.set_level(logging.DEBUG, logger="createos_exec")
+
+
+def run_and_scan(server, caplog, command, *, client_options=None, **options):
+    """Run the command with env and stdin; scan everything.
+
+    Returns (result, error, the server's request log as the client left it).
+    """
+    result = error = None
+    with make_client(server, **(client_options or {})) as client:
+        try:
+            result = client.execute(SANDBOX, command, env=ENV, stdin=STDIN, **options)
+        except (Exception, KeyboardInterrupt) as exc:  # KeyboardInterrupt: a path under test
+            error = exc
+        scan = Scan()
+        scan.text("repr(client)", repr(client))
+        scan.text("str(client)", str(client))
+    partial = getattr(error, "result", None)
+    for name, value in (("result", result), ("error.result", partial)):
+        if value is not None:  # the wrapper must not print what it reads either
+            scan.text(f"repr({name})", repr(value))
+            scan.text(f"{name} output", (value.args, value.stdout, value.stderr, value.output))
+    if error is not None:
+        scan.error(error)
+    # Let containment and wrappers finish before looking at the records.
+    for record in server.processes():
+        server.wait_tree_gone(record["process_id"], timeout=15)
+    sent = list(server.requests)  # before our own look at the listing adds to it
+    scan.logs(caplog)
+    scan.server(server)
+    left = scan.staged_files()
+    assert any(r.name == "createos_exec" and r.levelno == logging.DEBUG for r in caplog.records), (
+        "the DEBUG request log was not captured"
+    )
+    for record in caplog.records:
+        if record.name == "createos_exec" and record.levelno == logging.DEBUG:
+            assert re.fullmatch(r"(GET|POST|PUT|DELETE) /v1/[A-Za-z0-9_/.-]+", record.getMessage())
+    scan.assert_clean()
+    return result, error, sent, left
+
+
+# --------------------------------------------------------------------------
+# Every failure path of items 1-4, with env and stdin
+# --------------------------------------------------------------------------
+
+GAP = b'{"type":"data","seq":9,"stream":"stdout","data_base64":"eA=="}'
+VIOLATIONS = {
+    "gap": GAP,
+    "invalid-json": b'{"type":"data",',
+    "bad-base64": b'{"type":"data","seq":2,"stream":"stdout","data_base64":"e*=="}',
+    "unknown-type": b'{"type":"progress"}',
+    "error-frame": b'{"type":"error","error":"internal"}',
+    "oversized": b'{"type":"heartbeat","pad":"' + b"x" * (1024 * 1024) + b'"}',
+    "eviction-frame": b'{"type":"error","error":"output_offset_expired","oldest_available_seq":5}',
+}
+
+
+class CallbackBoom(Exception):
+    """What the raising on_output raises."""
+
+
+def _raise(exc):
+    def on_output(stream, text):
+        raise exc
+
+    return on_output
+
+
+def _cancel_at_first_output(server):
+    cancel = threading.Event()
+    return {"cancel": cancel, "on_output": lambda stream, text: cancel.set()}
+
+
+def _cancel_while_silent(server):
+    cancel = threading.Event()
+    timer = threading.Timer(1.0, cancel.set)
+    timer.daemon = True
+    timer.start()
+    return {"cancel": cancel}
+
+
+def _evict_then_break(server):
+    server.drop_stream(after_frames=1)
+    fired = []
+
+    def on_output(stream, text):
+        if not fired:
+            fired.append(True)
+            time.sleep(0.4)  # let the process print more, then lose it
+            (record,) = server.processes()
+            server.evict(record["process_id"])
+
+    return {"on_output": on_output}
+
+
+def _chaos(seed):
+    def arrange(server):
+        rng = random.Random(seed)
+        for _ in range(6):
+            kind = rng.choice(["drop", "mid", "end", "503", "429", "replay"])
+            after = rng.randint(0, 3)
+            if kind == "drop":
+                server.drop_stream(after_frames=after)
+            elif kind == "mid":
+                server.drop_stream(after_frames=after, mid_frame=True)
+            elif kind == "end":
+                server.end_stream(after_frames=after)
+            elif kind == "replay":
+                server.replay_ignoring_after()
+            else:
+                server.fail("connect", int(kind), retry_after="0", body=echo_body(int(kind)))
+        return {}
+
+    return arrange
+
+
+def _faults(*calls):
+    """An arrange step: call each (method name, args, kwargs) on the server."""
+
+    def arrange(server):
+        for name, args, kwargs in calls:
+            getattr(server, name)(*args, **kwargs)
+        return {}
+
+    return arrange
+
+
+def _f(name, *args, **kwargs):
+    return (name, args, kwargs)
+
+
+def _echo_fail(endpoint, status, count=50):
+    return _f("fail", endpoint, status, count=count, body=echo_body(status))
+
+
+LONG = program(lines=1, delay=0.2, tail=30)
+SHORT = program(lines=1, delay=0.2, tail=3)  # outlives a cleanup that fails, briefly
+OK = "ok"
+# name: (arrange(server) -> extra execute options, command, client options, expected)
+PATHS = {
+    # 2./3. resume, don't restart; the retry policy
+    "plain-success": (_faults(), program(), {}, OK),
+    "drop": (_faults(_f("drop_stream", after_frames=2)), program(), {}, OK),
+    "drop-mid-frame": (
+        _faults(_f("drop_stream", after_frames=2, mid_frame=True)),
+        program(),
+        {},
+        OK,
+    ),
+    "clean-eof": (_faults(_f("end_stream", after_frames=2)), program(), {}, OK),
+    "stall": (
+        _faults(_f("stall_stream", after_frames=1, seconds=5)),
+        program(),
+        {"stream_idle_timeout": 0.5},
+        OK,
+    ),
+    "connect-503-retry-after": (
+        _faults(_f("fail", "connect", 503, count=2, retry_after="0", body=echo_body(503))),
+        program(),
+        {},
+        OK,
+    ),
+    "connect-429": (
+        _faults(_f("fail", "connect", 429, retry_after="0", body=echo_body(429))),
+        program(),
+        {},
+        OK,
+    ),
+    "replay-ignoring-after": (
+        _faults(_f("replay_ignoring_after", count=2), _f("drop_stream", after_frames=3)),
+        program(),
+        {},
+        OK,
+    ),
+    "separated-blips": (
+        _faults(*[_f("drop_stream", after_frames=1)] * 4),
+        program(lines=6),
+        {},
+        OK,
+    ),
+    # chaos: seeded mixes of stream faults
+    "chaos-1": (_chaos(1), program(lines=6), {}, OK),
+    "chaos-2": (_chaos(2), program(lines=6), {}, OK),
+    "chaos-3": (_chaos(3), program(lines=6), {}, OK),
+    # 4. the exit status out of band
+    "exit-recovered-by-wait": (
+        _faults(_f("drop_stream", after_frames=1), _echo_fail("connect", 503)),
+        program(lines=0),
+        {},
+        OK,
+    ),
+    "replay-window": (
+        _faults(_f("drop_stream", after_frames=1), _echo_fail("connect", 503, count=5)),
+        program(lines=1, delay=0.2),
+        {},
+        OK,
+    ),
+    "stream-ended": (
+        _faults(
+            _f("drop_stream", after_frames=1),
+            _echo_fail("connect", 503),
+            _echo_fail("wait", 503),
+        ),
+        LONG,
+        {},
+        cx.StreamEndedError,
+    ),
+    "exit-without-status-recovered": (
+        _faults(_f("corrupt_stream", b'{"type":"exit"}', after_frames=1)),
+        program(lines=0),
+        {},
+        OK,
+    ),
+    "exit-without-status-unanswered": (
+        _faults(
+            _f("corrupt_stream", b'{"type":"exit","exit_code":null}', after_frames=1),
+            _echo_fail("wait", 500),
+        ),
+        LONG,
+        {},
+        cx.ProtocolError,
+    ),
+    # protocol violations fail closed
+    **{
+        f"violation-{name}": (
+            _faults(_f("corrupt_stream", line, after_frames=1)),
+            LONG,
+            {},
+            cx.OutputEvictedError if name == "eviction-frame" else cx.ProtocolError,
+        )
+        for name, line in VIOLATIONS.items()
+    },
+    "410-on-reconnect": (
+        _evict_then_break,
+        program(lines=3, delay=0.1, tail=30),
+        {},
+        cx.OutputEvictedError,
+    ),
+    # 1. one creation, ever
+    "lost-create-answer-adopted": (_faults(_f("lose_create_response")), program(), {}, OK),
+    "lost-create-answer-listing-fails": (
+        _faults(_f("lose_create_response"), _echo_fail("list", 503)),
+        program(lines=0),
+        {},
+        cx.CleanupError,
+    ),
+    "create-500-not-found": (
+        _faults(_echo_fail("create", 500, count=1)),
+        program(),
+        {},
+        cx.CleanupError,
+    ),
+    # 5. containment
+    "timeout": (_faults(), LONG, {}, "timed_out"),
+    "timeout-check": (_faults(), LONG, {}, cx.CommandError),
+    "cancel-at-output": (_cancel_at_first_output, LONG, {}, cx.CancelledError),
+    "cancel-while-silent": (_cancel_while_silent, program(lines=0, tail=30), {}, cx.CancelledError),
+    "raising-on-output": (
+        lambda server: {"on_output": _raise(CallbackBoom("callback failed"))},
+        LONG,
+        {},
+        CallbackBoom,
+    ),
+    "ctrl-c-in-on-output": (
+        lambda server: {"on_output": _raise(KeyboardInterrupt())},
+        LONG,
+        {},
+        KeyboardInterrupt,
+    ),
+    "ctrl-c-cleanup-fails": (
+        lambda server: (
+            server.fail("delete", 503, count=100, body=echo_body(503))
+            or {"on_output": _raise(KeyboardInterrupt())}
+        ),
+        SHORT,
+        {"cleanup_timeout": 2.0},
+        KeyboardInterrupt,
+    ),
+    "cleanup-unconfirmed": (
+        _faults(_f("corrupt_stream", GAP, after_frames=1), _echo_fail("delete", 503, count=100)),
+        SHORT,
+        {"cleanup_timeout": 2.0},
+        cx.CleanupError,
+    ),
+    "check-nonzero-exit": (_faults(), program(lines=1, code=3), {}, cx.CommandError),
+    "wrong-key-401": (_faults(), program(), {"api_key": KEY + "-wrong"}, cx.APIError),
+}
+
+
+@pytest.mark.parametrize("name", list(PATHS))
+def test_failure_paths_leak_no_secret(server, caplog, name):
+    arrange, command, client_options, expected = PATHS[name]
+    options = arrange(server) or {}
+    if name.startswith("timeout"):
+        options.update(timeout=1.5, check=name == "timeout-check")
+    if name == "check-nonzero-exit":
+        options.update(check=True)
+    result, error, _, left = run_and_scan(
+        server, caplog, command, client_options=client_options, **options
+    )
+    if expected == OK:
+        assert error is None, repr(error)
+        assert result.exit_code == 0
+        # Not vacuous: env and stdin did reach the process.
+        assert result.stdout.startswith(DIGEST + "\n")
+        assert result.stdout == printed(int(command[3]))
+    elif expected == "timed_out":
+        assert error is None and result.timed_out
+        assert result.stdout.startswith(DIGEST + "\n")
+    else:
+        assert type(error) is expected, repr(error)
+    assert left == 0  # the wrapper or the client removed the staged file
+    if name == "ctrl-c-cleanup-fails":
+        assert any(r.levelno == logging.WARNING for r in caplog.records)
+
+
+# --------------------------------------------------------------------------
+# HTTP errors whose bodies echo the request, on every endpoint the client uses
+# --------------------------------------------------------------------------
+
+ENDPOINTS = ("create", "connect", "wait", "delete", "list", "files_put", "exec")
+STATUSES = (200, 301, 302, 307, 308, 400, 401, 404, 409, 429, 500, 503)
+
+
+def arrange_echo(server, endpoint, status):
+    """Make the run reach `endpoint`, which then answers `status` with an echo."""
+    if endpoint == "create":
+        server.fail("create", status, body=echo_body(status))
+    elif endpoint in ("files_put", "connect"):
+        server.fail(endpoint, status, count=50, body=echo_body(status))
+    elif endpoint == "wait":  # the stream cannot deliver the exit status: ask wait
+        server.drop_stream(after_frames=1)
+        server.fail("connect", 503, count=50, body=echo_body(503))
+        server.fail("wait", status, count=50, body=echo_body(status))
+    elif endpoint == "delete":  # a protocol violation: terminate the tree
+        server.corrupt_stream(GAP, after_frames=1)
+        server.fail("delete", status, count=50, body=echo_body(status))
+    elif endpoint == "list":  # an ambiguous creation: look for it
+        server.lose_create_response()
+        server.fail("list", status, count=50, body=echo_body(status))
+    else:  # exec: creation refused, so the staged file is removed through exec
+        server.fail("create", 400, body=echo_body(400))
+        server.fail("exec", status, count=50, body=echo_body(status))
+
+
+class Capture:
+    """A plain HTTP server that records every request it is sent (it must get none)."""
+
+    def __init__(self, host, port=0):
+        self.requests = []
+        capture = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _any(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else b""
+                capture.requests.append((self.command, self.path, dict(self.headers), body))
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            do_GET = do_POST = do_PUT = do_DELETE = _any
+
+            def log_message(self, *args):
+                pass
+
+        self._httpd = http.server.ThreadingHTTPServer((host, port), Handler)
+        self._httpd.daemon_threads = True
+        self.host, self.port = self._httpd.server_address[:2]
+        self.url = f"http://{self.host}:{self.port}"
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
+        self._thread.start()
+
+    def close(self):
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(5)
+
+
+@pytest.fixture(scope="module")
+def stolen():
+    """A capture server on the local server's redirect target, when it can be bound."""
+    host, port = re.match(r"http://([^:/]+):(\d+)/", STOLEN_LOCATION).groups()
+    try:
+        capture = Capture(host, int(port))
+    except OSError:  # port 1 needs privileges; then nothing listens there at all
+        yield None
+        return
+    TALLY.stolen_capture = 1
+    yield capture
+    capture.close()
+
+
+@pytest.mark.parametrize("status", STATUSES)
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_echoing_error_bodies_leak_no_secret(server, caplog, stolen, endpoint, status):
+    arrange_echo(server, endpoint, status)
+    before = len(stolen.requests) if stolen else 0
+    _, _, sent, left = run_and_scan(
+        server, caplog, program(lines=0, tail=0.5 if endpoint == "delete" else 0)
+    )
+    answered = [r.status for r in sent if endpoint_of(r.method, r.path) == endpoint]
+    assert status in answered, (endpoint, answered)  # the path was really taken
+    if 300 <= status < 400:  # never followed: one request, and none at the Location
+        assert answered.count(status) == 1
+        if stolen:
+            assert stolen.requests[before:] == []
+    # Only a failed removal leaves the staged file behind (private, see Scan).
+    assert left == (1 if endpoint == "exec" else 0)
+    if endpoint == "exec" and status != 200:
+        assert "Could not remove the staged env/stdin file" in caplog.text
+
+
+# --------------------------------------------------------------------------
+# The process record and the request log, after successful and failing runs
+# --------------------------------------------------------------------------
+
+
+def test_process_records_never_hold_env_or_stdin(server, caplog):
+    runs = (
+        (None, program(), {}),
+        (lambda: server.drop_stream(after_frames=1), program(), {}),
+        (lambda: server.corrupt_stream(GAP, after_frames=1), LONG, {}),
+        (None, LONG, {"timeout": 1.0}),
+        (None, LONG, {"on_output": _raise(CallbackBoom("callback failed"))}),
+        (None, program(code=5), {"check": True}),
+    )
+    printed_digest = 0
+    with make_client(server) as client:
+        for arrange, command, options in runs:
+            if arrange is not None:
+                arrange()
+            try:
+                result = client.execute(SANDBOX, command, env=ENV, stdin=STDIN, **options)
+            except (cx.CreateOSError, CallbackBoom) as exc:
+                result = getattr(exc, "result", None)
+            printed_digest += bool(result and result.stdout.startswith(DIGEST + "\n"))
+    assert printed_digest >= 4  # not vacuous: the secrets did reach the processes
+    records = server.processes()
+    assert len(records) == len(runs)
+    for record in records:
+        assert server.wait_tree_gone(record["process_id"])
+    scan = Scan()
+    scan.server(server)
+    for record in json.loads(listing(server))["data"]["processes"]:
+        scan.text("cmd", record["cmd"])
+        scan.text("args", json.dumps(record["args"]))
+        scan.text("cwd", record["cwd"])
+        one = requests.get(
+            server.url + f"/v1/sandboxes/{SANDBOX}/processes/{record['process_id']}",
+            headers={"X-Api-Key": KEY},
+            timeout=10,
+            allow_redirects=False,
+        )
+        assert one.status_code == 200
+        scan.text("GET …/processes/ID", one.text)
+    scan.logs(caplog)
+    scan.staged_files()
+    scan.assert_clean()
+
+
+# --------------------------------------------------------------------------
+# The command line: failing servers, --json, and SIGINT
+# --------------------------------------------------------------------------
+
+CLI_ARGS = [f"--env=SECRET_A={ENV_A}", f"--env=SECRET_B={ENV_B}", "--stdin", "-"]
+CLI_CASES = {
+    "success": (_faults(), program(lines=1), 0),
+    "create-400-echo": (_faults(_echo_fail("create", 400, count=1)), program(), 125),
+    "staging-401-echo": (_faults(_echo_fail("files_put", 401)), program(), 125),
+    "create-302": (_faults(_echo_fail("create", 302, count=1)), program(), 125),
+    "protocol-violation": (_faults(_f("corrupt_stream", GAP, after_frames=1)), LONG, 125),
+    # The command line has no retry options: statuses it does not retry keep it quick.
+    "cleanup-unconfirmed-with-warnings": (
+        _faults(_f("corrupt_stream", GAP, after_frames=1), _echo_fail("delete", 409)),
+        SHORT,
+        125,
+    ),
+}
+
+
+def scan_cli(scan, out, err):
+    scan.text("CLI stdout", out)
+    scan.text("CLI stderr", err)
+
+
+@pytest.mark.parametrize("json_mode", [False, True], ids=["live", "json"])
+@pytest.mark.parametrize("case", list(CLI_CASES))
+def test_command_line_leaks_no_secret(server, case, json_mode):
+    arrange, command, code = CLI_CASES[case]
+    arrange(server)
+    args = (["--json"] if json_mode else []) + CLI_ARGS + [SANDBOX, "--", *command]
+    done = subprocess.run(
+        cli_argv(*args),
+        env=cli_env(server),
+        input=STDIN.encode("utf-8"),
+        capture_output=True,
+        timeout=90,
+    )
+    assert done.returncode == code, done.stderr
+    scan = Scan()
+    scan_cli(scan, done.stdout, done.stderr)
+    scan.server(server)
+    scan.staged_files()
+    scan.assert_clean()
+    if case == "success":
+        assert DIGEST.encode() in done.stdout  # env and stdin arrived
+    elif case.startswith("cleanup") and not json_mode:
+        assert b"Termination of" in done.stderr  # the WARNING reached stderr, clean
+
+
+def read_line(pipe, timeout):
+    """One line from a pipe, waiting at most `timeout` seconds."""
+    fd, data, deadline = pipe.fileno(), b"", time.monotonic() + timeout
+    while b"\n" not in data:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            break
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+@pytest.mark.parametrize("cleanup", ["works", "fails"])
+def test_sigint_to_the_command_line_leaks_no_secret(server, cleanup):
+    if cleanup == "fails":
+        server.fail("delete", 409, count=10, body=echo_body(409))
+    # stdin: a pipe already holding the secret and closed, as `--stdin -` reads to EOF.
+    reader, writer = os.pipe()
+    os.write(writer, STDIN.encode("utf-8"))
+    os.close(writer)
+    try:
+        child = subprocess.Popen(
+            # A cleanup that fails leaves the command running: then only briefly.
+            cli_argv(
+                *CLI_ARGS, SANDBOX, "--", *program(lines=0, tail=60 if cleanup == "works" else 4)
+            ),
+            env=cli_env(server),
+            stdin=reader,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+    finally:
+        os.close(reader)
+    try:
+        first = read_line(child.stdout, 30)
+        assert first == DIGEST.encode() + b"\n"  # running, env and stdin arrived
+        child.send_signal(signal.SIGINT)
+        out, err = child.communicate(timeout=60)
+    finally:
+        child.kill()
+        child.wait(10)
+    assert child.returncode == 130, err
+    scan = Scan()
+    scan_cli(scan, first + out, err)
+    for record in server.processes():
+        server.wait_tree_gone(record["process_id"], timeout=15)
+    scan.server(server)
+    scan.staged_files()
+    scan.assert_clean()
+    assert b"interrupted" in err
+    if cleanup == "fails":
+        assert b"Termination of" in err  # logged at WARNING, reaches stderr, clean
+
+
+# --------------------------------------------------------------------------
+# Refused arguments: the ConfigError never carries the secret it refuses
+# --------------------------------------------------------------------------
+
+
+def refusal(build_and_run):
+    """The exception of a call that must be refused before any request is sent."""
+    try:
+        build_and_run()
+    except Exception as exc:  # any type: the test asserts which one
+        return exc
+    raise AssertionError("the call was not refused")
+
+
+@pytest.mark.parametrize(
+    "name, call",
+    [
+        ("NUL in an env value", lambda c: c.execute(SANDBOX, ["true"], env={"A": ENV_A + "\0"})),
+        ("env value not a str", lambda c: c.execute(SANDBOX, ["true"], env={"A": [ENV_A]})),
+        ("bad env name", lambda c: c.execute(SANDBOX, ["true"], env={"A B": ENV_A})),
+        ("stdin of a bad type", lambda c: c.execute(SANDBOX, ["true"], stdin=[STDIN])),
+        ("key with CR LF", lambda c: cx.Client(c.api_url, KEY + "\r\nX-Evil: 1")),
+        ("key with spaces", lambda c: cx.Client(c.api_url, " " + KEY)),
+        ("key in the URL", lambda c: cx.Client(c.api_url.replace("//", f"//u:{KEY}@"), KEY)),
+    ],
+)
+def test_refused_arguments_do_not_echo_secrets(server, caplog, name, call):
+    with make_client(server) as client:
+        error = refusal(lambda: call(client))
+    assert isinstance(error, cx.ConfigError), repr(error)
+    assert server.requests == []  # refused before anything was sent
+    scan = Scan()
+    scan.error(error)
+    scan.logs(caplog)
+    scan.assert_clean()
+
+
+def test_unencodable_api_key_is_refused_without_echoing_it(server, caplog):
+    key = KEY + "\u2026"  # a pasted ellipsis: not Latin-1, not sendable in a header
+
+    def build_and_run():
+        with make_client(server, api_key=key) as client:
+            client.execute(SANDBOX, ["true"])
+
+    error = refusal(build_and_run)
+    scan = Scan()
+    scan.error(error)
+    scan.logs(caplog)
+    assert isinstance(error, cx.ConfigError), repr(error)
+    scan.assert_clean()
+
+
+def test_env_value_not_unicode_is_refused_without_echoing_it(server, caplog):
+    # os.environ values on POSIX carry lone surrogates for undecodable bytes.
+    with make_client(server) as client:
+        error = refusal(lambda: client.execute(SANDBOX, ["true"], env={"A": ENV_A + "\udcff"}))
+    scan = Scan()
+    scan.error(error)
+    assert isinstance(error, cx.ConfigError), repr(error)
+    scan.assert_clean()
+
+
+def test_stdin_not_unicode_is_refused_without_echoing_it(server, caplog):
+    # Text read with errors="surrogateescape" carries lone surrogates.
+    with make_client(server) as client:
+        error = refusal(lambda: client.execute(SANDBOX, ["cat"], stdin=STDIN + "\udcff"))
+    scan = Scan()
+    scan.error(error)
+    assert isinstance(error, cx.ConfigError), repr(error)
+    scan.assert_clean()
+
+
+# --------------------------------------------------------------------------
+# Redirects are never followed: the key never reaches the Location host
+# --------------------------------------------------------------------------
+
+REDIRECTS = (301, 302, 303, 307, 308)
+FAST = cx.RetryPolicy(max_attempts=2, budget=5.0, initial_backoff=0, max_backoff=0)
+
+
+class Redirector:
+    """A real HTTP server that answers every request with `status` and a Location."""
+
+    def __init__(self, status, target):
+        self.requests = []
+        redirector = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _any(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                if length:
+                    self.rfile.read(length)
+                redirector.requests.append((self.command, self.path))
+                location = target if target.startswith("http") else redirector.url + target
+                body = json.dumps(echo_body(status)).encode()
+                self.send_response(status)
+                self.send_header("Location", location)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = do_PUT = do_DELETE = _any
+
+            def log_message(self, *args):
+                pass
+
+        self._httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._httpd.daemon_threads = True
+        self.url = "http://127.0.0.1:%d" % self._httpd.server_address[1]
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
+        self._thread.start()
+
+    def close(self):
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(5)
+
+
+@pytest.fixture(scope="module")
+def capture():
+    """The cross-origin Location host: 127.0.0.2 when bindable, else another port."""
+    try:
+        server = Capture("127.0.0.2")
+    except OSError:
+        server = Capture("127.0.0.1")
+    yield server
+    server.close()
+
+
+def _redirect_runs(client):
+    """Each kind of request the client sends, as (first request, call)."""
+    return [
+        (
+            "PUT /v1/sandboxes/sb_local/files",
+            lambda: client.execute(SANDBOX, ["true"], env=ENV, stdin=STDIN),
+        ),
+        ("POST /v1/sandboxes/sb_local/processes", lambda: client.execute(SANDBOX, ["true"])),
+        (
+            "GET /v1/sandboxes/sb_local/processes/proc_1/connect",
+            lambda: client.attach(SANDBOX, "proc_1"),
+        ),
+    ]
+
+
+@pytest.mark.parametrize("own_session", [True, False], ids=["own-session", "caller-session"])
+@pytest.mark.parametrize("origin", ["same", "cross"])
+@pytest.mark.parametrize("status", REDIRECTS)
+def test_real_redirects_are_not_followed(capture, caplog, status, origin, own_session):
+    target = "/v1/sandboxes/sb_local/moved" if origin == "same" else capture.url + "/stolen"
+    redirector = Redirector(status, target)
+    session = None if own_session else requests.Session()
+    before = len(capture.requests)
+    try:
+        client = cx.Client(
+            redirector.url, KEY, retry=FAST, rate_limit=None, cleanup_timeout=2.0, session=session
+        )
+        with client:
+            for first, call in _redirect_runs(client):
+                sent = len(redirector.requests)
+                with pytest.raises(cx.CreateOSError) as caught:
+                    call()
+                scan = Scan(" " + first)
+                scan.error(caught.value)
+                scan.text("repr(client)", repr(client))
+                scan.assert_clean()
+                error = caught.value
+                if isinstance(error, cx.CleanupError):  # attach: connect, then DELETE
+                    error = error.__cause__
+                assert isinstance(error, cx.APIError) and error.status == status
+                seen = [f"{m} {p.split('?')[0]}" for m, p in redirector.requests[sent:]]
+                assert seen[0] == first
+                assert not any("moved" in line for line in seen)  # same origin: not followed
+                assert len(seen) <= 2  # the request, and at most the cleanup DELETE
+    finally:
+        redirector.close()
+        if session is not None:
+            session.close()
+    assert capture.requests[before:] == []
+    scan = Scan()
+    scan.logs(caplog)
+    scan.assert_clean()
+
+
+def test_command_line_redirect_is_not_followed(capture):
+    redirector = Redirector(307, capture.url + "/stolen")
+    before = len(capture.requests)
+    try:
+        env = dict(os.environ, CREATEOS_API_URL=redirector.url, CREATEOS_API_KEY=KEY)
+        env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        done = subprocess.run(
+            cli_argv(*CLI_ARGS, SANDBOX, "--", "true"),
+            env=env,
+            input=STDIN.encode(),
+            capture_output=True,
+            timeout=60,
+        )
+    finally:
+        redirector.close()
+    assert done.returncode == 125
+    assert b"HTTP 307" in done.stderr
+    assert capture.requests[before:] == []
+    assert [m for m, _ in redirector.requests] == ["PUT"]
+    scan = Scan()
+    scan_cli(scan, done.stdout, done.stderr)
+    scan.assert_clean()
+
+
+# Canned answers (responses): every endpoint, same- and cross-origin Locations.
+BASE = "https://api.example.test"
+SAME = BASE + "/v1/moved"
+CROSS = "https://capture.example.test/stolen"
+SB = "sb_1"
+PID = "proc_x"
+PROCS = f"{BASE}/v1/sandboxes/{SB}/processes"
+PROC = f"{PROCS}/{PID}"
+
+
+def _ok(data):
+    return {"status": "success", "data": data}
+
+
+def _record(**fields):
+    base = {
+        "process_id": PID,
+        "kind": "process",
+        "pid": 42,
+        "state": "exited",
+        "leader_exited": True,
+        "tree_exited": True,
+        "created_at": "2024-01-01T00:00:00Z",
+        "output": {"oldest_seq": 1, "newest_seq": 1, "bytes": 1},
+    }
+    base.update(fields)
+    return base
+
+
+def _ndjson(*frames):
+    return "".join(json.dumps(frame) + "\n" for frame in frames)
+
+
+DATA1 = {"type": "data", "seq": 1, "stream": "stdout", "data_base64": "eA=="}
+
+
+def _canned(rsps, endpoint, status, location):
+    """Answers that lead the run to `endpoint`, which redirects; the expected error."""
+    redirect = dict(status=status, headers={"Location": location}, json=echo_body(status))
+    created = dict(json=_ok(_record(state="running", leader_exited=False, tree_exited=False)))
+    deleted = dict(json=_ok(_record()))
+    if endpoint == "files_put":
+        rsps.add(responses.PUT, f"{BASE}/v1/sandboxes/{SB}/files", **redirect)
+        return cx.APIError
+    rsps.add(responses.PUT, f"{BASE}/v1/sandboxes/{SB}/files", json=_ok({}))
+    if endpoint == "create":
+        rsps.add(responses.POST, PROCS, **redirect)
+        return cx.APIError
+    if endpoint == "list":
+        rsps.add(responses.POST, PROCS, body=requests.exceptions.ConnectionError("reset"))
+        rsps.add(responses.GET, PROCS, **redirect)
+        return cx.CleanupError
+    if endpoint == "exec":
+        rsps.add(responses.POST, PROCS, status=400, json=echo_body(400))
+        rsps.add(responses.POST, f"{BASE}/v1/sandboxes/{SB}/exec", **redirect)
+        return cx.APIError
+    rsps.add(responses.POST, PROCS, **created)
+    if endpoint == "connect":
+        rsps.add(responses.GET, f"{PROC}/connect", **redirect)
+        rsps.add(responses.DELETE, PROC, **deleted)
+        return cx.APIError
+    if endpoint == "wait":  # the stream never brings the exit frame: recover by wait
+        rsps.add(responses.GET, f"{PROC}/connect", body=_ndjson(DATA1))
+        rsps.add(responses.GET, f"{PROC}/wait", **redirect)
+        rsps.add(responses.DELETE, PROC, **deleted)
+        return cx.StreamEndedError
+    # delete: a protocol violation, then the termination is redirected
+    rsps.add(responses.GET, f"{PROC}/connect", body=_ndjson(DATA1, {"type": "bogus"}))
+    rsps.add(responses.DELETE, PROC, **redirect)
+    return cx.CleanupError
+
+
+@pytest.mark.parametrize("origin", ["same", "cross"])
+@pytest.mark.parametrize("status", REDIRECTS)
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_canned_redirects_are_not_followed(caplog, endpoint, status, origin):
+    location = SAME if origin == "same" else CROSS
+    hits = []
+
+    def trap(request):
+        hits.append((request.method, request.url, request.headers.get("X-Api-Key")))
+        return (200, {}, json.dumps(_ok({})))
+
+    with responses.RequestsMock(assert_all_requests_are_fired=False) as rsps:
+        for method in (responses.GET, responses.POST, responses.PUT, responses.DELETE):
+            rsps.add_callback(method, re.compile(re.escape(location) + ".*"), callback=trap)
+        expected = _canned(rsps, endpoint, status, location)
+        client = cx.Client(BASE, KEY, retry=FAST, rate_limit=None, cleanup_timeout=2.0)
+        with client, pytest.raises(expected) as caught:
+            client.execute(SB, ["true"], env=ENV, stdin=STDIN)
+        redirected = [
+            call for call in rsps.calls if getattr(call.response, "status_code", None) == status
+        ]
+    assert type(caught.value) is expected
+    assert hits == []
+    assert len(redirected) == 1  # asked once, never again, never at the Location
+    scan = Scan()
+    scan.error(caught.value)
+    scan.logs(caplog)
+    scan.assert_clean()
