@@ -725,7 +725,24 @@ _SIGNAL_WORDS = {
     "broken pipe": "SIGPIPE",
     "alarm clock": "SIGALRM",
     "terminated": "SIGTERM",
+    "stack fault": "SIGSTKFLT",
+    "child exited": "SIGCHLD",
+    "continued": "SIGCONT",
+    "stopped (signal)": "SIGSTOP",
+    "stopped": "SIGTSTP",
+    "stopped (tty input)": "SIGTTIN",
+    "stopped (tty output)": "SIGTTOU",
+    "urgent i/o condition": "SIGURG",
+    "cpu time limit exceeded": "SIGXCPU",
+    "file size limit exceeded": "SIGXFSZ",
+    "virtual timer expired": "SIGVTALRM",
+    "profiling timer expired": "SIGPROF",
+    "window changed": "SIGWINCH",
+    "i/o possible": "SIGIO",
+    "power failure": "SIGPWR",
+    "bad system call": "SIGSYS",
 }
+_SIGNAL_NUMBER_WORD = re.compile(r"signal ([1-9][0-9]?)\Z")  # Go's words for the others
 _SIGNAL_NAME = re.compile(r"SIG[A-Z0-9]{1,16}\Z")
 
 
@@ -738,7 +755,7 @@ def _exit_status(fields: Dict[str, Any]) -> Optional[_Exit]:
     if signal is not None:
         if not isinstance(signal, str):
             raise ProtocolError("an exit status names its signal with a non-string")
-        name = signal if _SIGNAL_NAME.match(signal) else _SIGNAL_WORDS.get(signal.lower())
+        name = signal if _SIGNAL_NAME.match(signal) else _signal_from_words(signal.lower())
         if name is None:
             raise ProtocolError("an exit status names an unknown signal")
         return _Exit(None, name)
@@ -749,7 +766,15 @@ def _exit_status(fields: Dict[str, Any]) -> Optional[_Exit]:
     return _Exit(code, None)
 
 
+def _signal_from_words(words: str) -> Optional[str]:
+    numbered = _SIGNAL_NUMBER_WORD.match(words)
+    return "SIG" + numbered.group(1) if numbered else _SIGNAL_WORDS.get(words)
+
+
 def _signal_number(name: str) -> Optional[int]:
+    """The number of a signal name; SIG34 style names (real-time signals) included."""
+    if name[3:].isdigit():
+        return int(name[3:])
     try:
         return int(_signal.Signals[name])
     except KeyError:

@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, ROOT)
 
-from local_server import LocalServer  # noqa: E402
+from local_server import READINGS, LocalServer  # noqa: E402
 
 import createos_exec as cx  # noqa: E402
 
@@ -24,9 +24,24 @@ SANDBOX = "sb_local"
 FAST_RETRY = cx.RetryPolicy(max_attempts=6, budget=10.0, initial_backoff=0.01, max_backoff=0.05)
 
 
+# Modules whose tests run against both readings of protocol.md §11 (see
+# LocalServer): each test that uses `server` (or `client`) runs twice, with ids
+# [conservative] and [alternative]. Other modules keep the conservative
+# reading only: doubling them all would cost CI more than it finds.
+BOTH_READINGS = ("test_execute", "test_resilience", "test_sdk_fidelity")
+
+
+def pytest_generate_tests(metafunc):
+    module = metafunc.module.__name__.rpartition(".")[2]
+    if module in BOTH_READINGS and "server" in metafunc.fixturenames:
+        metafunc.parametrize("server", READINGS, indirect=True)
+
+
 @pytest.fixture
-def server():
-    with LocalServer(heartbeat_interval=0.5) as local:
+def server(request):
+    """A local server; `server.reading` says which reading of protocol §11 it plays."""
+    reading = getattr(request, "param", "conservative")
+    with LocalServer(heartbeat_interval=0.5, reading=reading) as local:
         yield local
 
 

@@ -4,12 +4,17 @@ WARNING: this server RUNS COMMANDS ON THIS MACHINE, as the user who started
 it, for anyone who knows its API key. It binds loopback addresses only.
 
 It speaks the managed-process, files and exec endpoints of the CreateOS
-Sandbox REST API (see ``protocol.md``): JSend envelopes, ``X-Api-Key`` auth,
+Sandbox REST API (see ``protocol.md``), and the GET of a sandbox that SDKs
+use to get a handle on one: JSend envelopes, ``X-Api-Key`` auth,
 NDJSON output streams over chunked HTTP/1.1 with heartbeats, a bounded
 replay journal with whole-frame eviction, ``wait`` long-polls and
 process-group termination with a grace period. Tests can also inject faults
 (error statuses, dropped / ended / stalled / corrupted streams, eviction, a
 lost create response).
+
+Where protocol.md §11 leaves the service open, ``LocalServer(reading=...)``
+answers the conservative way (the default) or the alternative way (see
+``LocalServer``), so that a client can be tested against both.
 
 Python API::
 
@@ -64,6 +69,48 @@ POLL_INTERVAL = 0.02  # seconds between /proc scans while waiting for a tree
 KILL_TIMEOUT = 10.0  # seconds a SIGKILLed group gets to disappear
 STOLEN_LOCATION = "http://127.0.0.2:1/stolen"
 
+# The two readings of protocol §11 (see LocalServer's docstring).
+CONSERVATIVE = "conservative"
+ALTERNATIVE = "alternative"
+READINGS = (CONSERVATIVE, ALTERNATIVE)
+ALT_STREAM_LIFETIME = 2.0  # seconds a connect stream lives under the alternative reading
+ALT_WAIT_CAP = 1.0  # seconds: the longest wait long-poll under the alternative reading
+
+# How Go's syscall.Signal.String() spells signals (Linux), for the alternative reading.
+GO_SIGNAL_WORDS = {
+    "SIGHUP": "hangup",
+    "SIGINT": "interrupt",
+    "SIGQUIT": "quit",
+    "SIGILL": "illegal instruction",
+    "SIGTRAP": "trace/breakpoint trap",
+    "SIGABRT": "aborted",
+    "SIGBUS": "bus error",
+    "SIGFPE": "floating point exception",
+    "SIGKILL": "killed",
+    "SIGUSR1": "user defined signal 1",
+    "SIGSEGV": "segmentation fault",
+    "SIGUSR2": "user defined signal 2",
+    "SIGPIPE": "broken pipe",
+    "SIGALRM": "alarm clock",
+    "SIGTERM": "terminated",
+    "SIGSTKFLT": "stack fault",
+    "SIGCHLD": "child exited",
+    "SIGCONT": "continued",
+    "SIGSTOP": "stopped (signal)",
+    "SIGTSTP": "stopped",
+    "SIGTTIN": "stopped (tty input)",
+    "SIGTTOU": "stopped (tty output)",
+    "SIGURG": "urgent I/O condition",
+    "SIGXCPU": "CPU time limit exceeded",
+    "SIGXFSZ": "file size limit exceeded",
+    "SIGVTALRM": "virtual timer expired",
+    "SIGPROF": "profiling timer expired",
+    "SIGWINCH": "window changed",
+    "SIGIO": "I/O possible",
+    "SIGPWR": "power failure",
+    "SIGSYS": "bad system call",
+}
+
 ALLOWED_SIGNALS = (
     "SIGHUP",
     "SIGINT",
@@ -87,6 +134,7 @@ ENDPOINTS = (
     "files_get",
     "files_put",
     "exec",
+    "sandbox",
 )
 ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 SANDBOX_ID = re.compile(r"[A-Za-z0-9_-]{1,200}\Z")
@@ -97,6 +145,7 @@ _PROC = _SB + r"/processes/([^/]+)"
 # (method, path pattern, endpoint name); path groups are URL-decoded ids.
 ROUTES = (
     ("GET", re.compile(r"/healthz\Z"), "healthz"),
+    ("GET", re.compile(_SB + r"\Z"), "sandbox"),
     ("POST", re.compile(_SB + r"/processes\Z"), "create"),
     ("GET", re.compile(_SB + r"/processes\Z"), "list"),
     ("GET", re.compile(_PROC + r"\Z"), "get"),
@@ -168,6 +217,11 @@ def signal_name(signum: int) -> str:
         return "SIG%d" % signum
 
 
+def go_signal_word(signum: int) -> str:
+    """The signal as Go's syscall.Signal.String() spells it ("killed", "signal 34")."""
+    return GO_SIGNAL_WORDS.get(signal_name(signum), "signal %d" % signum)
+
+
 def live_process_groups() -> set[int]:
     """Process group ids that still have a member which is not a zombie.
 
@@ -211,11 +265,12 @@ def loopback_host(host: str) -> str:
 class Frame:
     """One journalled data frame, kept pre-encoded as its NDJSON line."""
 
-    __slots__ = ("seq", "size", "line")
+    __slots__ = ("seq", "size", "encoded_size", "line")
 
     def __init__(self, seq: int, stream: str, data: bytes):
         self.seq = seq
         self.size = len(data)
+        self.encoded_size = 4 * ((len(data) + 2) // 3)
         self.line = frame_line(
             {
                 "type": "data",
@@ -232,6 +287,8 @@ def frame_line(frame: dict[str, Any]) -> bytes:
 
 HEARTBEAT_LINE = frame_line({"type": "heartbeat"})
 STOP = object()  # "the server is stopping" marker of OutputStream
+CUT = object()  # "break the connection without a frame" marker of OutputStream
+END = object()  # "end the body cleanly without an exit frame" marker of OutputStream
 
 
 class Sandbox:
@@ -274,6 +331,7 @@ class Process:
         cwd: str,
         journal_limit: int,
         frame_limit: int = FRAME_LIMIT,
+        reading: str = CONSERVATIVE,
     ):
         self.id = process_id
         self.sandbox_id = sandbox_id
@@ -285,6 +343,7 @@ class Process:
         self._stdin, self._stdout, self._stderr = popen.stdin, popen.stdout, popen.stderr
         self._journal_limit = journal_limit
         self._frame_limit = frame_limit
+        self.alternative = reading == ALTERNATIVE
         self._stdin_lock = threading.Lock()  # serialises writes and close of stdin
         self._input_seq = 0
         self._threads: list[threading.Thread] = []
@@ -295,10 +354,12 @@ class Process:
         self.terminating = False
         self.journal: collections.deque[Frame] = collections.deque()
         self.journal_bytes = 0
+        self.journal_encoded_bytes = 0  # the same frames' data_base64 lengths
         self.newest_seq = 0
         self.evicted_through = 0  # highest seq dropped from the journal
         self._open_pipes = 2
         self._tree_gone = False  # latched: once empty, the group id may be reused
+        self.deleted = False  # answered a DELETE (the alternative reading then forgets it)
 
     def start(self) -> None:
         targets: tuple[tuple[Callable[..., None], tuple[Any, ...]], ...] = (
@@ -334,6 +395,8 @@ class Process:
                 self._append(stream, data)
         pipe.close()
         with self.cond:
+            if self.alternative:  # an empty data frame marks the end of the stream
+                self._append(stream, b"")
             self._open_pipes -= 1
             self.cond.notify_all()
 
@@ -342,6 +405,7 @@ class Process:
         frame = Frame(self.newest_seq, stream, data)
         self.journal.append(frame)
         self.journal_bytes += frame.size
+        self.journal_encoded_bytes += frame.encoded_size
         # Evict whole frames, oldest first, but always keep the newest one so
         # that a reader keeping up never loses output to a tiny limit.
         while self.journal_bytes > self._journal_limit and len(self.journal) > 1:
@@ -351,6 +415,7 @@ class Process:
     def _drop_oldest(self) -> None:
         frame = self.journal.popleft()
         self.journal_bytes -= frame.size
+        self.journal_encoded_bytes -= frame.encoded_size
         self.evicted_through = frame.seq
 
     def evict_all(self) -> None:
@@ -369,16 +434,31 @@ class Process:
 
     @property
     def output_finished(self) -> bool:
-        """Leader reaped and both pipes at EOF: time for the exit frame."""
-        return self.returncode is not None and self._open_pipes == 0
+        """Leader reaped and both pipes at EOF (and, under the alternative
+        reading, the whole tree gone): time for the exit frame."""
+        return (
+            self.returncode is not None
+            and self._open_pipes == 0
+            and (self._tree_gone or not self.alternative)
+        )
 
     def exit_line(self) -> bytes:
         """The exit frame (caller holds cond and has seen output_finished)."""
+        frame: dict[str, Any] = {"type": "exit"}
+        if self.alternative:
+            frame["seq"] = self.newest_seq + 1
+        frame.update(self._exit_status())
+        return frame_line(frame)
+
+    def _exit_status(self) -> dict[str, Any]:
+        """exit_code / signal of the reaped leader, as this reading spells them."""
         code = self.returncode
         assert code is not None
-        if code < 0:
-            return frame_line({"type": "exit", "signal": signal_name(-code)})
-        return frame_line({"type": "exit", "exit_code": code})
+        if code >= 0:
+            return {"exit_code": code}
+        if self.alternative:  # Go's ProcessState: ExitCode() -1, String() "killed"
+            return {"exit_code": -1, "signal": go_signal_word(-code)}
+        return {"signal": signal_name(-code)}
 
     # -- lifetime ------------------------------------------------------------
 
@@ -401,6 +481,11 @@ class Process:
                 self._close_stdin_pipe()
             finally:
                 self._stdin_lock.release()
+        if self.alternative:  # the exit frame waits for the whole tree: watch it
+            while not self.tree_exited():
+                time.sleep(POLL_INTERVAL)
+            with self.cond:
+                self.cond.notify_all()
 
     def tree_exited(self, groups: set[int] | None = None) -> bool:
         """Leader reaped and no live member left in its process group."""
@@ -428,9 +513,10 @@ class Process:
 
     def send_signal(self, signum: int) -> None:
         with self.cond:
-            if self.returncode is not None:
+            if self.returncode is None:
+                os.kill(self.pid, signum)
+            elif not self.alternative:
                 raise ApiError(409, {"process": "the leader has already exited"})
-            os.kill(self.pid, signum)
 
     # -- stdin ---------------------------------------------------------------
 
@@ -450,7 +536,8 @@ class Process:
 
     def close_stdin(self) -> None:
         with self._stdin_lock:
-            self._check_stdin_open()
+            if not self.alternative:  # the alternative reading: closing is idempotent
+                self._check_stdin_open()
             self._close_stdin_pipe()
 
     def _check_stdin_open(self) -> None:
@@ -476,7 +563,7 @@ class Process:
                 state = "exited"
             else:
                 state = "terminating" if self.terminating else "running"
-            return {
+            record: dict[str, Any] = {
                 "process_id": self.id,
                 "kind": "process",
                 "pid": self.pid,
@@ -485,15 +572,26 @@ class Process:
                 "tree_exited": tree_exited,
                 "created_at": self.created_at,
                 "finished_at": self.finished_at,
-                "exit_code": code if code is not None and code >= 0 else None,
-                "signal": signal_name(-code) if code is not None and code < 0 else None,
+                "exit_code": None,
+                "signal": None,
                 "cmd": self.cmd,
                 "args": list(self.args),
                 "cwd": self.cwd,
                 "output": self._output_window(),
             }
+            if code is not None:
+                record.update(self._exit_status())
+        if self.alternative:  # Go's omitempty: no null, no empty cmd/args/cwd
+            record = {key: value for key, value in record.items() if value not in (None, "", [])}
+        return record
 
     def _output_window(self) -> dict[str, int]:
+        if self.alternative:  # before any output: oldest 1, newest 0; bytes as base64
+            return {
+                "oldest_seq": self.evicted_through + 1,
+                "newest_seq": self.newest_seq,
+                "bytes": self.journal_encoded_bytes,
+            }
         if self.newest_seq == 0:
             return {"oldest_seq": 0, "newest_seq": 0, "bytes": 0}
         return {
@@ -546,6 +644,7 @@ class Fault:
 
 class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = 128  # the default 5 resets connections under 64 clients
 
     def __init__(self, address: tuple[str, int], app: LocalServer):
         self.app = app
@@ -813,11 +912,16 @@ class OutputStream:
         self.fault = fault
         self.data_frames = 0
         self.last_write = time.monotonic()
+        self.alternative = proc.alternative
+        # The alternative reading recycles every stream after a while.
+        self.expires = self.last_write + ALT_STREAM_LIFETIME if self.alternative else None
 
     def run(self) -> None:
         dropping = self.fault is not None and self.fault.kind in ("drop", "stall")
         self.req.start_chunked("application/x-ndjson", 0 if dropping else 200)
         try:
+            if self.alternative:
+                self._write(HEARTBEAT_LINE)  # before any other frame
             self._follow()
         except OSError:  # the client went away
             self.req.close_connection = True
@@ -830,8 +934,11 @@ class OutputStream:
                     return
                 self.data_frames += 1
                 self.cursor = frame.seq
-            if final is STOP:
+            if final is STOP or final is CUT:
                 self.req.abort()
+                return
+            if final is END:
+                self.req.end_chunked()
                 return
             if final is HEARTBEAT_LINE:
                 self._write(final)
@@ -844,13 +951,16 @@ class OutputStream:
         """Block until there is something to write.
 
         Returns (data frames, final): final is None after data frames, else
-        HEARTBEAT_LINE, a terminal (exit / error) line, or STOP when the
-        server is stopping.
+        HEARTBEAT_LINE, a terminal (exit / error) line, STOP when the server
+        is stopping, or (alternative reading) END when the stream has lived
+        its time and CUT when a live reader fell behind the journal.
         """
         proc = self.proc
         with proc.cond:
             while True:
                 if self.cursor < proc.evicted_through:
+                    if self.alternative and self.data_frames:
+                        return [], CUT  # the reader learns of it when it reconnects
                     return [], frame_line(
                         {
                             "type": "error",
@@ -861,14 +971,17 @@ class OutputStream:
                 frames = proc.frames_after(self.cursor)
                 if frames:
                     return frames, None
+                now = time.monotonic()
+                if self.expires is not None and now >= self.expires:
+                    return [], END
                 if proc.output_finished:
                     return [], proc.exit_line()
                 if self.app._stopping.is_set():
                     return [], STOP
-                idle = self.last_write + self.app.heartbeat_interval - time.monotonic()
+                idle = self.last_write + self.app.heartbeat_interval - now
                 if idle <= 0:
                     return [], HEARTBEAT_LINE
-                proc.cond.wait(idle)
+                proc.cond.wait(idle if self.expires is None else min(idle, self.expires - now))
 
     def _emit(self, line: bytes) -> bool:
         """Write a data or terminal frame, firing the fault first if due."""
@@ -902,7 +1015,47 @@ class OutputStream:
 
 
 class LocalServer:
-    """A CreateOS-compatible server on loopback that RUNS COMMANDS ON THIS MACHINE."""
+    """A CreateOS-compatible server on loopback that RUNS COMMANDS ON THIS MACHINE.
+
+    ``reading`` picks how it answers where protocol.md (§11) leaves the real
+    service open. ``"conservative"`` (the default) is protocol §9. The
+    ``"alternative"`` reading flips every unknown whose other answer is
+    plausible and that a client must survive:
+
+    - create answers **201** instead of 200 (§11.1);
+    - every connect stream starts with a **heartbeat**, before any replayed
+      frame (§11.2), and is **recycled**: after ``ALT_STREAM_LIFETIME``
+      seconds with nothing to send it ends cleanly without an exit frame
+      (§11.2, proxy recycling);
+    - **eviction** (§11.3): a connect whose ``after`` is behind the journal
+      gets a 200 stream whose first frame (after the heartbeat) is the
+      ``output_offset_expired`` error frame instead of a 410; a live reader
+      that falls behind has its connection cut without any frame, and meets
+      the error frame when it reconnects (a reader that has been sent no
+      data frame yet gets the error frame at once);
+    - the exit frame waits for the **whole tree** (process group empty), not
+      only for the leader and its pipes (§11.5);
+    - each output pipe's EOF is journalled as an **empty data frame**
+      (``data_base64: ""``, a seq of its own) (§11.8);
+    - the exit frame carries a **seq**: the next number of the journal's
+      counter (§11.8);
+    - death by signal is spelled **Go-style** (``"killed"``,
+      ``"terminated"``, ``"signal 34"``…) with **``exit_code: -1``**
+      alongside, in exit frames and process records (§11.7);
+    - process records **omit** null and empty fields (``exit_code``,
+      ``signal``, ``finished_at``…) instead of sending null; ``output`` is
+      ``oldest_seq 1, newest_seq 0`` before any output and counts
+      ``bytes`` as base64 text (§5.2, §11.4);
+    - ``wait`` long-polls at most ``ALT_WAIT_CAP`` seconds whatever
+      ``timeout_ms`` asks, then 408 (§11.11);
+    - a **DELETE forgets the process**: afterwards get, connect, wait,
+      input, signal and a second DELETE answer 404 and the listing omits it
+      (§11.12) (``processes()`` and ``process()`` still show it to tests);
+    - ``stdin/close`` is idempotent (200 when already closed or after exit)
+      and ``signal`` after the leader exited is a 200 no-op (§11.10);
+    - a file upload does **not create missing parent directories** (404)
+      (§11.16).
+    """
 
     def __init__(
         self,
@@ -913,8 +1066,11 @@ class LocalServer:
         heartbeat_interval: float = 5.0,
         journal_limit: int = 1024 * 1024,
         frame_limit: int = FRAME_LIMIT,
+        reading: str = CONSERVATIVE,
         verbose: bool = False,
     ):
+        if reading not in READINGS:
+            raise ValueError("reading must be one of: %s" % ", ".join(READINGS))
         if heartbeat_interval <= 0:
             raise ValueError("heartbeat_interval must be positive")
         if journal_limit < 1:
@@ -929,6 +1085,7 @@ class LocalServer:
         # Tests use a tiny frame_limit for a known number of frames: a process
         # that writes N bytes at once is journalled in ceil(N / frame_limit) frames.
         self.frame_limit = frame_limit
+        self.reading = reading
         self.verbose = verbose
         self.url = ""
         self.requests: list[RequestRecord] = []
@@ -1023,7 +1180,8 @@ class LocalServer:
             self._sandboxes[sandbox_id] = Sandbox(sandbox_id, envs)
 
     def processes(self, sandbox_id: str = DEFAULT_SANDBOX) -> list[dict[str, Any]]:
-        """Records of the sandbox's processes, as GET …/processes lists them."""
+        """Records of the sandbox's processes, as GET …/processes lists them
+        (deleted ones included, which the alternative reading no longer lists)."""
         with self._lock:
             if sandbox_id not in self._sandboxes:
                 raise KeyError(sandbox_id)
@@ -1159,7 +1317,8 @@ class LocalServer:
             return
         result = getattr(self, "_ep_" + endpoint)(req, *ids)
         if result is not None:
-            req.send_json(200, envelope(200, result))
+            status = 201 if endpoint == "create" and self.reading == ALTERNATIVE else 200
+            req.send_json(status, envelope(status, result))
 
     def _authenticate(self, req: _Handler) -> None:
         key = req.headers.get("X-Api-Key", "")
@@ -1192,7 +1351,11 @@ class LocalServer:
         self._sandbox(sandbox_id)
         with self._lock:
             proc = self._processes.get(process_id)
-        if proc is None or proc.sandbox_id != sandbox_id:
+        if (
+            proc is None
+            or proc.sandbox_id != sandbox_id
+            or (proc.deleted and self.reading == ALTERNATIVE)
+        ):
             raise ApiError(404, {"process": "not found"})
         return proc
 
@@ -1244,6 +1407,7 @@ class LocalServer:
             cwd,
             self.journal_limit,
             self.frame_limit,
+            self.reading,
         )
         with self._lock:
             self._processes[proc.id] = proc
@@ -1255,7 +1419,10 @@ class LocalServer:
 
     def _ep_list(self, req: _Handler, sandbox_id: str) -> dict[str, Any]:
         self._sandbox(sandbox_id)
-        return {"processes": self.processes(sandbox_id)}
+        records = self.processes(sandbox_id)
+        if self.reading == ALTERNATIVE:  # deleted processes are forgotten
+            records = [r for r in records if not self._get_process(r["process_id"]).deleted]
+        return {"processes": records}
 
     def _ep_get(self, req: _Handler, sandbox_id: str, process_id: str) -> dict[str, Any]:
         return self._process(sandbox_id, process_id).record()
@@ -1267,7 +1434,9 @@ class LocalServer:
             evicted_through = proc.evicted_through
         if self._take_fault("connect", ("replay",)) is not None:
             after = evicted_through  # replay from the oldest retained frame
-        elif after < evicted_through:  # the reader's next frame is gone
+        elif after < evicted_through and self.reading == CONSERVATIVE:
+            # The reader's next frame is gone. (The alternative reading starts
+            # the stream and sends the output_offset_expired frame instead.)
             raise ApiError(
                 410,
                 {"error": "output_offset_expired", "oldest_available_seq": evicted_through + 1},
@@ -1303,6 +1472,8 @@ class LocalServer:
         if scope not in ("leader", "tree"):
             raise ApiError(400, {"scope": "must be leader or tree"})
         timeout = uint_param(req.query, "timeout_ms", 30000) / 1000.0
+        if self.reading == ALTERNATIVE:
+            timeout = min(timeout, ALT_WAIT_CAP)
         condition = proc.leader_exited if scope == "leader" else proc.tree_exited
         if not self._await(condition, timeout):
             raise ApiError(408, {"timeout": "the %s has not exited yet" % scope})
@@ -1319,7 +1490,16 @@ class LocalServer:
                 proc.kill_group(signal.SIGKILL)
                 if not self._await(proc.tree_exited, KILL_TIMEOUT):
                     raise ApiError(500, "the process tree survived SIGKILL")
-        return proc.record()
+        record = proc.record()
+        proc.deleted = True
+        return record
+
+    # -- endpoints: sandboxes ------------------------------------------------------
+
+    def _ep_sandbox(self, req: _Handler, sandbox_id: str) -> dict[str, Any]:
+        sandbox = self._sandbox(sandbox_id)
+        # Only the names of the declared variables, as the real GET (protocol §4).
+        return {"id": sandbox.id, "status": "running", "envs": sorted(sandbox.envs)}
 
     # -- endpoints: files and exec -------------------------------------------------
 
@@ -1338,6 +1518,8 @@ class LocalServer:
     def _ep_files_put(self, req: _Handler, sandbox_id: str) -> dict[str, Any]:
         self._sandbox(sandbox_id)
         path = absolute_path(req.query)
+        if self.reading == ALTERNATIVE and not os.path.isdir(os.path.dirname(path)):
+            raise ApiError(404, {"path": "the parent directory does not exist"})
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             # 0600 from the start: staged files may hold secrets (env, stdin).
@@ -1410,6 +1592,13 @@ def main(argv: list[str] | None = None) -> int:
         default=5.0,
         help="seconds of stream silence before a heartbeat frame (default 5)",
     )
+    parser.add_argument(
+        "--reading",
+        choices=READINGS,
+        default=CONSERVATIVE,
+        help="how to answer where protocol.md §11 leaves the service open (default %s)"
+        % CONSERVATIVE,
+    )
     parser.add_argument("--verbose", action="store_true", help="log requests to stderr")
     options = parser.parse_args(argv)
     try:
@@ -1418,6 +1607,7 @@ def main(argv: list[str] | None = None) -> int:
             host=options.host,
             port=options.port,
             heartbeat_interval=options.heartbeat,
+            reading=options.reading,
             verbose=options.verbose,
         )
     except ValueError as exc:

@@ -16,7 +16,6 @@ import sys
 import threading
 import time
 
-import local_server
 import pytest
 import requests
 from conftest import SANDBOX, make_client
@@ -130,13 +129,7 @@ class Dispatch:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/fd")
 @pytest.mark.timeout(150)
-def test_64_threads_share_one_client_for_1000_commands(monkeypatch, figures):
-    # The local server listens with socketserver's default backlog of 5. With
-    # 64 threads (and a pool of 32 that churns connections) a burst of
-    # handshakes overflows it, and the kernel resets connections that already
-    # carry a POST: the client then rightly reports an unconfirmed creation.
-    # That is a limit of the test server, not of the client: give it a backlog.
-    monkeypatch.setattr(local_server._HTTPServer, "request_queue_size", 128)
+def test_64_threads_share_one_client_for_1000_commands(figures):
     with LocalServer(heartbeat_interval=0.5) as server:
         run_load(server, figures)
 

@@ -2131,3 +2131,17 @@ def test_cli_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
     assert info.value.code == 0
     out = capsys.readouterr().out
     assert "124" in out and "125" in out and "128+N" in out
+
+
+@pytest.mark.parametrize(
+    "words, name, number",
+    [
+        ("profiling timer expired", "SIGPROF", 27),
+        ("Bad system call", "SIGSYS", 31),
+        ("signal 34", "SIG34", 34),
+    ],
+)
+def test_go_signal_words_past_sigterm_and_numbered_signals(words, name, number) -> None:
+    status = cx._exit_status({"signal": words, "exit_code": -1})
+    assert status == cx._Exit(None, name)
+    assert cx.ExecResult(None, None, name, False, "", "").returncode == -number

@@ -1,0 +1,326 @@
+"""Wire fidelity: the official CreateOS Python SDK drives the local server, unmodified.
+
+The SDK (`createos-sandbox` on PyPI, module `createos`) is what the real
+service is built to talk to: if it accepts every answer of the local server,
+through every endpoint that createos_exec uses, the local server speaks the
+real wire format, not a dialect of our own client. The SDK is found through
+the environment variables a user sets (CREATEOS_SANDBOX_BASE_URL,
+CREATEOS_API_KEY). Each test runs against both readings of protocol.md §11
+(the `server` fixture), so the alternative reading is proved decodable too.
+
+The SDK needs Python 3.10+: skipped on older Pythons; on newer ones a
+missing SDK is a failure in CI (conftest.require).
+
+The last sections need no SDK: they drive createos_exec through the switches
+of the alternative reading that its other tests do not reach on purpose
+(recycled streams, an exit frame that waits for the tree, eviction met as a
+cut stream, Go-style signal words).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import local_server
+import pytest
+from conftest import SANDBOX, make_client, require
+from local_server import READINGS, LocalServer
+
+import createos_exec as cx
+
+SDK_PYTHON = (3, 10)  # createos-sandbox 0.1.3: Requires-Python >=3.10
+
+
+@pytest.fixture
+def sdk():
+    if sys.version_info < SDK_PYTHON:
+        pytest.skip("the createos-sandbox SDK needs Python 3.10 or newer")
+    module = require("createos")
+    assert hasattr(module, "SandboxInstance"), "`createos` is not the createos-sandbox SDK"
+    return module
+
+
+@pytest.fixture
+def sdk_client(sdk, server, monkeypatch):
+    """An SDK client configured only by the environment, as a user would."""
+    monkeypatch.setenv("CREATEOS_SANDBOX_BASE_URL", server.url)
+    monkeypatch.setenv("CREATEOS_API_KEY", server.api_key)
+    with sdk.Client() as client:
+        yield client
+
+
+@pytest.fixture
+def sandbox(sdk_client):
+    return sdk_client.get_sandbox(SANDBOX)
+
+
+def follow(sdk, sandbox, process_id, after=0):
+    """Connect and read to the exit event; (data events, exit event).
+
+    Like any SDK user, resume with after_sequence when a stream ends without
+    an exit event (the alternative reading recycles streams).
+    """
+    kinds = sdk.ManagedProcessConnectEventType
+    data = []
+    for _ in range(20):
+        options = sdk.ManagedProcessConnectOptions(after_sequence=after)
+        with sandbox.processes.connect(process_id, options) as stream:
+            for event in stream:
+                if event.type == kinds.DATA:
+                    data.append(event)
+                    after = event.sequence
+                elif event.type == kinds.EXIT:
+                    return data, event
+                else:
+                    assert event.type == kinds.HEARTBEAT, event
+    raise AssertionError("no exit event after 20 connects")
+
+
+def joined(events, stream):
+    return b"".join(event.data for event in events if event.stream == stream)
+
+
+def signal_spelling(server, name, go_word):
+    """(exit_code, signal) of a death by `name` as this reading spells it."""
+    return (None, name) if server.reading == "conservative" else (-1, go_word)
+
+
+def test_the_sdk_reads_the_sandbox(sdk, sandbox, server):
+    assert sandbox.id == SANDBOX
+    assert sandbox.status == sdk.SandboxStatus.RUNNING
+    with sdk.Client() as configured:  # the documented override is honoured
+        assert configured.base_url == server.url
+
+
+def test_create_input_close_connect_list_get_and_wait(sdk, sandbox, server):
+    processes = sandbox.processes
+    created = processes.create(
+        sdk.ManagedProcessCreateRequest(
+            command="sh",
+            arguments=["-c", 'read x; echo "got $x"; wc -c; sleep 0.2; echo err >&2'],
+        )
+    )
+    process_id = created.process_id
+    assert process_id.startswith("proc_") and len(process_id) >= 21
+    assert created.kind == sdk.ManagedProcessKind.PROCESS
+    assert created.pid > 0 and created.created_at is not None
+    assert created.command == "sh" and created.arguments[0] == "-c"
+    assert not created.tree_exited
+
+    first = processes.input(process_id, "hello\n")
+    second = processes.input_bytes(process_id, b"more\n")
+    assert 0 <= first < second
+    processes.close_standard_input(process_id)  # `wc -c` ends only at EOF
+    if server.reading == "conservative":
+        with pytest.raises(sdk.APIError) as caught:
+            processes.close_standard_input(process_id)
+        assert caught.value.status_code == 409
+    else:
+        processes.close_standard_input(process_id)  # idempotent
+
+    events, exit_event = follow(sdk, sandbox, process_id)
+    assert joined(events, sdk.ManagedProcessStream.STDOUT) == b"got hello\n5\n"
+    assert joined(events, sdk.ManagedProcessStream.STDERR) == b"err\n"
+    assert [e.sequence for e in events] == list(range(1, len(events) + 1))
+    assert (exit_event.exit_code, exit_event.signal) == (0, None)
+    newest = events[-1].sequence
+    # The exit frame's seq is an open question (§11.8): absent, or the next one.
+    expected_seq = 0 if server.reading == "conservative" else newest + 1
+    assert exit_event.sequence == expected_seq
+
+    # A later connect replays from `after`: only the newer frames, then the exit.
+    tail, again = follow(sdk, sandbox, process_id, after=newest - 1)
+    assert [e.sequence for e in tail] == [newest] and again.exit_code == 0
+
+    assert process_id in [p.process_id for p in processes.list()]
+    record = processes.get(process_id)
+    assert record.process_id == process_id
+    assert record.state == sdk.ManagedProcessState.EXITED
+    assert record.leader_exited and record.exit_code == 0 and record.signal is None
+    assert record.finished_at is not None and record.finished_at >= record.created_at
+    assert record.output.newest_sequence == newest and record.output.oldest_sequence == 1
+
+    waited = processes.wait(
+        process_id,
+        sdk.ManagedProcessWaitOptions(scope=sdk.ManagedProcessWaitScope.TREE, wait_timeout=5.0),
+    )
+    assert waited.tree_exited and waited.exit_code == 0
+
+
+def test_signal_then_wait_for_the_tree(sdk, sandbox, server):
+    processes = sandbox.processes
+    process_id = processes.create(
+        sdk.ManagedProcessCreateRequest(command="sleep", arguments=["30"])
+    ).process_id
+    before = processes.get(process_id)
+    assert before.state == sdk.ManagedProcessState.RUNNING and not before.leader_exited
+    assert before.exit_code is None and before.signal is None and before.finished_at is None
+
+    processes.signal(process_id, sdk.ManagedProcessSignal.TERMINATE)
+    record = processes.wait(
+        process_id,
+        sdk.ManagedProcessWaitOptions(scope=sdk.ManagedProcessWaitScope.TREE, wait_timeout=5.0),
+    )
+    expected = signal_spelling(server, "SIGTERM", "terminated")
+    assert record.leader_exited and record.tree_exited
+    assert (record.exit_code, record.signal) == expected
+    events, exit_event = follow(sdk, sandbox, process_id)
+    assert b"".join(e.data for e in events) == b""
+    assert (exit_event.exit_code, exit_event.signal) == expected
+
+
+def test_delete_terminates_the_tree_with_sigterm_first(sdk, sandbox, server):
+    processes = sandbox.processes
+    script = 'trap "echo bye; exit 3" TERM; echo ready; while :; do sleep 0.05; done'
+    process_id = processes.create(
+        sdk.ManagedProcessCreateRequest(command="sh", arguments=["-c", script])
+    ).process_id
+    deadline = time.monotonic() + 10
+    while processes.get(process_id).output.newest_sequence < 1:  # the trap is set
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+    record = processes.delete(process_id, sdk.ManagedProcessDeleteOptions(grace_period=2.0))
+    assert record.tree_exited and record.leader_exited
+    assert (record.exit_code, record.signal) == (3, None)
+    assert not server.tree_alive(process_id)
+    if server.reading == "conservative":  # the record is kept, DELETE is repeatable
+        again = processes.delete(process_id, sdk.ManagedProcessDeleteOptions(grace_period=1.0))
+        assert again.tree_exited and again.exit_code == 3
+        events, _ = follow(sdk, sandbox, process_id)
+        assert joined(events, sdk.ManagedProcessStream.STDOUT) == b"ready\nbye\n"
+    else:  # the alternative reading forgets a deleted process
+        for call in (processes.get, processes.delete):
+            with pytest.raises(sdk.APIError) as caught:
+                call(process_id)
+            assert caught.value.status_code == 404
+        assert process_id not in [p.process_id for p in processes.list()]
+
+
+def test_eviction_is_a_410_or_an_error_event(sdk, sandbox, server):
+    processes = sandbox.processes
+    process_id = processes.create(
+        sdk.ManagedProcessCreateRequest(command="sh", arguments=["-c", "echo a; echo b"])
+    ).process_id
+    processes.wait(
+        process_id, sdk.ManagedProcessWaitOptions(scope=sdk.ManagedProcessWaitScope.TREE)
+    )
+    newest = processes.get(process_id).output.newest_sequence
+    server.evict(process_id)
+    options = sdk.ManagedProcessConnectOptions(after_sequence=0)
+    if server.reading == "conservative":
+        with pytest.raises(sdk.APIError) as caught:
+            processes.connect(process_id, options)
+        assert caught.value.status_code == 410
+        assert "output_offset_expired" in str(caught.value)
+    else:
+        with processes.connect(process_id, options) as stream:
+            events = [e for e in stream if e.type != sdk.ManagedProcessConnectEventType.HEARTBEAT]
+        (error,) = events
+        assert error.type == sdk.ManagedProcessConnectEventType.ERROR
+        assert error.error_message == "output_offset_expired"
+        assert error.oldest_available_sequence == newest + 1
+
+
+def test_files_upload_then_download_the_same_bytes(sdk, sandbox, server, tmp_path):
+    payload = bytes(range(256)) * 257  # every byte value, not a multiple of any block
+    path = str(tmp_path / "blob.bin")
+    sandbox.files.upload(path, payload)
+    with sandbox.files.download(path) as download:
+        assert download.read() == payload
+    assert (tmp_path / "blob.bin").read_bytes() == payload
+    with pytest.raises(sdk.APIError) as caught:
+        sandbox.files.download(str(tmp_path / "missing"))
+    assert caught.value.status_code == 404
+    nested = str(tmp_path / "new" / "blob.bin")  # are missing parents created? (§11.16)
+    if server.reading == "conservative":
+        sandbox.files.upload(nested, b"x")
+        assert (tmp_path / "new" / "blob.bin").read_bytes() == b"x"
+    else:
+        with pytest.raises(sdk.APIError) as caught:
+            sandbox.files.upload(nested, b"x")
+        assert caught.value.status_code == 404 and not (tmp_path / "new").exists()
+
+
+def test_errors_are_jsend_the_sdk_understands(sdk, sandbox, server):
+    with pytest.raises(sdk.APIError) as caught:
+        sandbox.processes.get("proc_" + "x" * 22)
+    assert caught.value.status_code == 404 and "not found" in str(caught.value)
+    assert caught.value.request_id  # X-Request-ID reaches the SDK's error
+    with sdk.Client(api_key="wrong", base_url=server.url) as stranger:
+        with pytest.raises(sdk.APIError) as caught:
+            stranger.get_sandbox(SANDBOX).processes.list()
+    assert caught.value.status_code == 401
+
+
+def test_sdk_and_createos_exec_follow_each_others_processes(sdk, sandbox, server):
+    started = sandbox.processes.create(
+        sdk.ManagedProcessCreateRequest(
+            command="sh", arguments=["-c", "echo from-sdk; echo to-err >&2; exit 5"]
+        )
+    )
+    with make_client(server) as client:
+        attached = client.attach(SANDBOX, started.process_id)
+        assert (attached.stdout, attached.stderr, attached.exit_code) == (
+            "from-sdk\n",
+            "to-err\n",
+            5,
+        )
+        result = client.execute(SANDBOX, ["echo", "from-cx"])
+    record = sandbox.processes.get(result.process_id)
+    assert record.command == "bash" and record.exit_code == 0
+    events, exit_event = follow(sdk, sandbox, result.process_id)
+    assert b"".join(e.data for e in events) == b"from-cx\n" and exit_event.exit_code == 0
+
+
+# -- createos_exec against the switches of the alternative reading ----------------------
+
+
+def test_recycled_streams_are_resumed_exactly(client, server, monkeypatch):
+    monkeypatch.setattr(local_server, "ALT_STREAM_LIFETIME", 0.3)
+    result = client.execute(SANDBOX, "for i in 1 2 3 4 5; do echo $i; sleep 0.2; done", shell=True)
+    assert (result.stdout, result.exit_code) == ("1\n2\n3\n4\n5\n", 0)
+    if server.reading == "alternative":  # each stream ends, without exit, after 0.3 s
+        assert result.reconnects >= 2 and not result.exit_recovered
+    else:
+        assert result.reconnects == 0
+
+
+def test_the_exit_frame_may_wait_for_the_whole_tree(client, server):
+    script = "sleep 0.6 >/dev/null 2>&1 & echo leader done"
+    result = client.execute(SANDBOX, script, shell=True)
+    assert (result.stdout, result.exit_code) == ("leader done\n", 0)
+    if server.reading == "alternative":  # not before the background sleep ended
+        assert result.duration >= 0.5
+        assert server.process(result.process_id)["tree_exited"] is True
+
+
+@pytest.mark.parametrize("reading", READINGS)
+def test_a_reader_left_behind_by_the_journal_gets_output_evicted(reading):
+    with LocalServer(journal_limit=64 * 1024, heartbeat_interval=0.5, reading=reading) as server:
+        seen = []
+
+        def fall_behind(stream, text):
+            if not seen:  # meanwhile the flood outruns the socket buffers and the journal
+                seen.append(text)
+                time.sleep(1.3)
+
+        script = "echo first; sleep 0.3; head -c 30000000 /dev/zero"
+        with make_client(server) as client, pytest.raises(cx.OutputEvictedError) as caught:
+            client.execute(SANDBOX, script, shell=True, on_output=fall_behind)
+        connects = [r.status for r in server.requests_to("connect")]
+    assert seen == ["first\n"] and caught.value.result.stdout.startswith("first\n")
+    assert caught.value.oldest_available_seq > 2
+    # Conservative: an error frame on the live stream. Alternative: the stream
+    # is cut, and the reconnect starts with the error frame.
+    assert connects == ([200] if reading == "conservative" else [200, 200])
+
+
+# -- createos_exec against a Go-style signal spelling -----------------------------------
+
+
+@pytest.mark.parametrize("name", ["SIGKILL", "SIGTERM", "SIGPIPE", "SIGPROF", "SIGVTALRM"])
+def test_the_client_names_a_killing_signal_in_either_spelling(client, server, name):
+    result = client.execute(SANDBOX, f"kill -{name[3:]} $$", shell=True)
+    assert (result.exit_code, result.signal) == (None, name)
