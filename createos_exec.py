@@ -30,6 +30,7 @@ import http.client
 import ipaddress
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -320,6 +321,7 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _FRAME_LIMIT = 1024 * 1024  # longest NDJSON line accepted, in bytes
 _WAIT_POLL_MS = 30_000  # server-side long-poll of one `wait`
 _TERMINATE_GRACE = 1.0  # seconds between SIGTERM and SIGKILL when terminating
+_PACING_POLL = 0.05  # seconds between looks at a full window
 _CANCEL_POLL = 0.1  # seconds between looks at the cancel event while a read blocks
 _EXIT_CHECK_MS = 5_000  # how long an exit frame without status is checked against `wait`
 
@@ -393,7 +395,13 @@ def _checked_id(kind: str, value: Any) -> str:
 
 
 class _RateLimiter:
-    """Sliding-window pacing of every request this process sends to one API origin."""
+    """Sliding-window pacing of every request this process sends to one API origin.
+
+    A request holds its place from the moment it is let through until its
+    answer starts (or it fails), and for one period after that: a server that
+    counts arrivals never sees more than `limit` in any window, however long
+    requests queue on the way.
+    """
 
     _shared: Dict[Tuple[str, int, float], "_RateLimiter"] = {}
     _shared_lock = threading.Lock()
@@ -401,7 +409,7 @@ class _RateLimiter:
     def __init__(self, limit: int, period: float) -> None:
         self._limit = limit
         self._period = period
-        self._sent: Deque[float] = collections.deque()
+        self._held: Deque[List[float]] = collections.deque()  # [time answered], inf until then
         self._lock = threading.Lock()
 
     @classmethod
@@ -412,17 +420,23 @@ class _RateLimiter:
                 cls._shared[key] = cls(limit, period)
             return cls._shared[key]
 
-    def acquire(self) -> None:
+    def acquire(self) -> List[float]:
+        """Wait for a place in the window; hand it to release() once answered."""
         while True:
             with self._lock:
                 now = time.monotonic()
-                while self._sent and self._sent[0] <= now - self._period:
-                    self._sent.popleft()
-                if len(self._sent) < self._limit:
-                    self._sent.append(now)
-                    return
-                delay = self._sent[0] + self._period - now
+                while self._held and self._held[0][0] <= now - self._period:
+                    self._held.popleft()
+                if len(self._held) < self._limit:
+                    place = [math.inf]
+                    self._held.append(place)
+                    return place
+                delay = min(self._held[0][0] + self._period - now, _PACING_POLL)
             time.sleep(delay)
+
+    def release(self, place: List[float]) -> None:
+        with self._lock:
+            place[0] = time.monotonic()
 
 
 def _rate_limit(value: Any) -> Optional[Tuple[int, float]]:
@@ -580,24 +594,27 @@ class _Transport:
         ok_statuses: Tuple[int, ...] = (),
     ) -> requests.Response:
         """A 2xx (or an `ok_statuses`) response; any other status raises."""
-        if self._limiter is not None:
-            self._limiter.acquire()
         logger.debug("%s %s", method, path)
         headers = dict(self._headers)
         if data is not None:
             headers["Content-Type"] = "application/octet-stream"
-        with _transport_errors(operation):
-            response = self._session.request(
-                method,
-                self.base + path,
-                params=params,
-                json=json_body,
-                data=data,
-                headers=headers,
-                timeout=timeout,
-                stream=stream,
-                allow_redirects=False,  # requests would forward X-Api-Key to the new host
-            )
+        place = self._limiter.acquire() if self._limiter is not None else None
+        try:
+            with _transport_errors(operation):
+                response = self._session.request(
+                    method,
+                    self.base + path,
+                    params=params,
+                    json=json_body,
+                    data=data,
+                    headers=headers,
+                    timeout=timeout,
+                    stream=stream,
+                    allow_redirects=False,  # requests would forward X-Api-Key to the new host
+                )
+        finally:
+            if place is not None and self._limiter is not None:
+                self._limiter.release(place)
         status = response.status_code
         if 200 <= status < 300 or status in ok_statuses:
             return response

@@ -1863,9 +1863,9 @@ def test_rate_limiter_waits_only_above_limit() -> None:
     limiter = cx._RateLimiter(3, 0.5)
     start = time.monotonic()
     for _ in range(3):
-        limiter.acquire()
+        limiter.release(limiter.acquire())
     assert time.monotonic() - start < 0.2  # no delay below the limit
-    limiter.acquire()
+    limiter.release(limiter.acquire())
     waited = time.monotonic() - start
     assert 0.4 <= waited < 1.5  # the 4th waited until the window freed
 
@@ -1877,7 +1877,7 @@ def test_rate_limiter_threads_share_the_window() -> None:
     start = time.monotonic()
 
     def worker() -> None:
-        limiter.acquire()
+        limiter.release(limiter.acquire())
         with lock:
             stamps.append(time.monotonic() - start)
 
@@ -2145,3 +2145,24 @@ def test_go_signal_words_past_sigterm_and_numbered_signals(words, name, number) 
     status = cx._exit_status({"signal": words, "exit_code": -1})
     assert status == cx._Exit(None, name)
     assert cx.ExecResult(None, None, name, False, "", "").returncode == -number
+
+
+def test_rate_limiter_holds_a_place_until_the_answer_starts() -> None:
+    # A request still on its way may arrive late: its place in the window runs
+    # from its answer, so the server never counts more than the limit.
+    limiter = cx._RateLimiter(1, 0.2)
+    place = limiter.acquire()
+    admitted: List[float] = []
+
+    def second() -> None:
+        limiter.acquire()
+        admitted.append(time.monotonic())
+
+    thread = threading.Thread(target=second)
+    thread.start()
+    time.sleep(0.4)  # two periods: a place stamped at acquire() would have expired
+    assert admitted == []
+    limiter.release(place)
+    released = time.monotonic()
+    thread.join(2)
+    assert admitted and admitted[0] - released >= 0.15
