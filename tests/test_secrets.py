@@ -599,7 +599,26 @@ def arrange_echo(server, endpoint, status):
         server.fail("exec", status, count=50, body=echo_body(status))
 
 
-class Capture:
+class Background:
+    """A threaded http.server on a loopback port, serving until close()."""
+
+    def serve(self, host, port, handler):
+        self._httpd = http.server.ThreadingHTTPServer((host, port), handler)
+        self._httpd.daemon_threads = True
+        self.host, self.port = self._httpd.server_address[:2]
+        self.url = f"http://{self.host}:{self.port}"
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
+        self._thread.start()
+
+    def close(self):
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(5)
+
+
+class Capture(Background):
     """A plain HTTP server that records every request it is sent (it must get none)."""
 
     def __init__(self, host, port=0):
@@ -620,19 +639,7 @@ class Capture:
             def log_message(self, *args):
                 pass
 
-        self._httpd = http.server.ThreadingHTTPServer((host, port), Handler)
-        self._httpd.daemon_threads = True
-        self.host, self.port = self._httpd.server_address[:2]
-        self.url = f"http://{self.host}:{self.port}"
-        self._thread = threading.Thread(
-            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
-        )
-        self._thread.start()
-
-    def close(self):
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(5)
+        self.serve(host, port, Handler)
 
 
 @pytest.fixture(scope="module")
@@ -904,7 +911,7 @@ REDIRECTS = (301, 302, 303, 307, 308)
 FAST = cx.RetryPolicy(max_attempts=2, budget=5.0, initial_backoff=0, max_backoff=0)
 
 
-class Redirector:
+class Redirector(Background):
     """A real HTTP server that answers every request with `status` and a Location."""
 
     def __init__(self, status, target):
@@ -933,18 +940,7 @@ class Redirector:
             def log_message(self, *args):
                 pass
 
-        self._httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._httpd.daemon_threads = True
-        self.url = "http://127.0.0.1:%d" % self._httpd.server_address[1]
-        self._thread = threading.Thread(
-            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
-        )
-        self._thread.start()
-
-    def close(self):
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(5)
+        self.serve("127.0.0.1", 0, Handler)
 
 
 @pytest.fixture(scope="module")
