@@ -1313,8 +1313,8 @@ def test_timeout_terminates_and_returns_grace_output(rsps: responses.RequestsMoc
     assert result.stdout == "partial\n" and result.stderr == "grace\n"
     assert not result.ok
     methods = [(c.request.method, c.request.url.split("?")[0]) for c in rsps.calls]
-    assert methods.index(("DELETE", PROC)) < len(methods) - 1
-    assert methods[-1] == ("GET", CONNECT)  # drained after the termination
+    # The drain reads the grace output while the DELETE runs: their order is free.
+    assert methods.count(("GET", CONNECT)) == 2
     assert_deleted_once(rsps)
 
 
