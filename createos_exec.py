@@ -1266,7 +1266,7 @@ class _Launch:
             process_id = self._find_created()
             _terminate(self._client, self._sandbox_id, process_id)
         except CleanupError:
-            logger.warning("A process may have been created and left running")
+            logger.warning("Could not confirm that no process was left running")
 
     def unstage(self) -> None:
         """Remove the staged secrets file, best-effort, when the wrapper may not have."""

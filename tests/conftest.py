@@ -64,6 +64,27 @@ def client(server):
         yield local_client
 
 
+def jsend_ok(data):
+    """A JSend success envelope, as CreateOS answers a 2xx."""
+    return {"status": "success", "data": data}
+
+
+def process_record(process_id, /, *, newest=0, **fields):
+    """A running ManagedProcess record (protocol.md 5.2), with `fields` overriding."""
+    record = {
+        "process_id": process_id,
+        "kind": "process",
+        "pid": 42,
+        "state": "running",
+        "leader_exited": False,
+        "tree_exited": False,
+        "created_at": "2024-01-01T00:00:00Z",
+        "output": {"oldest_seq": 0, "newest_seq": newest, "bytes": 0},
+    }
+    record.update(fields)
+    return record
+
+
 def cli_argv(*args):
     return [sys.executable, "-m", "createos_exec", *args]
 

@@ -31,6 +31,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import pytest
 import responses
+from conftest import jsend_ok, process_record
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -520,23 +521,11 @@ WAIT = f"{PROC}/wait"
 KEY = "fuzz-key"
 
 
-def ok(data: Any) -> Dict[str, Any]:
-    return {"status": "success", "data": data}
+ok = jsend_ok
 
 
 def record(newest: int = 0, **fields: Any) -> Dict[str, Any]:
-    base = {
-        "process_id": PID,
-        "kind": "process",
-        "pid": 42,
-        "state": "running",
-        "leader_exited": False,
-        "tree_exited": False,
-        "created_at": "2024-01-01T00:00:00Z",
-        "output": {"oldest_seq": 0, "newest_seq": newest, "bytes": 0},
-    }
-    base.update(fields)
-    return base
+    return process_record(PID, newest=newest, **fields)
 
 
 EXITED = record(leader_exited=True, tree_exited=True, state="exited", exit_code=0)

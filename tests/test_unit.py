@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional
 import pytest
 import requests
 import responses
+from conftest import jsend_ok, process_record
 
 import createos_exec as cx
 
@@ -92,23 +93,11 @@ def make_client(**kw: Any) -> cx.Client:
     return cx.Client(BASE, KEY, **kw)
 
 
-def ok(data: Any) -> Dict[str, Any]:
-    return {"status": "success", "data": data}
+ok = jsend_ok
 
 
 def record(**fields: Any) -> Dict[str, Any]:
-    base = {
-        "process_id": PID,
-        "kind": "process",
-        "pid": 42,
-        "state": "running",
-        "leader_exited": False,
-        "tree_exited": False,
-        "created_at": "2024-01-01T00:00:00Z",
-        "output": {"oldest_seq": 0, "newest_seq": 0, "bytes": 0},
-    }
-    base.update(fields)
-    return base
+    return process_record(PID, **fields)
 
 
 def exited(newest: int, **fields: Any) -> Dict[str, Any]:
