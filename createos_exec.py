@@ -19,7 +19,6 @@ command line.
 from __future__ import annotations
 
 import argparse
-import base64
 import binascii
 import codecs
 import collections
@@ -481,33 +480,40 @@ class _TimedOut(Exception):
 
 # What the HTTP stack raises below requests while a body is being read.
 _LOW_LEVEL_ERRORS = (urllib3.exceptions.HTTPError, http.client.HTTPException, OSError)
+_TRANSIENT_REQUEST_ERRORS = (
+    requests.exceptions.Timeout,
+    requests.exceptions.ChunkedEncodingError,
+    requests.exceptions.ContentDecodingError,
+)
 
 
 @contextlib.contextmanager
 def _transport_errors(operation: str) -> Iterator[None]:
+    """Exceptions of the HTTP stack raised inside, translated by _transport_failure."""
+    try:
+        yield
+    except _LOW_LEVEL_ERRORS as exc:  # requests' own errors are OSErrors too
+        raise _transport_failure(exc, operation) from exc
+
+
+def _transport_failure(exc: BaseException, operation: str) -> Exception:
     """The one place where exceptions of the HTTP stack are translated.
 
     Their text is never copied: requests puts URLs (and so ids) into messages.
     """
-    try:
-        yield
-    except requests.exceptions.SSLError as exc:
-        raise TransportError(operation) from exc
-    except requests.exceptions.ConnectTimeout as exc:
-        raise _Retryable(operation, maybe_sent=False) from exc
-    except requests.exceptions.ConnectionError as exc:
+    if isinstance(exc, requests.exceptions.SSLError):
+        return TransportError(operation)
+    if isinstance(exc, requests.exceptions.ConnectTimeout):
+        return _Retryable(operation, maybe_sent=False)
+    if isinstance(exc, requests.exceptions.ConnectionError):
         reason = getattr(exc.args[0], "reason", None) if exc.args else None
         not_sent = isinstance(reason, urllib3.exceptions.NewConnectionError)
-        raise _Retryable(operation, maybe_sent=not not_sent) from exc
-    except (
-        requests.exceptions.Timeout,
-        requests.exceptions.ChunkedEncodingError,
-        requests.exceptions.ContentDecodingError,
-        *_LOW_LEVEL_ERRORS,
-    ) as exc:
-        raise _Retryable(operation) from exc
-    except requests.exceptions.RequestException as exc:
-        raise TransportError(operation) from exc
+        return _Retryable(operation, maybe_sent=not not_sent)
+    if isinstance(exc, requests.exceptions.RequestException) and not isinstance(
+        exc, _TRANSIENT_REQUEST_ERRORS
+    ):
+        return TransportError(operation)  # a request that could not be made as asked
+    return _Retryable(operation)
 
 
 def _retry_after(value: Optional[str]) -> Optional[float]:
@@ -643,38 +649,89 @@ def _jsend_data(response: requests.Response, operation: str) -> Any:
 # --------------------------------------------------------------------------
 
 
-def _lines(chunks: Iterable[bytes], limit: int = _FRAME_LIMIT) -> Iterator[bytes]:
-    """Split a byte stream on b"\\n" only (U+2028 is legal inside JSON).
+def _blocks(chunks: Iterable[bytes], limit: int = _FRAME_LIMIT) -> Iterator[bytes]:
+    """The complete lines of a byte stream, as soon as they arrive, a block at a time.
 
-    An unterminated last line at EOF is a broken connection, not a frame.
+    Every block ends with b"\\n" (the only line break: U+2028 is legal inside
+    JSON). An unterminated last line at EOF is a broken connection, not a frame.
     """
     pending: List[bytes] = []
     pending_size = 0
     for chunk in chunks:
-        start = 0
-        newline = chunk.find(b"\n")
-        while newline >= 0:
+        end = chunk.rfind(b"\n") + 1
+        if end:
+            block = chunk if end == len(chunk) else chunk[:end]
             if pending:
-                line = b"".join(pending) + chunk[start:newline]
+                block = b"".join(pending) + block
                 pending.clear()
-                pending_size = 0
-            else:
-                line = chunk[start:newline]
-            if len(line) > limit:
-                raise ProtocolError("an output frame is longer than 1 MiB")
-            yield line
-            start = newline + 1
-            newline = chunk.find(b"\n", start)
-        if start < len(chunk):
-            pending.append(chunk[start:] if start else chunk)
-            pending_size += len(chunk) - start
+            yield from _within_limit(block, limit)
+            pending_size = 0
+        if end < len(chunk):
+            pending.append(chunk[end:] if end else chunk)
+            pending_size += len(chunk) - end
             if pending_size > limit:
                 raise ProtocolError("an output frame is longer than 1 MiB")
     if pending:
         raise _Retryable("output connection")
 
 
-def _frame(line: bytes) -> Dict[str, Any]:
+def _within_limit(block: bytes, limit: int) -> Iterator[bytes]:
+    """`block`, or the lines before its first line longer than `limit`, then the error."""
+    if len(block) <= limit:
+        yield block
+        return
+    start = 0
+    while start < len(block):
+        end = block.index(b"\n", start)
+        if end - start > limit:
+            if start:
+                yield block[:start]
+            raise ProtocolError("an output frame is longer than 1 MiB")
+        start = end + 1
+    yield block
+
+
+_JSON = json.JSONDecoder()
+
+
+def _frames(block: bytes) -> Iterator[Dict[str, Any]]:
+    """The frames of a block of complete lines, in order.
+
+    One decode and one pass over the block's text: each line must hold one
+    JSON value that ends at its newline. A line that does not (whitespace
+    around the value, not JSON at all), or a block that is not UTF-8, is
+    parsed a line at a time by _frame, which decides exactly as a reader of
+    single lines would, so a faulty line is found after the good ones.
+    """
+    try:
+        text = block.decode("utf-8")
+    except UnicodeDecodeError:
+        for line in block.split(b"\n")[:-1]:
+            yield _frame(_utf8_line(line))
+        return
+    position = 0
+    while position < len(text):
+        try:
+            frame, end = _JSON.raw_decode(text, position)
+        except (ValueError, RecursionError):
+            end = -1
+        if end < 0 or text[end] != "\n":
+            end = text.index("\n", position)
+            frame = _frame(text[position:end])
+        elif type(frame) is not dict or type(frame.get("type")) is not str:
+            raise ProtocolError("an output frame is not an object with a type")
+        yield frame
+        position = end + 1
+
+
+def _utf8_line(line: bytes) -> str:
+    try:
+        return line.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ProtocolError("an output frame is not UTF-8") from None
+
+
+def _frame(line: str) -> Dict[str, Any]:
     try:
         frame = json.loads(line)
     except (ValueError, RecursionError):
@@ -684,40 +741,52 @@ def _frame(line: bytes) -> Dict[str, Any]:
     return frame
 
 
-class _Data(NamedTuple):
-    seq: int
-    stream: str
-    payload: bytes
-
-
 _STREAMS = ("stdout", "stderr")
+_Data = Tuple[int, str, bytes]  # seq, stream, payload (a plain tuple: this runs per frame)
 
 
 def _data_frame(frame: Dict[str, Any]) -> _Data:
     seq: Any = frame.get("seq")
-    if not _is_int(seq) or seq < 1:
+    if type(seq) is not int or seq < 1:
         raise ProtocolError("a data frame has no positive integer seq")
     stream = frame.get("stream")
     if stream not in _STREAMS:
         raise ProtocolError("a data frame names an unknown stream")
-    return _Data(seq, stream, _strict_base64(frame.get("data_base64")))
+    return seq, stream, _strict_base64(frame.get("data_base64"))
+
+
+# The character before "==" or "=" in canonical base64: its unused bits are zero.
+_CANONICAL_BEFORE_PADDING = {"==": "AQgw", "=": "AEIMQUYcgkosw048"}
+_BASE64 = re.compile(r"(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?\Z")
 
 
 def _strict_base64(text: Any) -> bytes:
     """Standard-alphabet padded base64 whose unused bits are zero (canonical)."""
-    if not isinstance(text, str):
+    if type(text) is not str:
         raise ProtocolError("a data frame has no data_base64 string")
     try:
-        payload = base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError):
+        payload = _decode_base64(text)
+    except ValueError:  # binascii.Error, or a character beyond ASCII
         raise ProtocolError("a data frame carries invalid base64") from None
-    # Only a padded last quantum can hide non-zero bits; re-encode just that.
-    if (
-        text.endswith("=")
-        and base64.b64encode(payload[-(len(payload) % 3) :]).decode("ascii") != text[-4:]
-    ):
-        raise ProtocolError("a data frame carries non-canonical base64")
+    end = text[-2:]
+    if end[-1:] == "=":
+        padding = end if end == "==" else "="
+        if text[-1 - len(padding)] not in _CANONICAL_BEFORE_PADDING[padding]:
+            raise ProtocolError("a data frame carries non-canonical base64")
     return payload
+
+
+if sys.version_info >= (3, 11):
+
+    def _decode_base64(text: str) -> bytes:
+        return binascii.a2b_base64(text, strict_mode=True)  # novermin
+
+else:
+
+    def _decode_base64(text: str) -> bytes:
+        if not _BASE64.match(text):
+            raise binascii.Error("not strict base64")
+        return binascii.a2b_base64(text)
 
 
 class _Exit(NamedTuple):
@@ -816,10 +885,12 @@ class _Tail:
     def append(self, text: str) -> None:
         self._parts.append(text)
         self._size += len(text)
-        excess = self._size - self._limit
-        if excess <= 0:
-            return
+        if self._size > self._limit:
+            self._drop_head()
+
+    def _drop_head(self) -> None:
         self.truncated = True
+        excess = self._size - self._limit
         self._size = self._limit
         while excess > 0:
             head_left = len(self._parts[0]) - self._skip
@@ -1351,6 +1422,8 @@ class _Run:
         self.creation_recovered = creation_recovered
         self.deadline = None if options.timeout is None else started + options.timeout
         self._output = _Output(options.encoding, options.errors, options.max_output_chars)
+        self._pending: List[bytes] = []  # accepted payloads of one stream, not yet delivered
+        self._pending_stream = _STREAMS[0]
 
     # -- the whole run -----------------------------------------------------
 
@@ -1423,8 +1496,8 @@ class _Run:
         response = self._connect()
         with contextlib.closing(response), _unblocked_by(self._options.cancel, response):
             chunks = response.iter_content(chunk_size=None)
-            for line in _lines(self._received(chunks)):
-                status = self._take(_frame(line), budget)
+            for block in _blocks(self._received(chunks)):
+                status = self._take_block(block, budget)
                 if status is not None:
                     _read_to_end(chunks)
                     return status
@@ -1454,20 +1527,39 @@ class _Run:
 
     def _received(self, chunks: Iterator[bytes]) -> Iterator[bytes]:
         """The body's chunks as they arrive, transport errors translated."""
-        while True:
-            with _transport_errors("output connection"):
-                chunk = next(chunks, None)
-            if chunk is None:
-                return
-            self._check_interrupts()
-            yield chunk
+        try:
+            for chunk in chunks:
+                self._check_interrupts()
+                yield chunk
+        except _LOW_LEVEL_ERRORS as exc:
+            raise _transport_failure(exc, "output connection") from exc
+
+    def _take_block(self, block: bytes, budget: _Budget) -> Optional[_Exit]:
+        """Act on the frames of a block; the exit status when it holds the exit frame.
+
+        Data arriving together is delivered together: one decode, one tail
+        append and one on_output call per run of frames of one stream.
+        """
+        cursor = self.cursor
+        try:
+            for frame in _frames(block):
+                if frame["type"] == "data":
+                    self._accept(_data_frame(frame))
+                    continue
+                self._deliver()
+                status = self._take(frame, budget)
+                if status is not None:
+                    return status
+        finally:
+            self._deliver()  # what was accepted before a failure counts too
+            if self.cursor != cursor:
+                budget.progress()
+        return None
 
     def _take(self, frame: Dict[str, Any], budget: _Budget) -> Optional[_Exit]:
-        """Act on one frame; the exit status when it is the exit frame."""
+        """Act on a frame other than data; the exit status when it is the exit frame."""
         kind = frame["type"]
-        if kind == "data":
-            self._accept(_data_frame(frame), budget)
-        elif kind == "heartbeat":
+        if kind == "heartbeat":
             budget.progress()
         elif kind == "exit":
             return self._exit_from_frame(frame)
@@ -1482,16 +1574,27 @@ class _Run:
             raise ProtocolError("an output frame has an unknown type")
         return None
 
-    def _accept(self, data: _Data, budget: _Budget) -> None:
-        if data.seq <= self.cursor:
+    def _accept(self, data: _Data) -> None:
+        seq, stream, payload = data
+        if seq <= self.cursor:
             return  # replayed overlap after a resume
-        if data.seq != self.cursor + 1:
-            raise ProtocolError(f"output seq jumped from {self.cursor} to {data.seq}")
-        text = self._output.feed(data.stream, data.payload)
+        if seq != self.cursor + 1:
+            raise ProtocolError(f"output seq jumped from {self.cursor} to {seq}")
+        if stream != self._pending_stream:
+            self._deliver()
+            self._pending_stream = stream
+        self._pending.append(payload)
+        self.cursor = seq
+
+    def _deliver(self) -> None:
+        """Hand the accepted, not yet delivered output to the capture and on_output."""
+        if not self._pending:
+            return
+        payload = b"".join(self._pending)
+        self._pending.clear()
+        text = self._output.feed(self._pending_stream, payload)
         if text and self._options.on_output is not None:
-            self._options.on_output(data.stream, text)
-        self.cursor = data.seq
-        budget.progress()
+            self._options.on_output(self._pending_stream, text)
 
     def _exit_from_frame(self, frame: Dict[str, Any]) -> _Exit:
         status = _exit_status(frame)

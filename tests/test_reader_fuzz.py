@@ -3,9 +3,10 @@
 Two levels:
 
 (a) the internals, layer by layer as `_Run._read_stream` drives them:
-    `cx._lines` (bytes -> lines, bounded by the frame limit) -> `cx._frame`
-    (line -> JSON object with a type) -> `cx._data_frame` + a `cx._Output`
-    decoder for data frames, `cx._exit_status` for exit frames;
+    `cx._blocks` (bytes -> blocks of complete lines, bounded by the frame
+    limit) -> `cx._frames` (block -> JSON objects with a type, exactly as
+    `cx._frame` would parse each line alone) -> `cx._data_frame` + a
+    `cx._Output` decoder for data frames, `cx._exit_status` for exit frames;
 (b) the public path: `Client.execute()` against canned answers served by
     `responses`, the connect bodies delivered in hypothesis-chosen chunks and
     cut where hypothesis says.
@@ -32,7 +33,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import pytest
 import responses
 from conftest import jsend_ok, process_record
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import createos_exec as cx
@@ -83,8 +84,8 @@ def split(data: bytes, sizes: Sequence[int]) -> List[bytes]:
 class Feed:
     """A byte stream in chunks; counts what the reader pulled and gave back.
 
-    When `_lines` asks for the next chunk it has handed out every line of
-    the previous one, so `consumed - emitted` is exactly the unterminated
+    When `_blocks` asks for the next chunk it has handed out every complete
+    line of the previous one, so `consumed - emitted` is exactly the unterminated
     tail it buffers (its `pending`) at that moment.
     """
 
@@ -117,10 +118,15 @@ class Feed:
         if self.limit == LIMIT:
             STATS["max_pending"] = max(STATS["max_pending"], pending)
 
+    def blocks(self) -> Iterator[bytes]:
+        for block in cx._blocks(self._pull(), self.limit):
+            assert block.endswith(b"\n")
+            self.emitted += len(block)
+            yield block
+
     def lines(self) -> Iterator[bytes]:
-        for line in cx._lines(self._pull(), self.limit):
-            self.emitted += len(line) + 1
-            yield line
+        for block in self.blocks():
+            yield from block.split(b"\n")[:-1]
 
 
 RETRY = "resume"  # the reader's verdict for a stream that ends inside a line
@@ -139,12 +145,11 @@ class Decoded:
 def read(feed: Feed) -> Decoded:
     """Drive the layers the way `_Run._read_stream`/`_take` do (seq checks aside)."""
     decoded = Decoded()
-    for line in feed.lines():
-        frame = cx._frame(line)
+    for frame in (frame for block in feed.blocks() for frame in cx._frames(block)):
         decoded.frames.append(frame)
         if frame["type"] == "data":
-            data = cx._data_frame(frame)
-            decoded.text[data.stream] += decoded.output.feed(data.stream, data.payload)
+            _, stream, payload = cx._data_frame(frame)
+            decoded.text[stream] += decoded.output.feed(stream, payload)
         elif frame["type"] == "exit":
             decoded.status = cx._exit_status(frame)
             break  # the reader stops at the exit frame
@@ -163,7 +168,7 @@ def outcome(feed: Feed) -> Any:
     except cx.CreateOSError as exc:
         return exc
     except cx._Retryable:
-        # The one non-public exception allowed: `_lines` raises it at the END
+        # The one non-public exception allowed: `_blocks` raises it at the END
         # of the input when the last line is unterminated. That is the
         # documented "broken connection" signal; `_Run._follow` turns it into
         # a resume from the cursor, so it never reaches the caller.
@@ -364,7 +369,7 @@ def corrupt(valid: Valid, field_edits: Any, byte_edits: Any) -> bytes:
 
 
 def lines_oracle(data: bytes, limit: int) -> Tuple[List[bytes], Any]:
-    """What `_lines` must do with `data`, however it is chunked."""
+    """The lines `_blocks` must hand out for `data`, however it is chunked."""
     *lines, tail = data.split(b"\n")
     good: List[bytes] = []
     for line in lines:
@@ -447,6 +452,65 @@ def test_strict_base64_accepts_only_canonical_text(text):
     assert base64.b64encode(payload).decode("ascii") == text
 
 
+LINE_PIECES = st.sampled_from(
+    [
+        b'{"type":"heartbeat"}',
+        b'{"type":"exit","exit_code":0}',
+        b'{"type":"a"},{"type":"b"}',  # two objects on one line
+        b'{"type":"c","x":"',  # a string left open ...
+        b'"}',  # ... closed on the next line
+        b'{"type":"d","x":[{"y":1}',  # an array left open ...
+        b'{"z":2}]}',  # ... closed on the next line
+        b" ",
+        b"\r",
+        b"\t",
+        b"\xff",
+        b"\xed\xa0\x80",  # a UTF-8-encoded surrogate
+        b"[",
+        b"]",
+        b",",
+        b"",
+    ]
+)
+LINES = st.lists(
+    st.lists(LINE_PIECES | JSON.map(lambda v: json.dumps(v).encode()), max_size=3).map(b"".join),
+    min_size=1,
+    max_size=8,
+)
+
+
+def per_line(lines: List[bytes]) -> Tuple[List[Any], bool]:
+    """What a reader that parses one line at a time makes of `lines`."""
+    frames = []
+    for line in lines:
+        try:
+            frames.append(cx._frame(line.decode("utf-8")))
+        except (UnicodeDecodeError, cx.ProtocolError):
+            return frames, True
+    return frames, False
+
+
+@pytest.mark.timeout(60)
+@settings(FUZZ, max_examples=400)
+@given(lines=LINES)
+@example(lines=[b'{"type":"a"},{"type":"b"}', b'{"type":"c","x":"', b'"}'])  # 3 lines, 3 objects
+@example(lines=[b'{"type":"a"},{"type":"b"}', b'{"type":"d","x":[{"y":1}', b'{"z":2}]}'])
+def test_a_block_is_parsed_exactly_as_its_lines_one_at_a_time(lines):
+    """Parsing a block in one pass may never accept a line that alone would fail
+    (two values on one line, a value spread over lines) nor reject a good one."""
+    STATS["examples"] += 1
+    expected, fails = per_line(lines)
+    got = []
+    failed = False
+    try:
+        for frame in cx._frames(b"".join(line + b"\n" for line in lines)):
+            got.append(frame)
+    except cx.ProtocolError:
+        failed = True
+    assert json.dumps(got) == json.dumps(expected)  # NaN != NaN, its spelling is equal
+    assert failed is fails
+
+
 class Endless:
     """An unterminated line that never ends, pulled in `size`-byte chunks."""
 
@@ -480,8 +544,8 @@ def test_an_endless_line_fails_before_more_than_the_limit_is_buffered(size, befo
     stream = Endless(prefix, size, fill)
     seen = []
     with pytest.raises(cx.ProtocolError):
-        for line in cx._lines(stream):
-            seen.append(line)
+        for block in cx._blocks(stream):
+            seen.extend(block.split(b"\n")[:-1])
     assert seen == before
     # Everything pulled beyond the good lines is the bad line: at most the
     # limit plus the one chunk that pushed it over.

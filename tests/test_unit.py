@@ -1615,32 +1615,40 @@ def test_capture_other_encoding_and_strict_errors() -> None:
         strict.feed("stdout", b"\xff")
 
 
-def test_lines_split_only_on_newline() -> None:
+def test_blocks_split_only_on_newline_and_come_as_soon_as_complete() -> None:
     sep = "\u2028".encode("utf-8")
-    chunks = [b'{"a":"x' + sep[:1], sep[1:] + b'y"}\n{"b":', b"1}\r\n", b"\n", b"last\n"]
-    lines = list(cx._lines(chunks))
-    assert lines == [b'{"a":"x' + sep + b'y"}', b'{"b":1}\r', b"", b"last"]
-    assert json.loads(lines[0]) == {"a": "x\u2028y"}
+    chunks = [b'{"a":"x' + sep[:1], sep[1:] + b'y"}\n{"b":', b"1}\r\n", b"\n", b"last\nnext\n"]
+    blocks = list(cx._blocks(chunks))
+    assert blocks == [b'{"a":"x' + sep + b'y"}\n', b'{"b":1}\r\n', b"\n", b"last\nnext\n"]
+    assert json.loads(blocks[0]) == {"a": "x\u2028y"}
 
 
-def test_lines_unterminated_last_line_is_retryable() -> None:
+def test_blocks_unterminated_last_line_is_retryable() -> None:
     with pytest.raises(cx._Retryable):
-        list(cx._lines([b"done\n", b'{"type":"exit"']))
-    assert list(cx._lines([])) == []
-    assert list(cx._lines([b"a\n", b""])) == [b"a"]
+        list(cx._blocks([b"done\n", b'{"type":"exit"']))
+    assert list(cx._blocks([])) == []
+    assert list(cx._blocks([b"a\n", b""])) == [b"a\n"]
 
 
-def test_lines_length_limit() -> None:
-    assert list(cx._lines([b"x" * 10 + b"\n"], limit=10)) == [b"x" * 10]
+def test_blocks_length_limit() -> None:
+    assert list(cx._blocks([b"x" * 10 + b"\n"], limit=10)) == [b"x" * 10 + b"\n"]
     with pytest.raises(cx.ProtocolError):
-        list(cx._lines([b"x" * 11 + b"\n"], limit=10))
+        list(cx._blocks([b"x" * 11 + b"\n"], limit=10))
     with pytest.raises(cx.ProtocolError):
-        list(cx._lines([b"x" * 6, b"x" * 5 + b"\n"], limit=10))
+        list(cx._blocks([b"x" * 6, b"x" * 5 + b"\n"], limit=10))
     with pytest.raises(cx.ProtocolError):
-        list(cx._lines([b"x" * 6, b"x" * 6], limit=10))  # fails before EOF
+        list(cx._blocks([b"x" * 6, b"x" * 6], limit=10))  # fails before EOF
 
 
-def test_lines_fail_before_buffering_an_endless_line() -> None:
+def test_blocks_hand_out_the_lines_before_one_that_is_too_long() -> None:
+    seen = []
+    with pytest.raises(cx.ProtocolError):
+        for block in cx._blocks([b"ok\nfine\n" + b"x" * 11 + b"\nnever\n"], limit=10):
+            seen.append(block)
+    assert seen == [b"ok\nfine\n"]
+
+
+def test_blocks_fail_before_buffering_an_endless_line() -> None:
     consumed = 0
 
     def endless() -> Any:
@@ -1650,8 +1658,42 @@ def test_lines_fail_before_buffering_an_endless_line() -> None:
             yield chunk
 
     with pytest.raises(cx.ProtocolError):
-        list(cx._lines(endless()))
+        list(cx._blocks(endless()))
     assert consumed <= 1025  # bounded by 1 MiB, not by the stream
+
+
+def test_frames_of_a_block_in_order() -> None:
+    block = (
+        b'{"type":"heartbeat"}\n'
+        b' {"type":"data","seq":1} \r\n'  # whitespace around a value: parsed alone
+        b'{"type":"exit","exit_code":0}\n'
+    )
+    assert list(cx._frames(block)) == [
+        {"type": "heartbeat"},
+        {"type": "data", "seq": 1},
+        {"type": "exit", "exit_code": 0},
+    ]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        b'{"type":"a"},{"type":"b"}\n',  # two values on one line
+        b'{"type":"a","x":"\n"}\n',  # one value over two lines
+        b"\n",
+        b'{"type":"a"}x\n',
+        b'{"type":"a","x":"\xff"}\n',  # not UTF-8
+        b'{"type":"a","x":"\xed\xa0\x80"}\n',  # a surrogate, UTF-8-encoded
+        b"[]\n",
+        b'{"type":1}\n',
+    ],
+)
+def test_frames_hand_out_the_good_lines_then_fail_on_the_bad_one(bad: bytes) -> None:
+    seen = []
+    with pytest.raises(cx.ProtocolError):
+        for frame in cx._frames(b'{"type":"heartbeat"}\n' + bad + b'{"type":"never"}\n'):
+            seen.append(frame)
+    assert seen == [{"type": "heartbeat"}]
 
 
 @pytest.mark.parametrize(
@@ -1781,23 +1823,25 @@ def test_garbage_retry_after_header_on_connect_is_ignored(rsps: responses.Reques
 
 def test_deeply_nested_frame_is_protocol_error() -> None:
     with pytest.raises(cx.ProtocolError):
-        cx._frame(b"[" * 100_000 + b"]" * 100_000)
+        cx._frame("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(cx.ProtocolError):
+        list(cx._frames(b"[" * 100_000 + b"]" * 100_000 + b"\n"))
 
 
 def test_frame_parsing() -> None:
-    assert cx._frame(b'{"type":"heartbeat"}') == {"type": "heartbeat"}
-    assert cx._frame(b'{"type":"heartbeat"}\r') == {"type": "heartbeat"}
+    assert cx._frame('{"type":"heartbeat"}') == {"type": "heartbeat"}
+    assert cx._frame('{"type":"heartbeat"}\r') == {"type": "heartbeat"}
     for bad in (
-        b"",
-        b"null",
-        b"1",
-        b'"x"',
-        b"[]",
-        b"{}",
-        b'{"type":null}',
-        b"\xff",
-        b'{"type":"x"',
-        b"NaN",
+        "",
+        "null",
+        "1",
+        '"x"',
+        "[]",
+        "{}",
+        '{"type":null}',
+        "\udcff",
+        '{"type":"x"',
+        "NaN",
     ):
         with pytest.raises(cx.ProtocolError):
             cx._frame(bad)
