@@ -27,6 +27,7 @@ import dataclasses
 import email.utils
 import http.client
 import ipaddress
+import itertools
 import json
 import logging
 import math
@@ -565,8 +566,13 @@ class _Budget:
             return None
         if retry_after is not None:
             delay = min(retry_after, self._policy.max_retry_after)
+        elif self._failures == 1:
+            # A connection that breaks after progress (a recycled proxy
+            # connection, a reset) is most likely fine at once; back off
+            # only when failures follow each other.
+            delay = 0.0
         else:
-            ceiling = self._policy.initial_backoff * 2 ** (self._failures - 1)
+            ceiling = self._policy.initial_backoff * 2 ** (self._failures - 2)
             delay = random.uniform(0, min(self._policy.max_backoff, ceiling))
         return min(delay, left)
 
@@ -902,9 +908,9 @@ class _Tail:
             excess -= head_left
 
     def text(self) -> str:
-        if not self._parts:
-            return ""
-        return self._parts[0][self._skip :] + "".join(list(self._parts)[1:])
+        parts = iter(self._parts)
+        head = next(parts, "")[self._skip :]
+        return "".join(itertools.chain((head,), parts))  # one copy of the tail, no more
 
 
 class _Output:
