@@ -25,6 +25,7 @@ import collections
 import contextlib
 import dataclasses
 import email.utils
+import functools
 import http.client
 import ipaddress
 import itertools
@@ -319,6 +320,7 @@ _HOST = re.compile(r"[A-Za-z0-9._:-]+\Z")  # a name, IPv4 or (unbracketed) IPv6
 _ID = re.compile(r"[A-Za-z0-9_-]{1,200}\Z")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _FRAME_LIMIT = 1024 * 1024  # longest NDJSON line accepted, in bytes
+_READ_SIZE = 256 * 1024  # most bytes taken at once from a body that is not chunked
 _WAIT_POLL_MS = 30_000  # server-side long-poll of one `wait`
 _TERMINATE_GRACE = 1.0  # seconds between SIGTERM and SIGKILL when terminating
 _PACING_POLL = 0.05  # seconds between looks at a full window
@@ -1501,7 +1503,7 @@ class _Run:
         """Connect after the cursor and read until the exit frame."""
         response = self._connect()
         with contextlib.closing(response), _unblocked_by(self._options.cancel, response):
-            chunks = response.iter_content(chunk_size=None)
+            chunks = _arriving(response)
             for block in _blocks(self._received(chunks)):
                 status = self._take_block(block, budget)
                 if status is not None:
@@ -1725,6 +1727,18 @@ class _Run:
             raise cleanup from exc
         if self._launch is not None and not isinstance(exc, KeyboardInterrupt):
             self._launch.unstage()
+
+
+def _arriving(response: requests.Response) -> Iterator[bytes]:
+    """The body as it arrives: HTTP chunk by HTTP chunk, or what the socket holds.
+
+    iter_content() would wait for the end of a body that is not chunked
+    (a proxy may remove the chunking), holding all live output back.
+    """
+    raw = response.raw
+    if raw.chunked or not hasattr(raw, "read1"):  # read1: urllib3 2.2 and later
+        return response.iter_content(chunk_size=None)
+    return iter(functools.partial(raw.read1, _READ_SIZE, decode_content=True), b"")
 
 
 @contextlib.contextmanager

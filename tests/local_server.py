@@ -785,21 +785,32 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def start_chunked(self, content_type: str, recorded_status: int) -> None:
+        """Start a streamed body: chunked, or (``chunked=False``) until the socket closes."""
         self._start_answer(200, {}, recorded_status)
         self.send_header("Content-Type", content_type)
         self.send_header("Cache-Control", "no-store")
-        self.send_header("Transfer-Encoding", "chunked")
+        if self.server.app.chunked:
+            self.send_header("Transfer-Encoding", "chunked")
+        else:
+            self.send_header("Connection", "close")
+            self.close_connection = True
         self.end_headers()
 
     def write_chunk(self, data: bytes) -> None:
-        self.wfile.write(b"%X\r\n%s\r\n" % (len(data), data))
+        if self.server.app.chunked:
+            self.wfile.write(b"%X\r\n%s\r\n" % (len(data), data))
+        else:
+            self.wfile.write(data)
+            self.wfile.flush()
 
     def write_half_chunk(self, data: bytes) -> None:
         """A chunk header announcing all of data, followed by only its first half."""
-        self.wfile.write(b"%X\r\n%s" % (len(data), data[: len(data) // 2]))
+        head = b"%X\r\n" % len(data) if self.server.app.chunked else b""
+        self.wfile.write(head + data[: len(data) // 2])
 
     def end_chunked(self) -> None:
-        self.wfile.write(b"0\r\n\r\n")
+        if self.server.app.chunked:
+            self.wfile.write(b"0\r\n\r\n")
 
     def abort(self) -> None:
         """Close the socket abruptly: no further bytes, no terminating chunk."""
@@ -1067,6 +1078,7 @@ class LocalServer:
         journal_limit: int = 1024 * 1024,
         frame_limit: int = FRAME_LIMIT,
         reading: str = CONSERVATIVE,
+        chunked: bool = True,
         verbose: bool = False,
     ):
         if reading not in READINGS:
@@ -1086,6 +1098,9 @@ class LocalServer:
         # that writes N bytes at once is journalled in ceil(N / frame_limit) frames.
         self.frame_limit = frame_limit
         self.reading = reading
+        # chunked=False answers `connect` as a proxy that removes the chunking
+        # would: no Transfer-Encoding, the body ends when the connection closes.
+        self.chunked = chunked
         self.verbose = verbose
         self.url = ""
         self.requests: list[RequestRecord] = []

@@ -351,3 +351,28 @@ def test_arguments_larger_than_one_exec_string_limit(client):
     result = client.execute(SANDBOX, ["printf", "%s|%s", first, second])
     assert result.exit_code == 0
     assert result.stdout == f"{first}|{second}"
+
+
+def test_a_stream_without_chunking_is_still_delivered_as_it_arrives(tmp_path):
+    """A proxy may remove the chunking: the body then ends only with the connection.
+
+    The command prints one line, then waits (at most 10 s) until on_output has
+    seen it before printing the next; output held back until the end of the
+    body would show up as "held back".
+    """
+    seen = tmp_path / "seen"
+    script = 'echo first; for _ in $(seq 100); do [ -e "$1" ] && break; sleep 0.1; done; '
+    script += '[ -e "$1" ] && echo second || echo held back'
+    delivered = []
+
+    def on_output(stream, text):
+        delivered.append(text)
+        seen.touch()
+
+    with LocalServer(chunked=False) as server, make_client(server) as client:
+        command = ["bash", "-c", script, "-", str(seen)]
+        result = client.execute(SANDBOX, command, on_output=on_output)
+        connects = [r for r in server.requests if r.path.endswith("/connect")]
+    assert result.exit_code == 0 and result.stdout == "first\nsecond\n"
+    assert delivered[0] == "first\n"
+    assert result.reconnects == 0 and len(connects) == 1
