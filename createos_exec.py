@@ -702,33 +702,56 @@ def _within_limit(block: bytes, limit: int) -> Iterator[bytes]:
 _JSON = json.JSONDecoder()
 
 
-def _frames(block: bytes) -> Iterator[Dict[str, Any]]:
-    """The frames of a block of complete lines, in order.
+def _frames(block: bytes) -> Iterator[Any]:
+    """The JSON values of a block of complete lines, one per line, in order.
 
-    One decode and one pass over the block's text: each line must hold one
-    JSON value that ends at its newline. A line that does not (whitespace
-    around the value, not JSON at all), or a block that is not UTF-8, is
-    parsed a line at a time by _frame, which decides exactly as a reader of
-    single lines would, so a faulty line is found after the good ones.
+    A line that is not exactly one JSON value fails with the lines before it
+    handed out first, exactly as a reader of single lines would decide.
     """
     try:
         text = block.decode("utf-8")
     except UnicodeDecodeError:
-        for line in block.split(b"\n")[:-1]:
-            yield _frame(_utf8_line(line))
-        return
+        return (_line_value(_utf8_line(line)) for line in block.split(b"\n")[:-1])
+    values = _values_at_once(text)
+    return iter(values) if values is not None else _values_one_by_one(text)
+
+
+def _values_at_once(text: str) -> Optional[List[Any]]:
+    """The values of all lines of `text` from one json.loads, or None if unsure.
+
+    The lines become one array with a null between each two. A line cannot
+    hold a null of its own (the literal has one spelling, and the text has
+    no "null"), so when every second value is null, each of those nulls is
+    a line boundary at the top level with exactly one value between two of
+    them: no line held two values and no value spread over two lines.
+    """
+    lines = text.count("\n")
+    try:
+        if lines == 1:
+            value, end = _JSON.raw_decode(text)
+            return [value] if end == len(text) - 1 else None
+        if "null" in text:
+            return None
+        values = json.loads("[" + text[:-1].replace("\n", ",null,") + "]")
+    except (ValueError, RecursionError):
+        return None
+    if len(values) != 2 * lines - 1 or values[1::2].count(None) != lines - 1:
+        return None
+    return values[::2]  # type: ignore[no-any-return]
+
+
+def _values_one_by_one(text: str) -> Iterator[Any]:
+    """The values of the lines of `text`, each taken alone when it is not plain."""
     position = 0
     while position < len(text):
         try:
-            frame, end = _JSON.raw_decode(text, position)
+            value, end = _JSON.raw_decode(text, position)
         except (ValueError, RecursionError):
             end = -1
         if end < 0 or text[end] != "\n":
             end = text.index("\n", position)
-            frame = _frame(text[position:end])
-        elif type(frame) is not dict or type(frame.get("type")) is not str:
-            raise ProtocolError("an output frame is not an object with a type")
-        yield frame
+            value = _line_value(text[position:end])
+        yield value
         position = end + 1
 
 
@@ -739,14 +762,19 @@ def _utf8_line(line: bytes) -> str:
         raise ProtocolError("an output frame is not UTF-8") from None
 
 
-def _frame(line: str) -> Dict[str, Any]:
+def _line_value(line: str) -> Any:
     try:
-        frame = json.loads(line)
+        return json.loads(line)
     except (ValueError, RecursionError):
         raise ProtocolError("an output frame is not valid JSON") from None
-    if not isinstance(frame, dict) or not isinstance(frame.get("type"), str):
+
+
+def _frame_type(value: Any) -> str:
+    """The type of a frame: a JSON object with a string `type`."""
+    kind = value.get("type") if type(value) is dict else None
+    if type(kind) is not str:
         raise ProtocolError("an output frame is not an object with a type")
-    return frame
+    return kind
 
 
 _STREAMS = ("stdout", "stderr")
@@ -763,8 +791,9 @@ def _data_frame(frame: Dict[str, Any]) -> _Data:
     return seq, stream, _strict_base64(frame.get("data_base64"))
 
 
-# The character before "==" or "=" in canonical base64: its unused bits are zero.
-_CANONICAL_BEFORE_PADDING = {"==": "AQgw", "=": "AEIMQUYcgkosw048"}
+# By bytes in the last quantum (1 or 2): the characters allowed before its
+# padding, those whose unused bits are zero.
+_CANONICAL_LAST = ("", "AQgw", "AEIMQUYcgkosw048")
 _BASE64 = re.compile(r"(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?\Z")
 
 
@@ -776,11 +805,12 @@ def _strict_base64(text: Any) -> bytes:
         payload = _decode_base64(text)
     except ValueError:  # binascii.Error, or a character beyond ASCII
         raise ProtocolError("a data frame carries invalid base64") from None
-    end = text[-2:]
-    if end[-1:] == "=":
-        padding = end if end == "==" else "="
-        if text[-1 - len(padding)] not in _CANONICAL_BEFORE_PADDING[padding]:
-            raise ProtocolError("a data frame carries non-canonical base64")
+    # strict_mode lets "=" follow a whole last quantum; the length tells.
+    last = len(payload) % 3
+    if len(text) != (len(payload) + 2) // 3 * 4 or (
+        last and text[last - 4] not in _CANONICAL_LAST[last]
+    ):
+        raise ProtocolError("a data frame carries non-canonical base64")
     return payload
 
 
@@ -1551,7 +1581,7 @@ class _Run:
         cursor = self.cursor
         try:
             for frame in _frames(block):
-                if frame["type"] == "data":
+                if type(frame) is dict and frame.get("type") == "data":
                     self._accept(_data_frame(frame))
                     continue
                 self._deliver()
@@ -1564,9 +1594,9 @@ class _Run:
                 budget.progress()
         return None
 
-    def _take(self, frame: Dict[str, Any], budget: _Budget) -> Optional[_Exit]:
+    def _take(self, frame: Any, budget: _Budget) -> Optional[_Exit]:
         """Act on a frame other than data; the exit status when it is the exit frame."""
-        kind = frame["type"]
+        kind = _frame_type(frame)
         if kind == "heartbeat":
             budget.progress()
         elif kind == "exit":

@@ -4,8 +4,8 @@ Two levels:
 
 (a) the internals, layer by layer as `_Run._read_stream` drives them:
     `cx._blocks` (bytes -> blocks of complete lines, bounded by the frame
-    limit) -> `cx._frames` (block -> JSON objects with a type, exactly as
-    `cx._frame` would parse each line alone) -> `cx._data_frame` + a
+    limit) -> `cx._frames` (block -> the JSON value of each line, exactly as
+    json.loads would parse each line alone) -> `cx._data_frame` + a
     `cx._Output` decoder for data frames, `cx._exit_status` for exit frames;
 (b) the public path: `Client.execute()` against canned answers served by
     `responses`, the connect bodies delivered in hypothesis-chosen chunks and
@@ -147,10 +147,11 @@ def read(feed: Feed) -> Decoded:
     decoded = Decoded()
     for frame in (frame for block in feed.blocks() for frame in cx._frames(block)):
         decoded.frames.append(frame)
-        if frame["type"] == "data":
+        kind = cx._frame_type(frame)
+        if kind == "data":
             _, stream, payload = cx._data_frame(frame)
             decoded.text[stream] += decoded.output.feed(stream, payload)
-        elif frame["type"] == "exit":
+        elif kind == "exit":
             decoded.status = cx._exit_status(frame)
             break  # the reader stops at the exit frame
     for name in STREAMS:
@@ -461,6 +462,9 @@ LINE_PIECES = st.sampled_from(
         b'"}',  # ... closed on the next line
         b'{"type":"d","x":[{"y":1}',  # an array left open ...
         b'{"z":2}]}',  # ... closed on the next line
+        b"null",
+        b",null,",
+        b'{"type":"e","x":null}',
         b" ",
         b"\r",
         b"\t",
@@ -481,13 +485,13 @@ LINES = st.lists(
 
 def per_line(lines: List[bytes]) -> Tuple[List[Any], bool]:
     """What a reader that parses one line at a time makes of `lines`."""
-    frames = []
+    values = []
     for line in lines:
         try:
-            frames.append(cx._frame(line.decode("utf-8")))
-        except (UnicodeDecodeError, cx.ProtocolError):
-            return frames, True
-    return frames, False
+            values.append(json.loads(line.decode("utf-8")))
+        except ValueError:  # UnicodeDecodeError and JSONDecodeError among them
+            return values, True
+    return values, False
 
 
 @pytest.mark.timeout(60)
@@ -495,6 +499,7 @@ def per_line(lines: List[bytes]) -> Tuple[List[Any], bool]:
 @given(lines=LINES)
 @example(lines=[b'{"type":"a"},{"type":"b"}', b'{"type":"c","x":"', b'"}'])  # 3 lines, 3 objects
 @example(lines=[b'{"type":"a"},{"type":"b"}', b'{"type":"d","x":[{"y":1}', b'{"z":2}]}'])
+@example(lines=[b'{"type":"a"},null,{"type":"b"}', b'{"type":"d","x":[{"y":1}', b'{"z":2}]}'])
 def test_a_block_is_parsed_exactly_as_its_lines_one_at_a_time(lines):
     """Parsing a block in one pass may never accept a line that alone would fail
     (two values on one line, a value spread over lines) nor reject a good one."""
@@ -599,8 +604,8 @@ class Body(io.BufferedReader):
     """A response body read in the given pieces, optionally reset after them.
 
     `responses` hands a BufferedReader body to urllib3 as it is, so each
-    `read()` here is one chunk of `iter_content(chunk_size=None)`; the reset
-    surfaces as requests' ChunkedEncodingError, as a real one does.
+    `read1()` here is one chunk as the reader takes it (the body is not
+    chunked); the reset surfaces from urllib3 as a real one does.
     """
 
     def __init__(self, pieces: Sequence[bytes], reset: bool = False) -> None:
@@ -616,6 +621,8 @@ class Body(io.BufferedReader):
             raise ConnectionResetError("connection reset by peer")
         self.close()
         return b""
+
+    read1 = read  # a body that is not chunked is read with read1()
 
 
 def after_of(request: Any) -> int:

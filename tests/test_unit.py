@@ -1684,8 +1684,7 @@ def test_frames_of_a_block_in_order() -> None:
         b'{"type":"a"}x\n',
         b'{"type":"a","x":"\xff"}\n',  # not UTF-8
         b'{"type":"a","x":"\xed\xa0\x80"}\n',  # a surrogate, UTF-8-encoded
-        b"[]\n",
-        b'{"type":1}\n',
+        b"nul\n",
     ],
 )
 def test_frames_hand_out_the_good_lines_then_fail_on_the_bad_one(bad: bytes) -> None:
@@ -1823,28 +1822,28 @@ def test_garbage_retry_after_header_on_connect_is_ignored(rsps: responses.Reques
 
 def test_deeply_nested_frame_is_protocol_error() -> None:
     with pytest.raises(cx.ProtocolError):
-        cx._frame("[" * 100_000 + "]" * 100_000)
+        cx._line_value("[" * 100_000 + "]" * 100_000)
     with pytest.raises(cx.ProtocolError):
         list(cx._frames(b"[" * 100_000 + b"]" * 100_000 + b"\n"))
 
 
-def test_frame_parsing() -> None:
-    assert cx._frame('{"type":"heartbeat"}') == {"type": "heartbeat"}
-    assert cx._frame('{"type":"heartbeat"}\r') == {"type": "heartbeat"}
-    for bad in (
-        "",
-        "null",
-        "1",
-        '"x"',
-        "[]",
-        "{}",
-        '{"type":null}',
-        "\udcff",
-        '{"type":"x"',
-        "NaN",
-    ):
+def test_line_value_parsing() -> None:
+    assert cx._line_value('{"type":"heartbeat"}') == {"type": "heartbeat"}
+    assert cx._line_value(' {"type":"heartbeat"}\r') == {"type": "heartbeat"}
+    for bad in ("", " ", "\udcff", '{"type":"x"', "{} {}", "nul"):
         with pytest.raises(cx.ProtocolError):
-            cx._frame(bad)
+            cx._line_value(bad)
+
+
+@pytest.mark.parametrize(
+    "value", [None, 1, "x", [], ["data"], {}, {"type": None}, {"type": 1}, float("nan")]
+)
+def test_a_frame_is_an_object_with_a_string_type(value: Any) -> None:
+    options = cx._options(None, None, False, 100, "utf-8", "replace", None)
+    run = cx._Run(make_client(), SB, PID, options, args=[], started=0)
+    block = json.dumps(value).encode() + b"\n"
+    with pytest.raises(cx.ProtocolError, match="not an object with a type"):
+        run._take_block(block, cx._Budget(cx.RetryPolicy()))
 
 
 def test_budget_counts_attempts_and_resets_on_progress() -> None:
