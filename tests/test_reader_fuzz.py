@@ -516,6 +516,59 @@ def test_a_block_is_parsed_exactly_as_its_lines_one_at_a_time(lines):
     assert failed is fails
 
 
+PLAIN = {"head": "", "seq": "7", "stream": '"stdout"', "data": '"aGk="', "tail": "}"}
+PLAIN_VARIANTS = {  # each makes a line that is not in the service's own form, or not JSON
+    "head": [" ", "\t", "x"],
+    "seq": ["0", "01", "-1", "1.0", "1e2", "9" * 19, "true", '"7"'],
+    "stream": ['"stderr"', '"pty"', '"std\\u006fut"', "null"],
+    "data": ['""', '"QQ=="', '"a\\u0047k="', '"aGk"', '"é"', '"a Gk="', "5", '"aGk\\"'],
+    "tail": ["} ", "}\r", ',"x":1}', "}}", "", "}\udcff", ',"seq":8}'],
+}
+
+
+@st.composite
+def plain_lines(draw: Any) -> bytes:
+    """A data line in the service's form, with at most one field changed."""
+    fields = dict(PLAIN)
+    field = draw(st.sampled_from([None, *PLAIN_VARIANTS]))
+    if field is not None:
+        fields[field] = draw(st.sampled_from(PLAIN_VARIANTS[field]))
+    text = '%(head)s{"type":"data","seq":%(seq)s,"stream":%(stream)s,"data_base64":%(data)s'
+    return (text % fields + fields["tail"]).encode("utf-8", "surrogateescape")
+
+
+PLAIN_LINES = st.lists(
+    plain_lines()
+    | st.sampled_from(
+        [
+            b'{"seq":1,"type":"data","stream":"stdout","data_base64":"aGk="}',
+            b'{"type":"heartbeat"}',
+        ]
+    ),
+    min_size=1,
+    max_size=4,
+)
+
+
+@pytest.mark.timeout(60)
+@settings(FUZZ, max_examples=400)
+@given(lines=PLAIN_LINES)
+def test_plain_data_lines_are_read_exactly_as_json(lines):
+    """The pattern for the service's own data lines may only take lines whose
+    JSON value is exactly what its groups say, and must take all of a block
+    or none of it."""
+    STATS["examples"] += 1
+    plain = cx._plain_data(b"".join(line + b"\n" for line in lines))
+    if plain is None:
+        return
+    assert len(plain) == len(lines)
+    for line, (seq, stream, data) in zip(lines, plain):
+        value = json.loads(line)
+        assert value == {"type": "data", "seq": int(seq), "stream": stream, "data_base64": data}
+        assert type(value["seq"]) is int and list(value) == ["type", "seq", "stream", "data_base64"]
+        assert int(seq) >= 1 and stream in cx._STREAMS  # what _data_frame checks
+
+
 class Endless:
     """An unterminated line that never ends, pulled in `size`-byte chunks."""
 
