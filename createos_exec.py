@@ -1570,9 +1570,11 @@ class _Run:
 
     def _received(self, chunks: Iterator[bytes]) -> Iterator[bytes]:
         """The body's chunks as they arrive, transport errors translated."""
+        watched = self._options.cancel is not None or self.deadline is not None
         try:
             for chunk in chunks:
-                self._check_interrupts()
+                if watched:
+                    self._check_interrupts()
                 yield chunk
         except _LOW_LEVEL_ERRORS as exc:
             raise _transport_failure(exc, "output connection") from exc
@@ -1588,14 +1590,35 @@ class _Run:
             plain = _plain_data(block)
             if plain is None:
                 return self._take_frames(_frames(block), budget)
-            for seq, stream, data in plain:
-                self._accept(int(seq), stream, _strict_base64(data))
+            self._take_plain(plain)
             return None
         finally:
             if self._pending:
                 self._deliver()  # what was accepted before a failure counts too
             if self.cursor != cursor:
                 budget.progress()
+
+    def _take_plain(self, plain: _PlainData) -> None:
+        """Accept plain data lines: many at once when they simply continue the output."""
+        if len(plain) > 1:
+            seqs, streams, texts = zip(*plain)
+            first = self.cursor + 1
+            if streams.count(self._pending_stream) == len(plain) and list(map(int, seqs)) == list(
+                range(first, first + len(plain))
+            ):
+                self._accept_run(texts)
+                return
+        for seq, stream, text in plain:
+            self._accept(int(seq), stream, _strict_base64(text))
+
+    def _accept_run(self, texts: Sequence[str]) -> None:
+        """Accept the base64 of the next data frames of the stream in hand."""
+        payloads: List[bytes] = []
+        try:
+            payloads.extend(map(_strict_base64, texts))
+        finally:  # the frames before a bad one are accepted
+            self._pending.extend(payloads)
+            self.cursor += len(payloads)
 
     def _take_frames(self, frames: Iterator[Any], budget: _Budget) -> Optional[_Exit]:
         for frame in frames:
@@ -1776,12 +1799,13 @@ class _Run:
 def _arriving(response: requests.Response) -> Iterator[bytes]:
     """The body as it arrives: HTTP chunk by HTTP chunk, or what the socket holds.
 
-    iter_content() would wait for the end of a body that is not chunked
-    (a proxy may remove the chunking), holding all live output back.
+    Straight from urllib3 (requests' iter_content() adds a layer per chunk
+    and would wait for the end of a body that is not chunked: a proxy may
+    remove the chunking, and all live output would be held back).
     """
     raw = response.raw
     if raw.chunked or not hasattr(raw, "read1"):  # read1: urllib3 2.2 and later
-        return response.iter_content(chunk_size=None)
+        return raw.stream(None, decode_content=True)
     return iter(functools.partial(raw.read1, _READ_SIZE, decode_content=True), b"")
 
 

@@ -23,7 +23,7 @@ import subprocess
 import threading
 import time
 import urllib.parse
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 import requests
@@ -1844,6 +1844,52 @@ def test_a_frame_is_an_object_with_a_string_type(value: Any) -> None:
     block = json.dumps(value).encode() + b"\n"
     with pytest.raises(cx.ProtocolError, match="not an object with a type"):
         run._take_block(block, cx._Budget(cx.RetryPolicy()))
+
+
+def plain_line(seq: int, text: str, stream: str = "stdout", data: Optional[str] = None) -> bytes:
+    data = base64.b64encode(text.encode()).decode() if data is None else data
+    line = '{"type":"data","seq":%d,"stream":"%s","data_base64":"%s"}\n'
+    return (line % (seq, stream, data)).encode()
+
+
+def run_with_deliveries() -> Tuple[cx._Run, List[Tuple[str, str]]]:
+    delivered: List[Tuple[str, str]] = []
+    options = cx._options(
+        None, lambda *args: delivered.append(args), False, 100, "utf-8", "replace", None
+    )
+    return cx._Run(make_client(), SB, PID, options, args=[], started=0), delivered
+
+
+def test_a_block_of_data_is_delivered_once_per_run_of_one_stream() -> None:
+    run, delivered = run_with_deliveries()
+    block = b"".join(
+        [plain_line(1, "a"), plain_line(2, "b"), plain_line(3, "E", "stderr"), plain_line(4, "c")]
+    )
+    run._take_block(block + plain_line(5, "d"), cx._Budget(cx.RetryPolicy()))
+    assert delivered == [("stdout", "ab"), ("stderr", "E"), ("stdout", "cd")]
+    assert run.cursor == 5
+    run._take_block(plain_line(6, "e") + plain_line(7, "f"), cx._Budget(cx.RetryPolicy()))
+    assert delivered[-1] == ("stdout", "ef") and run.cursor == 7
+
+
+def test_a_replayed_block_adds_only_what_is_new() -> None:
+    run, delivered = run_with_deliveries()
+    budget = cx._Budget(cx.RetryPolicy())
+    run._take_block(plain_line(1, "a") + plain_line(2, "b"), budget)
+    run._take_block(plain_line(1, "a") + plain_line(2, "b") + plain_line(3, "c"), budget)
+    assert delivered == [("stdout", "ab"), ("stdout", "c")] and run.cursor == 3
+    with pytest.raises(cx.ProtocolError, match="jumped from 4 to 6"):
+        run._take_block(plain_line(4, "d") + plain_line(6, "f") + plain_line(7, "g"), budget)
+    assert delivered[-1] == ("stdout", "d") and run.cursor == 4
+
+
+@pytest.mark.parametrize("bad", ["QR==", "QQ", "AAAA===="])
+def test_a_bad_frame_in_a_block_fails_after_the_good_ones_are_delivered(bad: str) -> None:
+    run, delivered = run_with_deliveries()
+    block = plain_line(1, "a") + plain_line(2, "b") + plain_line(3, "", data=bad)
+    with pytest.raises(cx.ProtocolError):
+        run._take_block(block + plain_line(4, "d"), cx._Budget(cx.RetryPolicy()))
+    assert delivered == [("stdout", "ab")] and run.cursor == 2
 
 
 def test_budget_counts_attempts_and_resets_on_progress() -> None:
