@@ -1,0 +1,845 @@
+"""createos_exec performance benchmark: throughput, memory, output tail and latency.
+
+    python benchmarks/run.py                    # everything, full size (a few minutes)
+    python benchmarks/run.py --repeat 7
+    python benchmarks/run.py --scale 0.001      # every size times 0.001: a quick check
+    python benchmarks/run.py --only throughput,latency
+
+Prints one plain-text report. Exit status 0 whatever the targets say (this is
+a measurement, not a test); 1 only when a measurement could not be made (a
+reader crashed or did not receive exactly what was sent).
+
+What is measured
+----------------
+throughput  A synthetic CreateOS server (stream_server.py, a process of its
+            own) serves the same pre-generated output stream to every reader,
+            for three shapes: 64 KiB frames (256 MiB); 100-byte frames, one
+            HTTP chunk per frame (32 MiB); the same 100-byte frames in 64 KiB
+            HTTP chunks. Readers (readers.py), interleaved (each repetition
+            runs every reader once): the server alone (drain to EOF, no
+            parsing), the per-line decode ceiling (raw socket, hand-made
+            de-chunking, one json.loads per line, strict base64, incremental
+            UTF-8), the batched ceiling (one json.loads per block of lines),
+            createos_exec's Client.execute() end to end, and the official
+            SDK's processes.connect(). Every reader's output is verified.
+            MB/s = 10^6 bytes of decoded payload per second.
+memory      Peak RSS of a child process (memory_probe.py) while execute()
+            streams 64 MiB and 1 GiB of output with the default
+            max_output_chars, against the same process idle.
+tail        createos_exec._Tail(4 Mi characters) fed 8, 16 and 32 MiB in
+            100-character chunks (ns per character), against the naive
+            `s = (s + chunk)[-cap:]`, timed on a sample and extrapolated.
+latency     Against tests/local_server.py (real bash processes): requests and
+            TCP connections of one execute("true"); its wall time against the
+            same HTTP requests sent with a bare requests.Session; the default
+            rate limiter against rate_limit=None; the pause between the last
+            output before a connection reset and the first after the resume.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+
+import readers  # noqa: E402
+import requests  # noqa: E402
+import urllib3  # noqa: E402
+from stream_server import Shape, StreamServer, connect_path, payload  # noqa: E402
+
+import createos_exec  # noqa: E402
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+SECTIONS = ("throughput", "memory", "tail", "latency")
+
+SHAPE_64K = "frames-64KiB"
+SHAPE_100B = "frames-100B-chunk-each"
+SHAPE_100B_CHUNKED = "frames-100B-chunks-64KiB"
+SHAPE_LABELS = {
+    SHAPE_64K: "64 KiB frames, one HTTP chunk per frame",
+    SHAPE_100B: "100-byte frames, one HTTP chunk per frame",
+    SHAPE_100B_CHUNKED: "100-byte frames in 64 KiB HTTP chunks",
+}
+WARMUP_SHAPE = Shape("warmup", 256 * KiB, 100, 64 * KiB)
+LOCAL_SANDBOX = "sb_local"  # the sandbox tests/local_server.py starts with
+
+SERVER_ALONE = "server alone (drain, no parsing)"
+PER_LINE = "per-line ceiling (raw socket)"
+BATCHED = "batched ceiling (raw socket)"
+EXECUTE = "createos_exec Client.execute()"
+SDK = "official SDK processes.connect()"
+
+
+class Target(NamedTuple):
+    """One target line: `measured` compared with `bound` (None: could not be measured)."""
+
+    text: str
+    measured: Optional[float]
+    bound: float
+    at_most: bool = False  # measured <= bound (else >=)
+    unit: str = "x"
+
+    @property
+    def verdict(self) -> str:
+        if self.measured is None:
+            return "n/a"
+        met = self.measured <= self.bound if self.at_most else self.measured >= self.bound
+        return "met" if met else "MISSED"
+
+    def line(self) -> str:
+        sign = "<=" if self.at_most else ">="
+        value = "n/a" if self.measured is None else _number(self.measured, self.unit)
+        return "  [%s] %s: %s (target %s %s)" % (
+            self.verdict,
+            self.text,
+            value,
+            sign,
+            _number(self.bound, self.unit),
+        )
+
+
+def _number(value: float, unit: str) -> str:
+    if unit == "":
+        return "%g" % value
+    if unit == "x":
+        return "%.2fx" % value
+    if unit == "ms":
+        return "%.2f ms" % value
+    return "%.1f %s" % (value, unit)
+
+
+class Report:
+    """Prints as it goes; remembers targets and failed measurements."""
+
+    def __init__(self) -> None:
+        self.targets: List[Target] = []
+        self.failures: List[str] = []
+
+    def line(self, text: str = "") -> None:
+        print(text, flush=True)
+
+    def heading(self, text: str) -> None:
+        self.line()
+        self.line("== %s ==" % text)
+
+    def target(self, target: Target) -> None:
+        self.targets.append(target)
+        self.line(target.line())
+
+    def failure(self, text: str) -> None:
+        self.failures.append(text)
+        self.line("  FAILED: " + text)
+
+
+def progress(text: str) -> None:
+    print("... " + text, file=sys.stderr, flush=True)
+
+
+def size_label(size: float) -> str:
+    for unit, name in ((GiB, "GiB"), (MiB, "MiB"), (KiB, "KiB")):
+        if size >= unit:
+            return "%g %s" % (round(size / unit, 3), name)
+    return "%d B" % size
+
+
+def median_min_max(values: Sequence[float]) -> str:
+    return "%11.1f   %.1f-%.1f" % (statistics.median(values), min(values), max(values))
+
+
+def scaled(size: int, scale: float, floor: int) -> int:
+    return max(floor, int(size * scale))
+
+
+# --------------------------------------------------------------------------
+# Header
+
+
+def versions() -> List[str]:
+    sdk = readers.load_sdk()
+    if sdk is None:
+        sdk_text = "createos-sandbox SDK n/a (not importable)"
+    else:
+        sdk_text = "createos-sandbox %s (httpx %s)" % (
+            _distribution_version("createos-sandbox"),
+            _distribution_version("httpx"),
+        )
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count() or 0
+    return [
+        "Python %s (%s) · requests %s · urllib3 %s · %s · createos_exec %s"
+        % (
+            platform.python_version(),
+            platform.python_implementation(),
+            requests.__version__,
+            urllib3.__version__,
+            sdk_text,
+            createos_exec.__version__,
+        ),
+        "machine: %s %s, nproc %d (cpu_count %s)"
+        % (platform.system(), platform.machine(), usable, os.cpu_count()),
+    ]
+
+
+def _distribution_version(name: str) -> str:
+    try:
+        from importlib.metadata import version
+
+        return version(name)
+    except Exception:  # noqa: BLE001 -- a version string is only informative
+        return "?"
+
+
+# --------------------------------------------------------------------------
+# Throughput
+
+
+def throughput_shapes(scale: float) -> List[Shape]:
+    return [
+        Shape(SHAPE_64K, scaled(256 * MiB, scale, 64 * KiB), 64 * KiB),
+        Shape(SHAPE_100B, scaled(32 * MiB, scale, 100), 100),
+        Shape(SHAPE_100B_CHUNKED, scaled(32 * MiB, scale, 100), 100, 64 * KiB),
+    ]
+
+
+def make_readers(
+    server: StreamServer, execute: readers.ExecuteReader, sdk: Optional[readers.SdkReader]
+) -> Dict[str, Optional[Callable[[str], readers.Received]]]:
+    """Each reader as a function of the shape name (None: not available)."""
+    address = server.address
+
+    def drain(name: str) -> readers.Received:
+        return readers.drain(address, connect_path(name), server.expected[name])
+
+    return {
+        SERVER_ALONE: drain,
+        PER_LINE: lambda name: readers.read_per_line(address, connect_path(name)),
+        BATCHED: lambda name: readers.read_batched(address, connect_path(name)),
+        EXECUTE: execute.read,
+        SDK: sdk.read if sdk is not None else None,
+    }
+
+
+def run_throughput(report: Report, repeat: int, scale: float) -> None:
+    shapes = throughput_shapes(scale)
+    report.heading(
+        "Throughput: MB/s of decoded payload (10^6 B/s), median and min-max of %d "
+        "interleaved repetitions" % repeat
+    )
+    progress("generating the streams in the server process")
+    medians: Dict[str, Dict[str, Optional[float]]] = {}
+    with StreamServer([WARMUP_SHAPE] + shapes) as server:
+        execute = readers.ExecuteReader(server.url)
+        sdk_module = readers.load_sdk()
+        sdk = readers.SdkReader(sdk_module, server.url) if sdk_module is not None else None
+        try:
+            reader_of = make_readers(server, execute, sdk)
+            warm_up(report, reader_of, server)
+            for shape in shapes:
+                medians[shape.name] = measure_shape(report, reader_of, server, shape, repeat)
+        finally:
+            execute.close()
+            if sdk is not None:
+                sdk.close()
+    throughput_targets(report, medians)
+
+
+def warm_up(report: Report, reader_of: Dict[str, Any], server: StreamServer) -> None:
+    """One untimed read per reader: connections open, code paths warm."""
+    for name, read in reader_of.items():
+        if read is None:
+            continue
+        try:
+            readers.verify(name, read(WARMUP_SHAPE.name), server.expected[WARMUP_SHAPE.name])
+        except Exception as exc:  # noqa: BLE001 -- reported, and the row will fail too
+            report.failure("warm-up of %s: %s: %s" % (name, type(exc).__name__, exc))
+
+
+def measure_shape(
+    report: Report,
+    reader_of: Dict[str, Optional[Callable[[str], readers.Received]]],
+    server: StreamServer,
+    shape: Shape,
+    repeat: int,
+) -> Dict[str, Optional[float]]:
+    """Time every reader `repeat` times, interleaved; print the rows; the medians."""
+    expected = server.expected[shape.name]
+    speeds: Dict[str, List[float]] = {name: [] for name in reader_of}
+    errors: Dict[str, str] = {}
+    for rep in range(repeat):
+        progress("%s: repetition %d of %d" % (shape.name, rep + 1, repeat))
+        for name, read in reader_of.items():
+            if read is None or name in errors:
+                continue
+            gc.collect()
+            try:
+                started = time.perf_counter()
+                received = read(shape.name)
+                elapsed = time.perf_counter() - started
+                readers.verify(name, received, expected)
+            except Exception as exc:  # noqa: BLE001 -- a failed reader is reported, not fatal
+                errors[name] = "%s: %s" % (type(exc).__name__, exc)
+                continue
+            speeds[name].append(expected.payload_bytes / elapsed / 1e6)
+    report.line()
+    report.line(
+        "%s: %s of payload, %d frames, %.1f MB chunked body"
+        % (
+            SHAPE_LABELS[shape.name],
+            size_label(shape.payload_bytes),
+            expected.frames,
+            expected.body_bytes / 1e6,
+        )
+    )
+    report.line("  %-36s %s" % ("reader", "median MB/s   min-max"))
+    medians: Dict[str, Optional[float]] = {}
+    for name, read in reader_of.items():
+        if read is None:
+            report.line("  %-36s %9s" % (name, "n/a (SDK not importable)"))
+            medians[name] = None
+        elif name in errors:
+            report.line("  %-36s %9s" % (name, "n/a"))
+            report.failure("%s on %s: %s" % (name, shape.name, errors[name]))
+            medians[name] = None
+        else:
+            report.line("  %-36s %s" % (name, median_min_max(speeds[name])))
+            medians[name] = statistics.median(speeds[name])
+    report.line("  ratios: " + " · ".join(ratio_texts(medians)))
+    return medians
+
+
+def ratio(medians: Dict[str, Optional[float]], top: str, bottom: str) -> Optional[float]:
+    numerator, denominator = medians.get(top), medians.get(bottom)
+    if numerator is None or denominator is None:
+        return None
+    return numerator / denominator
+
+
+def ratio_texts(medians: Dict[str, Optional[float]]) -> List[str]:
+    pairs = (
+        ("execute/per-line", EXECUTE, PER_LINE),
+        ("execute/batched", EXECUTE, BATCHED),
+        ("execute/SDK", EXECUTE, SDK),
+        ("server alone/per-line", SERVER_ALONE, PER_LINE),
+    )
+    texts = []
+    for label, top, bottom in pairs:
+        value = ratio(medians, top, bottom)
+        texts.append("%s %s" % (label, "n/a" if value is None else "%.2fx" % value))
+    return texts
+
+
+THROUGHPUT_TARGETS = (
+    ("execute / per-line ceiling, 64 KiB frames", SHAPE_64K, PER_LINE, 0.95),
+    (
+        "execute / per-line ceiling, 100-byte frames in 64 KiB chunks",
+        SHAPE_100B_CHUNKED,
+        PER_LINE,
+        1.2,
+    ),
+    ("execute / per-line ceiling, 100-byte frames one chunk each", SHAPE_100B, PER_LINE, 0.65),
+    ("execute / SDK, 100-byte frames one chunk each", SHAPE_100B, SDK, 3.0),
+    ("execute / SDK, 100-byte frames in 64 KiB chunks", SHAPE_100B_CHUNKED, SDK, 3.5),
+    ("execute / SDK, 64 KiB frames", SHAPE_64K, SDK, 1.15),
+)
+
+
+def throughput_targets(report: Report, medians: Dict[str, Dict[str, Optional[float]]]) -> None:
+    report.line()
+    report.line("Throughput targets (medians of this run):")
+    for text, shape_name, bottom, bound in THROUGHPUT_TARGETS:
+        report.target(Target(text, ratio(medians[shape_name], EXECUTE, bottom), bound))
+    server_margin = [ratio(by_reader, SERVER_ALONE, PER_LINE) for by_reader in medians.values()]
+    known = [value for value in server_margin if value is not None]
+    if known:
+        slowest = min(known)
+        verdict = "not the bottleneck" if slowest >= 3 else "MAY BE THE BOTTLENECK"
+        report.line(
+            "  server alone is at least %.1fx faster than the per-line ceiling on every "
+            "shape: %s" % (slowest, verdict)
+        )
+
+
+# --------------------------------------------------------------------------
+# Memory
+
+
+def run_memory(report: Report, scale: float) -> None:
+    small = Shape("memory-small", scaled(64 * MiB, scale, 64 * KiB), 64 * KiB)
+    large = Shape("memory-large", scaled(1 * GiB, scale, 64 * KiB), 64 * KiB)
+    warmup = Shape("memory-warmup", 1 * KiB, 64 * KiB)
+    report.heading(
+        "Memory: RSS of a child process streaming through execute() "
+        "(default max_output_chars, 64 KiB frames)"
+    )
+    progress("generating the memory streams in the server process")
+    diffs = {}
+    with StreamServer([warmup, small, large]) as server:
+        for shape in (small, large):
+            progress(
+                "memory: %s through execute() in a child process" % size_label(shape.payload_bytes)
+            )
+            probe = run_memory_probe(server, shape, warmup)
+            if probe is None or not probe["verified"]:
+                report.failure("memory probe for %s: %r" % (size_label(shape.payload_bytes), probe))
+                continue
+            if probe["method"] != "clear_refs":
+                report.line(
+                    "  (the RSS high-water mark could not be reset: peak is the process's "
+                    "lifetime maximum from resource.getrusage)"
+                )
+            idle, peak = probe["idle_kib"] / 1024, probe["peak_kib"] / 1024
+            diffs[shape.name] = peak - idle
+            report.line(
+                "  %-9s of output: idle %.1f MiB, peak %.1f MiB, peak - idle %.1f MiB "
+                "(streamed in %.1f s, %s)"
+                % (
+                    size_label(shape.payload_bytes),
+                    idle,
+                    peak,
+                    peak - idle,
+                    probe["seconds"],
+                    "VmHWM reset via /proc/self/clear_refs"
+                    if probe["method"] == "clear_refs"
+                    else "getrusage",
+                ),
+            )
+    for shape in (small, large):
+        report.target(
+            Target(
+                "peak - idle, %s of output" % size_label(shape.payload_bytes),
+                diffs.get(shape.name),
+                64.0,
+                at_most=True,
+                unit="MiB",
+            )
+        )
+    growth = None
+    if small.name in diffs and large.name in diffs:
+        growth = abs(diffs[large.name] - diffs[small.name])
+    report.target(
+        Target(
+            "|diff(%s) - diff(%s)|"
+            % (size_label(large.payload_bytes), size_label(small.payload_bytes)),
+            growth,
+            5.0,
+            at_most=True,
+            unit="MiB",
+        )
+    )
+
+
+def run_memory_probe(server: StreamServer, shape: Shape, warmup: Shape) -> Optional[Dict[str, Any]]:
+    expected = server.expected[shape.name]
+    spec = {
+        "url": server.url,
+        "shape": shape.name,
+        "warmup": warmup.name,
+        "chars": expected.chars,
+        "tail": expected.tail,
+    }
+    done = subprocess.run(
+        [sys.executable, os.path.join(HERE, "memory_probe.py"), json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if done.returncode != 0:
+        sys.stderr.write(done.stderr)
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# --------------------------------------------------------------------------
+# Tail
+
+
+def tail_chunks(count: int) -> List[str]:
+    """`count` chunks of 100 characters of the benchmark text, from a pool of 1024."""
+    text = payload(300 * KiB).decode("utf-8")
+    pool = [text[i * 100 : i * 100 + 100] for i in range(1024)]
+    return [pool[i & 1023] for i in range(count)]
+
+
+def time_tail(chunks: List[str], cap: int) -> float:
+    """Seconds to append `chunks` to a fresh _Tail(cap); the kept text is checked."""
+    tail = createos_exec._Tail(cap)
+    append = tail.append
+    started = time.perf_counter()
+    for chunk in chunks:
+        append(chunk)
+    elapsed = time.perf_counter() - started
+    expected = "".join(chunks[-(cap // 100 + 1) :])[-cap:]
+    if tail.text() != expected:
+        raise readers.VerificationError("_Tail kept the wrong text")
+    return elapsed
+
+
+def time_naive_tail(chunks: List[str], cap: int, sample: int) -> float:
+    """Seconds for `sample` naive appends, starting with the buffer already full."""
+    text = ("".join(chunks[:1024]) * (cap // (1024 * 100) + 2))[-cap:]
+    started = time.perf_counter()
+    for chunk in chunks[:sample]:
+        text = (text + chunk)[-cap:]
+    elapsed = time.perf_counter() - started
+    if len(text) != cap:
+        raise readers.VerificationError("the naive tail has the wrong length")
+    return elapsed
+
+
+def run_tail(report: Report, repeat: int, scale: float) -> None:
+    cap = scaled(4 * MiB, scale, 1000)
+    sizes = [scaled(size, scale, 2000) // 100 * 100 for size in (8 * MiB, 16 * MiB, 32 * MiB)]
+    report.heading(
+        "Tail: createos_exec._Tail(%s characters) fed in 100-character chunks, "
+        "median of %d" % (size_label(cap).replace("B", ""), repeat)
+    )
+    chunks = tail_chunks(sizes[-1] // 100)
+    timings: Dict[int, List[float]] = {size: [] for size in sizes}
+    for _ in range(repeat):
+        for size in sizes:
+            gc.collect()
+            timings[size].append(time_tail(chunks[: size // 100], cap))
+    per_char = {}
+    for size in sizes:
+        seconds = statistics.median(timings[size])
+        per_char[size] = seconds * 1e9 / size
+        report.line(
+            "  %-9s characters: %6.1f ns/char (%.3f s)"
+            % (size_label(size).replace("B", ""), per_char[size], seconds)
+        )
+    steady = (
+        (statistics.median(timings[sizes[-1]]) - statistics.median(timings[sizes[-2]]))
+        * 1e9
+        / (sizes[-1] - sizes[-2])
+    )
+    report.line(
+        "  with the tail full (the characters from %s to %s): %.1f ns/char"
+        % (size_label(sizes[-2]).replace("B", ""), size_label(sizes[-1]).replace("B", ""), steady)
+    )
+    growth = per_char[sizes[-1]] / per_char[sizes[0]]
+    report.line(
+        "  ns/char at %s / at %s: %.2f -> %s"
+        % (
+            size_label(sizes[-1]).replace("B", ""),
+            size_label(sizes[0]).replace("B", ""),
+            growth,
+            "constant per character: O(1) amortised" if growth < 1.5 else "GROWS with the size",
+        )
+    )
+    sample = scaled(2000, scale, 50)
+    naive_seconds = time_naive_tail(chunks, cap, sample)
+    naive_per_char = naive_seconds * 1e9 / (sample * 100)
+    report.line(
+        "  naive s = (s + chunk)[-cap:]: %d chunks timed with the buffer already full: "
+        "%.1f ns/char" % (sample, naive_per_char)
+    )
+    report.line(
+        "  -> %s would take about %.0f s naively (extrapolated, not run) against %.3f s "
+        "with _Tail (%.0fx)"
+        % (
+            size_label(sizes[-1]).replace("B", "") + " characters",
+            naive_per_char * sizes[-1] / 1e9,
+            per_char[sizes[-1]] * sizes[-1] / 1e9,
+            naive_per_char / per_char[sizes[-1]],
+        )
+    )
+
+
+# --------------------------------------------------------------------------
+# Latency
+
+
+def mad(values: Sequence[float]) -> float:
+    """Median absolute deviation: the noise of a series of timings."""
+    middle = statistics.median(values)
+    return statistics.median(abs(value - middle) for value in values)
+
+
+def capture_requests(server: Any) -> List[requests.PreparedRequest]:
+    """What one execute("true") sends, recorded by a response hook on its session."""
+    seen: List[requests.PreparedRequest] = []
+    session = requests.Session()
+    session.hooks["response"].append(lambda response, *_, **__: seen.append(response.request))
+    with createos_exec.Client(
+        server.url, server.api_key, session=session, rate_limit=None
+    ) as client:
+        client.execute(LOCAL_SANDBOX, "true")
+    session.close()
+    return seen
+
+
+def replay(session: requests.Session, captured: List[requests.PreparedRequest], key: str) -> None:
+    """Send the captured requests again, the new process id in place of the old one."""
+    process_id = None
+    headers = {"X-Api-Key": key, "Content-Type": "application/json"}
+    for request in captured:
+        url = str(request.url)
+        if process_id is not None:
+            url = re.sub(r"/processes/[^/?]+", "/processes/" + process_id, url)
+        response = session.request(
+            str(request.method), url, data=request.body, headers=headers, stream=True
+        )
+        if request.method == "POST" and url.endswith("/processes"):
+            process_id = response.json()["data"]["process_id"]
+        else:
+            for _ in response.iter_content(None):
+                pass
+        response.close()
+
+
+def run_latency(report: Report, runs: int, resume_runs: int) -> None:
+    from local_server import LocalServer
+
+    report.heading("Latency against tests/local_server.py (real bash processes)")
+    with LocalServer() as server:
+        captured = capture_requests(server)
+        client = createos_exec.Client(server.url, server.api_key)
+        count_requests_of_one_execute(report, server, client)
+        unpaced = createos_exec.Client(server.url, server.api_key, rate_limit=None)
+        unpaced.execute(LOCAL_SANDBOX, "true")
+        bare = requests.Session()
+        replay(bare, captured, server.api_key)
+        timings = time_latency_rounds(client, unpaced, bare, captured, server.api_key, runs)
+        report_latency(report, timings, runs)
+        for closable in (client, unpaced, bare):
+            closable.close()
+    run_resume(report, resume_runs)
+
+
+def count_requests_of_one_execute(report: Report, server: Any, client: Any) -> None:
+    """Requests and TCP connections the server sees for one execute("true"), warm client."""
+    client.execute(LOCAL_SANDBOX, "true")  # the measured run may reuse this connection
+    warm_port = server.requests[-1].client_port
+    before = len(server.requests)
+    client.execute(LOCAL_SANDBOX, "true")
+    seen = server.requests[before:]
+    ports = {record.client_port for record in seen}
+    report.line(
+        '  one execute("true") after a warm-up: %d requests (%s) on %d TCP connection(s), '
+        "%d of them new"
+        % (
+            len(seen),
+            ", ".join("%s %s" % (r.method, re.sub(r"proc_[\w-]+", "{id}", r.path)) for r in seen),
+            len(ports),
+            len(ports - {warm_port}),
+        )
+    )
+    report.target(Target('requests of one execute("true")', len(seen), 3, True, ""))
+    report.target(Target("TCP connections it used", len(ports), 1, True, ""))
+    report.target(
+        Target(
+            "new TCP connections it opened (warm one kept alive)",
+            len(ports - {warm_port}),
+            0,
+            True,
+            "",
+        )
+    )
+
+
+def time_latency_rounds(
+    client: Any, unpaced: Any, bare: requests.Session, captured: Any, key: str, runs: int
+) -> Dict[str, List[float]]:
+    """Interleaved: execute (default rate limit), the bare replay, execute (rate_limit=None)."""
+    timings: Dict[str, List[float]] = {"execute": [], "bare": [], "unpaced": []}
+    steps = (
+        ("execute", lambda: client.execute(LOCAL_SANDBOX, "true")),
+        ("bare", lambda: replay(bare, captured, key)),
+        ("unpaced", lambda: unpaced.execute(LOCAL_SANDBOX, "true")),
+    )
+    for _ in range(runs):
+        for name, step in steps:
+            started = time.perf_counter()
+            step()
+            timings[name].append((time.perf_counter() - started) * 1000)
+    return timings
+
+
+def report_latency(report: Report, timings: Dict[str, List[float]], runs: int) -> None:
+    execute, bare, unpaced = timings["execute"], timings["bare"], timings["unpaced"]
+    report.line(
+        '  execute("true"): median %.2f ms (%.2f-%.2f) over %d runs; the same requests '
+        "with a bare requests.Session: median %.2f ms (%.2f-%.2f); execute's own cost %.2f ms"
+        % (
+            statistics.median(execute),
+            min(execute),
+            max(execute),
+            runs,
+            statistics.median(bare),
+            min(bare),
+            max(bare),
+            statistics.median(execute) - statistics.median(bare),
+        )
+    )
+    difference = statistics.median(execute) - statistics.median(unpaced)
+    noise = max(mad(execute), mad(unpaced))
+    report.line(
+        "  rate limiter: default (300 per 60 s) median %.2f ms, rate_limit=None median %.2f ms, "
+        "difference %+.2f ms; noise (largest median absolute deviation) %.2f ms"
+        % (statistics.median(execute), statistics.median(unpaced), difference, noise)
+    )
+    report.target(
+        Target(
+            "rate limiter delay |default - rate_limit=None|, bound: the noise",
+            abs(difference),
+            noise,
+            at_most=True,
+            unit="ms",
+        )
+    )
+
+
+RESUME_COMMAND = ["seq", "1", "3000"]  # 13,893 bytes at once: 14+ frames of 1 KiB
+RESUME_FRAME_LIMIT = 1024
+RESUME_AFTER_FRAMES = 5
+
+
+def stamper(stamps: List[float], clock: Callable[[], float]) -> Callable[[str, str], None]:
+    """An on_output that records when each delivery happens."""
+
+    def on_output(stream: str, text: str) -> None:
+        stamps.append(clock())
+
+    return on_output
+
+
+def run_resume(report: Report, runs: int) -> None:
+    """The pause in on_output around a connection reset, with the default Client settings."""
+    from local_server import LocalServer
+
+    expected = "".join("%d\n" % number for number in range(1, 3001))
+    gaps, normal = [], []
+    with LocalServer(frame_limit=RESUME_FRAME_LIMIT) as server:
+        client = createos_exec.Client(server.url, server.api_key)
+        client.execute(LOCAL_SANDBOX, "true")
+        for _ in range(runs):
+            server.drop_stream(after_frames=RESUME_AFTER_FRAMES)
+            stamps: List[float] = []
+            result = client.execute(
+                LOCAL_SANDBOX, RESUME_COMMAND, on_output=stamper(stamps, time.perf_counter)
+            )
+            if (
+                result.stdout != expected
+                or result.reconnects != 1
+                or len(stamps) <= RESUME_AFTER_FRAMES
+            ):
+                report.failure(
+                    "resume run: %d reconnects, %d deliveries, output %s"
+                    % (
+                        result.reconnects,
+                        len(stamps),
+                        "intact" if result.stdout == expected else "WRONG",
+                    )
+                )
+                continue
+            k = RESUME_AFTER_FRAMES
+            gaps.append((stamps[k] - stamps[k - 1]) * 1000)
+            normal.extend((b - a) * 1000 for a, b in zip(stamps[: k - 1], stamps[1:k]))
+        client.close()
+    if gaps:
+        report.line(
+            "  resume after a connection reset (drop after %d frames of `%s`): gap between the "
+            "last output before the break and the first after it: median %.1f ms (%.1f-%.1f) "
+            "over %d runs; between frames without a break: median %.3f ms"
+            % (
+                RESUME_AFTER_FRAMES,
+                " ".join(RESUME_COMMAND),
+                statistics.median(gaps),
+                min(gaps),
+                max(gaps),
+                len(gaps),
+                statistics.median(normal) if normal else float("nan"),
+            )
+        )
+    report.target(
+        Target(
+            "median resume gap after a connection reset",
+            statistics.median(gaps) if gaps else None,
+            50.0,
+            at_most=True,
+            unit="ms",
+        )
+    )
+
+
+# --------------------------------------------------------------------------
+# Main
+
+
+def parse_arguments(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="createos_exec performance benchmark (see the module docstring)."
+    )
+    parser.add_argument("--repeat", type=int, default=5, help="repetitions per reader (default 5)")
+    parser.add_argument(
+        "--scale", type=float, default=1.0, help="multiplies every size (default 1; 0.001: tiny)"
+    )
+    parser.add_argument(
+        "--only",
+        default=",".join(SECTIONS),
+        help="comma-separated sections among %s (default: all)" % ",".join(SECTIONS),
+    )
+    options = parser.parse_args(argv)
+    options.sections = [name.strip() for name in options.only.split(",") if name.strip()]
+    unknown = sorted(set(options.sections) - set(SECTIONS))
+    if unknown:
+        parser.error("unknown section(s): %s" % ", ".join(unknown))
+    if options.repeat < 1 or not options.scale > 0:
+        parser.error("--repeat must be >= 1 and --scale > 0")
+    return options
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    options = parse_arguments(argv)
+    started = time.monotonic()
+    report = Report()
+    report.line("createos_exec performance benchmark")
+    for line in versions():
+        report.line("  " + line)
+    report.line(
+        "  settings: --repeat %d --scale %g --only %s"
+        % (options.repeat, options.scale, ",".join(options.sections))
+    )
+    if "throughput" in options.sections:
+        run_throughput(report, options.repeat, options.scale)
+    if "memory" in options.sections:
+        run_memory(report, options.scale)
+    if "tail" in options.sections:
+        run_tail(report, options.repeat, options.scale)
+    if "latency" in options.sections:
+        run_latency(report, runs=50, resume_runs=15)
+    report.heading("Summary")
+    met = sum(1 for target in report.targets if target.verdict == "met")
+    missed = [target for target in report.targets if target.verdict == "MISSED"]
+    report.line(
+        "  targets: %d met, %d missed, %d n/a"
+        % (met, len(missed), len(report.targets) - met - len(missed))
+    )
+    for target in missed:
+        report.line(target.line())
+    for failure in report.failures:
+        report.line("  FAILED: " + failure)
+    report.line("  total time: %.0f s" % (time.monotonic() - started))
+    return 1 if report.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
