@@ -653,7 +653,7 @@ def _jsend_data(response: requests.Response, operation: str) -> Any:
 
 
 # --------------------------------------------------------------------------
-# Wire protocol: bytes -> lines -> frames
+# Wire protocol: bytes -> blocks of complete lines -> frames
 # --------------------------------------------------------------------------
 
 
@@ -687,10 +687,7 @@ def _blocks(chunks: Iterable[bytes], limit: int = _FRAME_LIMIT) -> Iterator[byte
 
 
 def _within_limit(block: bytes, limit: int) -> Iterator[bytes]:
-    """`block`, or the lines before its first line longer than `limit`, then the error."""
-    if len(block) <= limit:
-        yield block
-        return
+    """A block longer than `limit`, or the lines before its first line that is, then the error."""
     start = 0
     while start < len(block):
         end = block.index(b"\n", start)
@@ -702,9 +699,6 @@ def _within_limit(block: bytes, limit: int) -> Iterator[bytes]:
     yield block
 
 
-_JSON = json.JSONDecoder()
-
-
 # A data frame as the service writes it (protocol.md 5.4). A line in exactly
 # this form is a JSON object whose fields the groups give: digits, one of two
 # words and base64 characters need no unescaping.
@@ -714,8 +708,6 @@ _PLAIN_DATA_LINE = re.compile(
     re.MULTILINE,
 )
 _PlainData = List[Tuple[str, str, str]]  # seq digits, stream, base64 of each line
-
-
 _PLAIN_LINE_LENGTH = 512  # bytes; longer lines are faster to scan as JSON
 
 
@@ -733,6 +725,9 @@ def _plain_data(block: bytes) -> Optional[_PlainData]:
     except UnicodeDecodeError:
         return None
     return lines if len(lines) == block.count(b"\n") else None
+
+
+_JSON = json.JSONDecoder()
 
 
 def _frames(block: bytes) -> Iterator[Any]:
@@ -1603,9 +1598,8 @@ class _Run:
         if len(plain) > 1:
             seqs, streams, texts = zip(*plain)
             first = self.cursor + 1
-            if streams.count(self._pending_stream) == len(plain) and list(map(int, seqs)) == list(
-                range(first, first + len(plain))
-            ):
+            next_in_order = list(map(int, seqs)) == list(range(first, first + len(plain)))
+            if next_in_order and streams.count(self._pending_stream) == len(plain):
                 self._accept_run(texts)
                 return
         for seq, stream, text in plain:
@@ -1621,6 +1615,7 @@ class _Run:
             self.cursor += len(payloads)
 
     def _take_frames(self, frames: Iterator[Any], budget: _Budget) -> Optional[_Exit]:
+        """Act on parsed frames one at a time; the exit status when one is the exit frame."""
         for frame in frames:
             if type(frame) is dict and frame.get("type") == "data":
                 self._accept(*_data_frame(frame))
@@ -1664,9 +1659,8 @@ class _Run:
         """Hand the accepted, not yet delivered output to the capture and on_output."""
         if not self._pending:
             return
-        pending = self._pending
-        payload = pending[0] if len(pending) == 1 else b"".join(pending)
-        pending.clear()
+        payload = b"".join(self._pending)  # one payload is joined without a copy
+        self._pending.clear()
         text = self._output.feed(self._pending_stream, payload)
         if text and self._options.on_output is not None:
             self._options.on_output(self._pending_stream, text)
