@@ -612,6 +612,9 @@ class _Transport:
         headers = dict(self._headers)
         if data is not None:
             headers["Content-Type"] = "application/octet-stream"
+        if stream:
+            # Compression on the way (gzip in a proxy) would hold live output back.
+            headers["Accept-Encoding"] = "identity"
         place = self._limiter.acquire() if self._limiter is not None else None
         try:
             with _transport_errors(operation):
@@ -663,15 +666,17 @@ def _blocks(chunks: Iterable[bytes], limit: int = _FRAME_LIMIT) -> Iterator[byte
     Every block ends with b"\\n" (the only line break: U+2028 is legal inside
     JSON). An unterminated last line at EOF is a broken connection, not a frame.
     """
-    pending: List[bytes] = []
+    pending: List[Union[bytes, memoryview]] = []
     pending_size = 0
     for chunk in chunks:
         end = chunk.rfind(b"\n") + 1
         if end:
-            block = chunk if end == len(chunk) else chunk[:end]
             if pending:
-                block = b"".join(pending) + block
+                pending.append(memoryview(chunk)[:end])  # joined without a copy of its own
+                block = b"".join(pending)
                 pending.clear()
+            else:
+                block = chunk if end == len(chunk) else chunk[:end]
             if len(block) > limit:
                 yield from _within_limit(block, limit)
             else:
@@ -718,7 +723,7 @@ def _plain_data(block: bytes) -> Optional[_PlainData]:
     parsing each line as JSON. The pattern scans a long line more slowly
     than the JSON scanner does, so a block that starts with one is left to it.
     """
-    if block.find(b"\n", 0, _PLAIN_LINE_LENGTH) < 0:
+    if len(block) > _PLAIN_LINE_LENGTH and block.find(b"\n", 0, _PLAIN_LINE_LENGTH) < 0:
         return None
     try:
         lines: _PlainData = _PLAIN_DATA_LINE.findall(block.decode("utf-8"))

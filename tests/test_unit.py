@@ -1813,6 +1813,15 @@ def test_retry_after_unicode_digits_are_garbage(value: str) -> None:
     assert cx._retry_after(value) is None
 
 
+def test_the_stream_is_asked_for_without_compression(rsps: responses.RequestsMock) -> None:
+    add_created(rsps)
+    add_connect(rsps, nd(EXIT0))
+    make_client().execute(SB, ["true"])
+    assert calls(rsps, "GET", CONNECT)[0].request.headers["Accept-Encoding"] == "identity"
+    created = calls(rsps, "POST", PROCS)[0].request.headers["Accept-Encoding"]
+    assert created != "identity"  # answers that are read whole may come compressed
+
+
 def test_garbage_retry_after_header_on_connect_is_ignored(rsps: responses.RequestsMock) -> None:
     add_created(rsps)
     rsps.add(responses.GET, CONNECT, status=503, headers={"Retry-After": "whenever"}, body="")
