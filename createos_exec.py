@@ -664,29 +664,33 @@ def _blocks(chunks: Iterable[bytes], limit: int = _FRAME_LIMIT) -> Iterator[byte
     """The complete lines of a byte stream, as soon as they arrive, a block at a time.
 
     Every block ends with b"\\n" (the only line break: U+2028 is legal inside
-    JSON). An unterminated last line at EOF is a broken connection, not a frame.
+    JSON). A stream that breaks, also one that ends inside a line, is a
+    broken connection (_Retryable), not a frame.
     """
     pending: List[Union[bytes, memoryview]] = []
     pending_size = 0
-    for chunk in chunks:
-        end = chunk.rfind(b"\n") + 1
-        if end:
-            if pending:
-                pending.append(memoryview(chunk)[:end])  # joined without a copy of its own
-                block = b"".join(pending)
-                pending.clear()
-            else:
-                block = chunk if end == len(chunk) else chunk[:end]
-            if len(block) > limit:
-                yield from _within_limit(block, limit)
-            else:
-                yield block
-            pending_size = 0
-        if end < len(chunk):
-            pending.append(chunk[end:] if end else chunk)
-            pending_size += len(chunk) - end
-            if pending_size > limit:
-                raise ProtocolError("an output frame is longer than 1 MiB")
+    try:
+        for chunk in chunks:
+            end = chunk.rfind(b"\n") + 1
+            if end:
+                if pending:
+                    pending.append(memoryview(chunk)[:end])  # joined without a copy of its own
+                    block = b"".join(pending)
+                    pending.clear()
+                else:
+                    block = chunk if end == len(chunk) else chunk[:end]
+                if len(block) > limit:
+                    yield from _within_limit(block, limit)
+                else:
+                    yield block
+                pending_size = 0
+            if end < len(chunk):
+                pending.append(chunk[end:] if end else chunk)
+                pending_size += len(chunk) - end
+                if pending_size > limit:
+                    raise ProtocolError("an output frame is longer than 1 MiB")
+    except _LOW_LEVEL_ERRORS as exc:
+        raise _transport_failure(exc, "output connection") from exc
     if pending:
         raise _Retryable("output connection")
 
@@ -1539,7 +1543,8 @@ class _Run:
         response = self._connect()
         with contextlib.closing(response), _unblocked_by(self._options.cancel, response):
             chunks = _arriving(response)
-            for block in _blocks(self._received(chunks)):
+            for block in _blocks(chunks):
+                self._check_interrupts()
                 status = self._take_block(block, budget)
                 if status is not None:
                     _read_to_end(chunks)
@@ -1567,17 +1572,6 @@ class _Run:
         if response.status_code == 410:
             raise OutputEvictedError(_evicted_seq(response), process_id=self.process_id)
         return response
-
-    def _received(self, chunks: Iterator[bytes]) -> Iterator[bytes]:
-        """The body's chunks as they arrive, transport errors translated."""
-        watched = self._options.cancel is not None or self.deadline is not None
-        try:
-            for chunk in chunks:
-                if watched:
-                    self._check_interrupts()
-                yield chunk
-        except _LOW_LEVEL_ERRORS as exc:
-            raise _transport_failure(exc, "output connection") from exc
 
     def _take_block(self, block: bytes, budget: _Budget) -> Optional[_Exit]:
         """Act on the frames of a block; the exit status when it holds the exit frame.
