@@ -920,37 +920,40 @@ def _signal_number(name: str) -> Optional[int]:
 
 
 class _Tail:
-    """The last `limit` characters of a stream, O(1) amortised per character."""
+    """The last `limit` characters of a stream, O(1) amortised per character.
+
+    The head is dropped in whole parts, a quarter of `limit` at a time: most
+    appends are one deque append and one addition.
+    """
 
     def __init__(self, limit: int) -> None:
         self._limit = limit
+        self._high = limit + limit // 4  # held at most, beyond the part just appended
         self._parts: Deque[str] = collections.deque()
-        self._size = 0  # characters held, minus the dropped head of parts[0]
-        self._skip = 0  # characters of parts[0] already dropped
-        self.truncated = False
+        self._size = 0  # characters held
+        self._dropped = False
+
+    @property
+    def truncated(self) -> bool:
+        return self._dropped or self._size > self._limit
 
     def append(self, text: str) -> None:
         self._parts.append(text)
         self._size += len(text)
-        if self._size > self._limit:
+        if self._size > self._high:
             self._drop_head()
 
     def _drop_head(self) -> None:
-        self.truncated = True
-        excess = self._size - self._limit
-        self._size = self._limit
-        while excess > 0:
-            head_left = len(self._parts[0]) - self._skip
-            if head_left > excess:
-                self._skip += excess
-                return
-            self._parts.popleft()
-            self._skip = 0
-            excess -= head_left
+        """Drop whole parts while the rest still holds `limit` characters."""
+        parts = self._parts
+        while parts and self._size - len(parts[0]) >= self._limit:
+            self._size -= len(parts.popleft())
+            self._dropped = True
 
     def text(self) -> str:
+        self._drop_head()
         parts = iter(self._parts)
-        head = next(parts, "")[self._skip :]
+        head = next(parts, "")[max(0, self._size - self._limit) :]
         return "".join(itertools.chain((head,), parts))  # one copy of the tail, no more
 
 
