@@ -803,6 +803,7 @@ def _data_frame(frame: Dict[str, Any]) -> _Data:
 # By bytes in the last quantum (1 or 2): the characters allowed before its
 # padding, those whose unused bits are zero.
 _CANONICAL_LAST = ("", "AQgw", "AEIMQUYcgkosw048")
+_STRICT_MODE = sys.version_info >= (3, 11)  # a2b_base64(strict_mode=True); before it, _BASE64
 _BASE64 = re.compile(r"(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?\Z")
 
 
@@ -811,7 +812,12 @@ def _strict_base64(text: Any) -> bytes:
     if type(text) is not str:
         raise ProtocolError("a data frame has no data_base64 string")
     try:
-        payload = _decode_base64(text)
+        if _STRICT_MODE:
+            payload = binascii.a2b_base64(text, strict_mode=True)  # novermin
+        elif _BASE64.match(text):
+            payload = binascii.a2b_base64(text)
+        else:
+            raise binascii.Error("not strict base64")
     except ValueError:  # binascii.Error, or a character beyond ASCII
         raise ProtocolError("a data frame carries invalid base64") from None
     # strict_mode lets "=" follow a whole last quantum; the length tells.
@@ -821,19 +827,6 @@ def _strict_base64(text: Any) -> bytes:
     ):
         raise ProtocolError("a data frame carries non-canonical base64")
     return payload
-
-
-if sys.version_info >= (3, 11):
-
-    def _decode_base64(text: str) -> bytes:
-        return binascii.a2b_base64(text, strict_mode=True)  # novermin
-
-else:
-
-    def _decode_base64(text: str) -> bytes:
-        if not _BASE64.match(text):
-            raise binascii.Error("not strict base64")
-        return binascii.a2b_base64(text)
 
 
 class _Exit(NamedTuple):
