@@ -481,7 +481,8 @@ class _TimedOut(Exception):
     """The command's own deadline expired."""
 
 
-# What the HTTP stack raises below requests while a body is being read.
+# What the HTTP stack raises: urllib3's and http.client's errors and OSError,
+# which requests' own exceptions are too.
 _LOW_LEVEL_ERRORS = (urllib3.exceptions.HTTPError, http.client.HTTPException, OSError)
 _TRANSIENT_REQUEST_ERRORS = (
     requests.exceptions.Timeout,
@@ -495,7 +496,7 @@ def _transport_errors(operation: str) -> Iterator[None]:
     """Exceptions of the HTTP stack raised inside, translated by _transport_failure."""
     try:
         yield
-    except _LOW_LEVEL_ERRORS as exc:  # requests' own errors are OSErrors too
+    except _LOW_LEVEL_ERRORS as exc:
         raise _transport_failure(exc, operation) from exc
 
 
