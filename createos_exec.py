@@ -721,34 +721,38 @@ _PlainData = List[Tuple[str, str, str]]  # seq digits, stream, base64 of each li
 _PLAIN_LINE_LENGTH = 512  # bytes; longer lines are faster to scan as JSON
 
 
-def _plain_data(block: bytes) -> Optional[_PlainData]:
-    """The fields of every line of `block` when all are plain data frames, else None.
+def _utf8_text(block: bytes) -> Optional[str]:
+    """`block` decoded, or None when it is not UTF-8 (its lines are then taken alone)."""
+    try:
+        return block.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def _plain_data(text: str) -> Optional[_PlainData]:
+    """The fields of every line of `text` when all are plain data frames, else None.
 
     Nearly every block is just that: one pattern search costs less than
     parsing each line as JSON. The pattern scans a long line more slowly
     than the JSON scanner does, so a block that starts with one is left to it.
     """
-    if len(block) > _PLAIN_LINE_LENGTH and block.find(b"\n", 0, _PLAIN_LINE_LENGTH) < 0:
+    if len(text) > _PLAIN_LINE_LENGTH and text.find("\n", 0, _PLAIN_LINE_LENGTH) < 0:
         return None
-    try:
-        lines: _PlainData = _PLAIN_DATA_LINE.findall(block.decode("utf-8"))
-    except UnicodeDecodeError:
-        return None
-    return lines if len(lines) == block.count(b"\n") else None
+    lines: _PlainData = _PLAIN_DATA_LINE.findall(text)
+    return lines if len(lines) == text.count("\n") else None
 
 
 _JSON = json.JSONDecoder()
 
 
-def _frames(block: bytes) -> Iterator[Any]:
+def _frames(block: bytes, text: Optional[str]) -> Iterator[Any]:
     """The JSON value of each line of a block of complete lines, in order.
 
-    A line that is not exactly one JSON value fails after the lines before
-    it were handed out, exactly as json.loads of each line alone decides.
+    `text` is the block decoded (None: not UTF-8). A line that is not
+    exactly one JSON value fails after the lines before it were handed out,
+    exactly as json.loads of each line alone decides.
     """
-    try:
-        text = block.decode("utf-8")
-    except UnicodeDecodeError:
+    if text is None:
         for line in block.split(b"\n")[:-1]:
             yield _line_value(_utf8_line(line))
         return
@@ -793,7 +797,7 @@ _Data = Tuple[int, str, bytes]  # seq, stream, payload (a plain tuple: this runs
 
 def _data_frame(frame: Dict[str, Any]) -> _Data:
     seq: Any = frame.get("seq")
-    if type(seq) is not int or seq < 1:
+    if not _is_int(seq) or seq < 1:
         raise ProtocolError("a data frame has no positive integer seq")
     stream = frame.get("stream")
     if stream not in _STREAMS:
@@ -1578,9 +1582,10 @@ class _Run:
         """
         cursor = self.cursor
         try:
-            plain = _plain_data(block)
+            text = _utf8_text(block)
+            plain = None if text is None else _plain_data(text)
             if plain is None:
-                return self._take_frames(_frames(block), budget)
+                return self._take_frames(_frames(block, text), budget)
             self._take_plain(plain)
             return None
         finally:

@@ -64,6 +64,11 @@ def client(server):
         yield local_client
 
 
+def frames(block):
+    """The JSON values of a block of complete lines, decoded as the reader does."""
+    return cx._frames(block, cx._utf8_text(block))
+
+
 def jsend_ok(data):
     """A JSend success envelope, as CreateOS answers a 2xx."""
     return {"status": "success", "data": data}

@@ -160,9 +160,14 @@ def finish(child: "subprocess.Popen[bytes]", timeout: float) -> Tuple[bytes, byt
     try:
         return child.communicate(timeout=timeout)
     finally:
-        if child.poll() is None:
-            child.kill()
-            child.communicate(timeout=10)
+        reap(child)
+
+
+def reap(child: "subprocess.Popen[bytes]") -> None:
+    """Kill the command line if a test left it running."""
+    if child.poll() is None:
+        child.kill()
+        child.communicate(timeout=10)
 
 
 def test_sigint_to_the_cli_terminates_the_tree_then_exits_130(server):
@@ -176,9 +181,7 @@ def test_sigint_to_the_cli_terminates_the_tree_then_exits_130(server):
         _, err = finish(child, CLI_CLEANUP + SLACK)
         elapsed = time.monotonic() - interrupted
     finally:
-        if child.poll() is None:
-            child.kill()
-            child.communicate(timeout=10)
+        reap(child)
     assert child.returncode == 130
     assert err == b"createos_exec: interrupted\n"
     assert elapsed <= CLI_CLEANUP + SLACK
@@ -210,9 +213,7 @@ def test_a_second_sigint_aborts_a_slow_cleanup_at_once(server):
         _, err = finish(child, 10)
         elapsed = time.monotonic() - second
     finally:
-        if child.poll() is None:
-            child.kill()
-            child.communicate(timeout=10)
+        reap(child)
     assert child.returncode == 130
     assert elapsed < 2.0
     assert b"createos_exec: interrupted\n" in err and b"Traceback" not in err

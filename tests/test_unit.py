@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import pytest
 import requests
 import responses
-from conftest import jsend_ok, process_record
+from conftest import frames, jsend_ok, process_record
 
 import createos_exec as cx
 
@@ -1668,7 +1668,7 @@ def test_frames_of_a_block_in_order() -> None:
         b' {"type":"data","seq":1} \r\n'  # whitespace around a value: parsed alone
         b'{"type":"exit","exit_code":0}\n'
     )
-    assert list(cx._frames(block)) == [
+    assert list(frames(block)) == [
         {"type": "heartbeat"},
         {"type": "data", "seq": 1},
         {"type": "exit", "exit_code": 0},
@@ -1690,7 +1690,7 @@ def test_frames_of_a_block_in_order() -> None:
 def test_frames_hand_out_the_good_lines_then_fail_on_the_bad_one(bad: bytes) -> None:
     seen = []
     with pytest.raises(cx.ProtocolError):
-        for frame in cx._frames(b'{"type":"heartbeat"}\n' + bad + b'{"type":"never"}\n'):
+        for frame in frames(b'{"type":"heartbeat"}\n' + bad + b'{"type":"never"}\n'):
             seen.append(frame)
     assert seen == [{"type": "heartbeat"}]
 
@@ -1833,7 +1833,7 @@ def test_deeply_nested_frame_is_protocol_error() -> None:
     with pytest.raises(cx.ProtocolError):
         cx._line_value("[" * 100_000 + "]" * 100_000)
     with pytest.raises(cx.ProtocolError):
-        list(cx._frames(b"[" * 100_000 + b"]" * 100_000 + b"\n"))
+        list(frames(b"[" * 100_000 + b"]" * 100_000 + b"\n"))
 
 
 def test_line_value_parsing() -> None:
