@@ -570,6 +570,39 @@ def test_plain_data_lines_are_read_exactly_as_json(lines):
         assert int(seq) >= 1 and stream in cx._STREAMS  # what _data_frame checks
 
 
+@pytest.mark.timeout(60)
+@settings(FUZZ, max_examples=300)
+@given(texts=st.lists(st.text(alphabet="AQgwB/+=", max_size=10), min_size=1, max_size=4))
+@example(texts=["QUI=", "QUJDA==", "QQ=="])  # in the pattern, but not whole quanta
+def test_a_run_of_data_lines_decodes_exactly_as_frame_by_frame(texts):
+    """A block of data lines that simply continue one stream is decoded in one
+    pass; it must accept and decode exactly what _strict_base64 does frame by
+    frame, up to the first bad frame."""
+    STATS["examples"] += 1
+    expected = b""
+    failed = False
+    for text in texts:
+        try:
+            expected += cx._strict_base64(text)
+        except cx.ProtocolError:
+            failed = True
+            break
+    delivered: List[str] = []
+    options = cx._options(
+        None, lambda _, text: delivered.append(text), False, 100, "latin-1", "strict", None
+    )
+    run = cx._Run(cx.Client("http://127.0.0.1:9", "k"), "sb", "p1", options, args=[], started=0)
+    line = '{"type":"data","seq":%d,"stream":"stdout","data_base64":"%s"}\n'
+    block = "".join(line % (seq, text) for seq, text in enumerate(texts, 1)).encode()
+    try:
+        run._take_block(block, cx._Budget(cx.RetryPolicy()))
+    except cx.ProtocolError:
+        assert failed
+    else:
+        assert not failed
+    assert "".join(delivered).encode("latin-1") == expected
+
+
 class Endless:
     """An unterminated line that never ends, pulled in `size`-byte chunks."""
 
