@@ -713,10 +713,11 @@ def _within_limit(block: bytes, limit: int) -> Iterator[bytes]:
 # this form is a JSON object whose fields the groups give: digits, one of two
 # words and base64 characters need no unescaping. The base64 ends as only
 # canonical base64 can: the character before "=" or "==" leaves no bits set
-# (_CANONICAL_LAST); the length is left to _in_whole_quanta.
+# (_CANONICAL_LAST; a lookbehind, which costs less than backtracking); the
+# length is left to _in_whole_quanta.
 _PLAIN_DATA_LINE = re.compile(
     r'^\{"type":"data","seq":([1-9][0-9]{0,17}),"stream":"(stdout|stderr)",'
-    r'"data_base64":"([A-Za-z0-9+/]*(?:[AQgw]==|[AEIMQUYcgkosw048]=)?)"\}$',
+    r'"data_base64":"([A-Za-z0-9+/]*(?:(?<=[AQgw])==|(?<=[AEIMQUYcgkosw048])=)?)"\}$',
     re.MULTILINE,
 )
 _PlainData = List[Tuple[str, str, str]]  # seq digits, stream, base64 of each line

@@ -26,6 +26,7 @@ import contextlib
 import io
 import itertools
 import json
+import string
 import urllib.parse
 from datetime import timedelta
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -570,23 +571,35 @@ def test_plain_data_lines_are_read_exactly_as_json(lines):
         assert int(seq) >= 1 and stream in cx._STREAMS  # what _data_frame checks
 
 
-@pytest.mark.timeout(60)
-@settings(FUZZ, max_examples=300)
-@given(texts=st.lists(st.text(alphabet="AQgwB/+=", max_size=10), min_size=1, max_size=4))
-@example(texts=["QUI=", "QUJDA==", "QQ=="])  # in the pattern, but not whole quanta
-def test_a_run_of_data_lines_decodes_exactly_as_frame_by_frame(texts):
-    """A block of data lines that simply continue one stream is decoded in one
-    pass; it must accept and decode exactly what _strict_base64 does frame by
-    frame, up to the first bad frame."""
-    STATS["examples"] += 1
-    expected = b""
-    failed = False
+@st.composite
+def base64_texts(draw: Any) -> str:
+    """Base64 of some bytes, often with one character changed, removed or added."""
+    text = base64.b64encode(draw(st.binary(max_size=7))).decode()
+    edit = draw(st.sampled_from(["none", "change", "remove", "add"]))
+    if edit == "none":
+        return text
+    place = draw(st.integers(0, len(text)))
+    character = draw(st.sampled_from(string.ascii_letters + string.digits + "+/="))
+    if edit == "change" and place < len(text):
+        return text[:place] + character + text[place + 1 :]
+    if edit == "remove":
+        return text[:place] + text[place + 1 :]
+    return text[:place] + character + text[place:]
+
+
+def frame_by_frame(texts: List[str]) -> Tuple[bytes, bool]:
+    """The payload _strict_base64 accepts of `texts`, one at a time, and whether one failed."""
+    payload = b""
     for text in texts:
         try:
-            expected += cx._strict_base64(text)
+            payload += cx._strict_base64(text)
         except cx.ProtocolError:
-            failed = True
-            break
+            return payload, True
+    return payload, False
+
+
+def as_one_block(texts: List[str]) -> Tuple[bytes, bool]:
+    """The payload delivered of a block of data lines with `texts`, and whether it failed."""
     delivered: List[str] = []
     options = cx._options(
         None, lambda _, text: delivered.append(text), False, 100, "latin-1", "strict", None
@@ -597,10 +610,29 @@ def test_a_run_of_data_lines_decodes_exactly_as_frame_by_frame(texts):
     try:
         run._take_block(block, cx._Budget(cx.RetryPolicy()))
     except cx.ProtocolError:
-        assert failed
-    else:
-        assert not failed
-    assert "".join(delivered).encode("latin-1") == expected
+        return "".join(delivered).encode("latin-1"), True
+    return "".join(delivered).encode("latin-1"), False
+
+
+@pytest.mark.timeout(60)
+@settings(FUZZ, max_examples=400)
+@given(texts=st.lists(base64_texts(), min_size=1, max_size=4))
+@example(texts=["QUI=", "QUJDA==", "QQ=="])  # in the pattern, but not whole quanta
+def test_a_run_of_data_lines_decodes_exactly_as_frame_by_frame(texts):
+    """A block of data lines that simply continue one stream is decoded in one
+    pass; it must accept and decode exactly what _strict_base64 does frame by
+    frame, up to the first bad frame."""
+    STATS["examples"] += 1
+    assert as_one_block(texts) == frame_by_frame(texts)
+
+
+@pytest.mark.parametrize("last", string.ascii_letters + string.digits + "+/")
+def test_a_run_of_data_lines_takes_only_canonical_last_characters(last):
+    """Every character before one and two "=", in the middle of a run."""
+    STATS["examples"] += 2
+    for padded in ("Q%s==" % last, "QU%s=" % last):
+        texts = ["QUI=", padded, "QQ=="]
+        assert as_one_block(texts) == frame_by_frame(texts)
 
 
 class Endless:
