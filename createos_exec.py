@@ -933,24 +933,37 @@ def _signal_number(name: str) -> Optional[int]:
 class _Tail:
     """The last `limit` characters of a stream, O(1) amortised per character.
 
-    The head is dropped in whole parts, a quarter of `limit` at a time: most
-    appends are one deque append and one addition.
+    Appends are gathered into parts of a sixteenth of `limit`, and the head
+    is dropped in whole parts, a quarter of `limit` at a time: an append is a
+    list append and an addition, and the deque sees one part, not thousands
+    of small appends.
     """
 
     def __init__(self, limit: int) -> None:
         self._limit = limit
-        self._high = limit + limit // 4  # held at most, beyond the part just appended
+        self._high = limit + limit // 4  # held at most in parts, beyond the part just made
+        self._part_size = limit // 16
         self._parts: Deque[str] = collections.deque()
-        self._size = 0  # characters held
+        self._size = 0  # characters in _parts
+        self._gathered: List[str] = []  # the latest appends, not yet a part
+        self._gathered_size = 0
         self._dropped = False
 
     @property
     def truncated(self) -> bool:
-        return self._dropped or self._size > self._limit
+        return self._dropped or self._size + self._gathered_size > self._limit
 
     def append(self, text: str) -> None:
-        self._parts.append(text)
-        self._size += len(text)
+        self._gathered.append(text)
+        self._gathered_size += len(text)
+        if self._gathered_size > self._part_size:
+            self._make_part()
+
+    def _make_part(self) -> None:
+        self._parts.append("".join(self._gathered))  # one text is joined without a copy
+        self._gathered.clear()
+        self._size += self._gathered_size
+        self._gathered_size = 0
         if self._size > self._high:
             self._drop_head()
 
@@ -962,6 +975,8 @@ class _Tail:
             self._dropped = True
 
     def text(self) -> str:
+        if self._gathered:
+            self._make_part()
         self._drop_head()
         parts = iter(self._parts)
         head = next(parts, "")[max(0, self._size - self._limit) :]
