@@ -1551,9 +1551,12 @@ class _Run:
         budget = _Budget(self._client.retry)
         while True:
             self._check_interrupts()
+            cursor = self.cursor
             try:
                 return self._read_stream(budget)
             except _Retryable as failure:
+                if self.cursor != cursor:
+                    budget.progress()  # the connection that broke brought output
                 self._check_interrupts()
                 delay = budget.next_delay(failure.retry_after)
                 if delay is None:
@@ -1608,7 +1611,6 @@ class _Run:
         Data arriving together is delivered together: one decode, one tail
         append and one on_output call per run of frames of one stream.
         """
-        cursor = self.cursor
         try:
             text = _utf8_text(block)
             plain = None if text is None else _plain_data(text)
@@ -1619,8 +1621,6 @@ class _Run:
         finally:
             if self._pending:
                 self._deliver()  # what was accepted before a failure counts too
-            if self.cursor != cursor:
-                budget.progress()
 
     def _take_plain(self, plain: _PlainData) -> None:
         """Accept plain data lines: many at once when they simply continue the output."""
