@@ -930,19 +930,23 @@ def _signal_number(name: str) -> Optional[int]:
 # --------------------------------------------------------------------------
 
 
+_TAIL_PART = 4096  # characters; a tail gathers shorter appends into one part
+
+
 class _Tail:
     """The last `limit` characters of a stream, O(1) amortised per character.
 
-    Appends are gathered into parts of a sixteenth of `limit`, and the head
-    is dropped in whole parts, a quarter of `limit` at a time: an append is a
-    list append and an addition, and the deque sees one part, not thousands
-    of small appends.
+    Short appends are gathered into parts of about _TAIL_PART characters (a
+    long one is a part as it is, not copied), and the head is dropped in
+    whole parts, a quarter of `limit` at a time: an append is a list append
+    and an addition, and the deque sees one part, not thousands of small
+    appends.
     """
 
     def __init__(self, limit: int) -> None:
         self._limit = limit
         self._high = limit + limit // 4  # held at most in parts, beyond the part just made
-        self._part_size = limit // 16
+        self._part_size = min(_TAIL_PART, limit // 16)
         self._parts: Deque[str] = collections.deque()
         self._size = 0  # characters in _parts
         self._gathered: List[str] = []  # the latest appends, not yet a part
