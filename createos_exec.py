@@ -714,7 +714,7 @@ def _within_limit(block: bytes, limit: int) -> Iterator[bytes]:
 # words and base64 characters need no unescaping. The base64 ends as only
 # canonical base64 can: the character before "=" or "==" leaves no bits set
 # (_CANONICAL_LAST; a lookbehind, which costs less than backtracking); the
-# length is left to _in_whole_quanta.
+# length is left to _plain_base64.
 _PLAIN_DATA_LINE = re.compile(
     r'^\{"type":"data","seq":([1-9][0-9]{0,17}),"stream":"(stdout|stderr)",'
     r'"data_base64":"([A-Za-z0-9+/]*(?:(?<=[AQgw])==|(?<=[AEIMQUYcgkosw048])=)?)"\}$',
@@ -815,14 +815,15 @@ _STRICT_MODE = sys.version_info >= (3, 11)  # a2b_base64(strict_mode=True); befo
 _BASE64 = re.compile(r"(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?\Z")
 
 
-def _in_whole_quanta(texts: Iterable[str]) -> bool:
-    """Whether every text is a whole number of 4-character quanta.
+def _plain_base64(text: str) -> bytes:
+    """The payload of base64 that _PLAIN_DATA_LINE took (alphabet, padding, unused bits).
 
-    Text that _PLAIN_DATA_LINE took (alphabet, padding, unused bits) and that
-    passes this is canonical base64: a2b_base64 decodes it exactly, even
-    before Python 3.11 and its strict mode.
+    Such text is canonical base64 if it is whole 4-character quanta; then
+    a2b_base64 decodes it exactly, even before Python 3.11 and its strict mode.
     """
-    return not any(length % 4 for length in map(len, texts))
+    if len(text) % 4:
+        raise ProtocolError("a data frame carries invalid base64")
+    return binascii.a2b_base64(text)
 
 
 def _strict_base64(text: Any) -> bytes:
@@ -1636,16 +1637,13 @@ class _Run:
                 self._accept_run(texts)
                 return
         for seq, stream, text in plain:
-            self._accept(int(seq), stream, _strict_base64(text))
+            self._accept(int(seq), stream, _plain_base64(text))
 
     def _accept_run(self, texts: Sequence[str]) -> None:
         """Accept the base64 of the next data frames of the stream in hand."""
         payloads: List[bytes] = []
         try:
-            if _in_whole_quanta(texts):  # then canonical: decoded without more checks
-                payloads = list(map(binascii.a2b_base64, texts))
-            else:
-                payloads.extend(map(_strict_base64, texts))
+            payloads.extend(map(_plain_base64, texts))
         finally:  # the frames before a bad one are accepted
             self._pending.extend(payloads)
             self.cursor += len(payloads)
