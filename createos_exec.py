@@ -715,11 +715,12 @@ def _within_limit(block: bytes, limit: int) -> Iterator[bytes]:
 # canonical base64 can: the character before "=" or "==" leaves no bits set
 # (_CANONICAL_LAST; a lookbehind, which costs less than backtracking); the
 # length is left to _plain_base64.
+_DATA_HEAD = r'\{"type":"data","seq":([1-9][0-9]{0,17}),"stream":"(stdout|stderr)","data_base64":"'
 _PLAIN_DATA_LINE = re.compile(
-    r'^\{"type":"data","seq":([1-9][0-9]{0,17}),"stream":"(stdout|stderr)",'
-    r'"data_base64":"([A-Za-z0-9+/]*(?:(?<=[AQgw])==|(?<=[AEIMQUYcgkosw048])=)?)"\}$',
+    "^" + _DATA_HEAD + r'([A-Za-z0-9+/]*(?:(?<=[AQgw])==|(?<=[AEIMQUYcgkosw048])=)?)"\}$',
     re.MULTILINE,
 )
+_LONG_DATA_HEAD = re.compile(_DATA_HEAD)
 _PlainData = List[Tuple[str, str, str]]  # seq digits, stream, base64 of each line
 _PLAIN_LINE_LENGTH = 512  # bytes; longer lines are faster to scan as JSON
 
@@ -743,6 +744,23 @@ def _plain_data(text: str) -> Optional[_PlainData]:
         return None
     lines: _PlainData = _PLAIN_DATA_LINE.findall(text)
     return lines if len(lines) == text.count("\n") else None
+
+
+def _long_data_line(text: str) -> Optional[_Data]:
+    """seq, stream and payload when `text` is one data line in the service's form.
+
+    A long line is not worth the pattern; strict base64 decoding checks its
+    characters instead. Base64 it accepts holds no escape, quote or line
+    break, so the line is exactly what its head and its end say, without the
+    JSON scanner. Anything else (escapes, more keys, more lines) is left to it.
+    """
+    head = _LONG_DATA_HEAD.match(text)
+    if head is None or not text.endswith('"}\n'):
+        return None
+    try:
+        return int(head.group(1)), head.group(2), _strict_base64(text[head.end() : -3])
+    except ProtocolError:
+        return None
 
 
 _JSON = json.JSONDecoder()
@@ -1619,10 +1637,14 @@ class _Run:
         try:
             text = _utf8_text(block)
             plain = None if text is None else _plain_data(text)
-            if plain is None:
-                return self._take_frames(_frames(block, text), budget)
-            self._take_plain(plain)
-            return None
+            if plain is not None:
+                self._take_plain(plain)
+                return None
+            data = None if text is None else _long_data_line(text)
+            if data is not None:
+                self._accept(*data)
+                return None
+            return self._take_frames(_frames(block, text), budget)
         finally:
             if self._pending:
                 self._deliver()  # what was accepted before a failure counts too

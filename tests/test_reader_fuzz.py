@@ -523,7 +523,7 @@ PLAIN_VARIANTS = {  # each makes a line that is not in the service's own form, o
     "seq": ["0", "01", "-1", "1.0", "1e2", "9" * 19, "true", '"7"'],
     "stream": ['"stderr"', '"pty"', '"std\\u006fut"', "null"],
     "data": ['""', '"QQ=="', '"a\\u0047k="', '"aGk"', '"é"', '"a Gk="', "5", '"aGk\\"'],
-    "tail": ["} ", "}\r", ',"x":1}', "}}", "", "}\udcff", ',"seq":8}'],
+    "tail": ["} ", "}\r", ',"x":1}', "}}", "", "]", "}\udcff", ',"seq":8}'],
 }
 
 
@@ -569,6 +569,43 @@ def test_plain_data_lines_are_read_exactly_as_json(lines):
         assert value == {"type": "data", "seq": int(seq), "stream": stream, "data_base64": data}
         assert type(value["seq"]) is int and list(value) == ["type", "seq", "stream", "data_base64"]
         assert int(seq) >= 1 and stream in cx._STREAMS  # what _data_frame checks
+
+
+LONG = base64.b64encode(bytes(range(256)) * 2 + b"tail").decode()  # 692 characters, "=" at the end
+LONG_VARIANTS = [  # each is a line the JSON scanner must decide
+    '"%s"' % LONG.replace("/", "\\/", 1),  # an escape JSON allows
+    '"%s\\u0041%s"' % (LONG[:100], LONG[101:]),
+    '"%s"' % LONG.replace("=", "", 1),
+    '"%s"' % (LONG[:-2] + "Q="),  # unused bits set
+    '"%s"' % (LONG[:300] + " " + LONG[300:]),
+    '"%s","x":"y"' % LONG,
+    '"%s"}\n{"type":"data","seq":8,"stream":"stdout","data_base64":"%s"' % (LONG, LONG),
+]
+
+
+@pytest.mark.timeout(60)
+@settings(FUZZ, max_examples=200)
+@given(
+    field=st.sampled_from([None, *PLAIN_VARIANTS]),
+    data=st.sampled_from(['"%s"' % LONG, *LONG_VARIANTS]),
+    choice=st.integers(0, 10),
+)
+def test_a_long_data_line_is_read_exactly_as_json(field, data, choice):
+    """A long line in the service's form is read without the JSON scanner;
+    whatever that path takes must be exactly what JSON and _data_frame say."""
+    STATS["examples"] += 1
+    fields = dict(PLAIN, data=data)
+    if field is not None and field != "data":
+        fields[field] = PLAIN_VARIANTS[field][choice % len(PLAIN_VARIANTS[field])]
+    line = '%(head)s{"type":"data","seq":%(seq)s,"stream":%(stream)s,"data_base64":%(data)s'
+    text = line % fields + fields["tail"] + "\n"
+    taken = cx._long_data_line(text)
+    if taken is None:
+        assert fields != dict(PLAIN, data='"%s"' % LONG)  # the service's own form is taken
+        return
+    value = json.loads(text)
+    assert list(value) == ["type", "seq", "stream", "data_base64"] and value["type"] == "data"
+    assert taken == cx._data_frame(value)
 
 
 @st.composite
