@@ -722,7 +722,7 @@ _PLAIN_DATA_LINE = re.compile(
 )
 _LONG_DATA_HEAD = re.compile(_DATA_HEAD)
 _PlainData = List[Tuple[str, str, str]]  # seq digits, stream, base64 of each line
-_PLAIN_LINE_LENGTH = 512  # bytes; longer lines are faster to scan as JSON
+_PLAIN_LINE_LENGTH = 512  # bytes; a block that starts with a longer line skips the pattern
 
 
 def _utf8_text(block: bytes) -> Optional[str]:
@@ -738,7 +738,8 @@ def _plain_data(text: str) -> Optional[_PlainData]:
 
     Nearly every block is just that: one pattern search costs less than
     parsing each line as JSON. The pattern scans a long line more slowly
-    than the JSON scanner does, so a block that starts with one is left to it.
+    than the JSON scanner does, so a block that starts with one is left to
+    _long_data_line and the scanner.
     """
     if len(text) > _PLAIN_LINE_LENGTH and text.find("\n", 0, _PLAIN_LINE_LENGTH) < 0:
         return None
