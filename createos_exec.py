@@ -753,10 +753,11 @@ def _long_data_line(text: str) -> Optional[_Data]:
     A long line is not worth the pattern; strict base64 decoding checks its
     characters instead. Base64 it accepts holds no escape, quote or line
     break, so the line is exactly what its head and its end say, without the
-    JSON scanner. Anything else (escapes, more keys, more lines) is left to it.
+    JSON scanner. Anything else (escapes, more keys) is left to it, and so is
+    a block of several lines: its first line's base64 would be decoded twice.
     """
     head = _LONG_DATA_HEAD.match(text)
-    if head is None or not text.endswith('"}\n'):
+    if head is None or not text.endswith('"}\n') or text.find("\n") < len(text) - 1:
         return None
     try:
         return int(head.group(1)), head.group(2), _strict_base64(text[head.end() : -3])
@@ -1637,18 +1638,18 @@ class _Run:
         """
         try:
             text = _utf8_text(block)
-            plain = None if text is None else _plain_data(text)
-            if plain is not None:
-                self._take_plain(plain)
-                return None
-            data = None if text is None else _long_data_line(text)
-            if data is not None:
-                self._accept(*data)
-                return None
+            if text is not None:
+                plain = _plain_data(text)
+                if plain is not None:
+                    self._take_plain(plain)
+                    return None
+                data = _long_data_line(text)
+                if data is not None:
+                    self._accept(*data)
+                    return None
             return self._take_frames(_frames(block, text), budget)
         finally:
-            if self._pending:
-                self._deliver()  # what was accepted before a failure counts too
+            self._deliver()  # what was accepted before a failure counts too
 
     def _take_plain(self, plain: _PlainData) -> None:
         """Accept plain data lines: many at once when they simply continue the output."""

@@ -69,6 +69,16 @@ def frames(block):
     return cx._frames(block, cx._utf8_text(block))
 
 
+def run_with_deliveries(encoding="utf-8", errors="replace"):
+    """A `_Run` to hand blocks to, and the (stream, text) pairs it delivers."""
+    delivered = []
+    options = cx._options(
+        None, lambda *args: delivered.append(args), False, 100, encoding, errors, None
+    )
+    client = cx.Client("http://127.0.0.1:9", "k", rate_limit=None)  # never called
+    return cx._Run(client, "sb", "p1", options, args=[], started=0), delivered
+
+
 def jsend_ok(data):
     """A JSend success envelope, as CreateOS answers a 2xx."""
     return {"status": "success", "data": data}

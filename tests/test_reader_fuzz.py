@@ -33,7 +33,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import pytest
 import responses
-from conftest import frames, jsend_ok, process_record
+from conftest import frames, jsend_ok, process_record, run_with_deliveries
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -637,18 +637,15 @@ def frame_by_frame(texts: List[str]) -> Tuple[bytes, bool]:
 
 def as_one_block(texts: List[str]) -> Tuple[bytes, bool]:
     """The payload delivered of a block of data lines with `texts`, and whether it failed."""
-    delivered: List[str] = []
-    options = cx._options(
-        None, lambda _, text: delivered.append(text), False, 100, "latin-1", "strict", None
-    )
-    run = cx._Run(cx.Client("http://127.0.0.1:9", "k"), "sb", "p1", options, args=[], started=0)
+    run, delivered = run_with_deliveries("latin-1", "strict")
     line = '{"type":"data","seq":%d,"stream":"stdout","data_base64":"%s"}\n'
     block = "".join(line % (seq, text) for seq, text in enumerate(texts, 1)).encode()
     try:
         run._take_block(block, cx._Budget(cx.RetryPolicy()))
+        failed = False
     except cx.ProtocolError:
-        return "".join(delivered).encode("latin-1"), True
-    return "".join(delivered).encode("latin-1"), False
+        failed = True
+    return "".join(text for _, text in delivered).encode("latin-1"), failed
 
 
 @pytest.mark.timeout(60)

@@ -23,12 +23,12 @@ import subprocess
 import threading
 import time
 import urllib.parse
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import pytest
 import requests
 import responses
-from conftest import frames, jsend_ok, process_record
+from conftest import frames, jsend_ok, process_record, run_with_deliveries
 
 import createos_exec as cx
 
@@ -1861,14 +1861,6 @@ def plain_line(seq: int, text: str, stream: str = "stdout", data: Optional[str] 
     data = base64.b64encode(text.encode()).decode() if data is None else data
     line = '{"type":"data","seq":%d,"stream":"%s","data_base64":"%s"}\n'
     return (line % (seq, stream, data)).encode()
-
-
-def run_with_deliveries() -> Tuple[cx._Run, List[Tuple[str, str]]]:
-    delivered: List[Tuple[str, str]] = []
-    options = cx._options(
-        None, lambda *args: delivered.append(args), False, 100, "utf-8", "replace", None
-    )
-    return cx._Run(make_client(), SB, PID, options, args=[], started=0), delivered
 
 
 def test_a_block_of_data_is_delivered_once_per_run_of_one_stream() -> None:
