@@ -951,44 +951,31 @@ def _signal_number(name: str) -> Optional[int]:
 # --------------------------------------------------------------------------
 
 
-_TAIL_PART = 4096  # characters; a tail gathers shorter appends into one part
+_TAIL_PART = 4096  # characters; shorter texts are gathered into one part for the tails
 
 
 class _Tail:
     """The last `limit` characters of a stream, O(1) amortised per character.
 
-    Short appends are gathered into parts of about _TAIL_PART characters (a
-    long one is a part as it is, not copied), and the head is dropped in
-    whole parts, a quarter of `limit` at a time: an append is a list append
-    and an addition, and the deque sees one part, not thousands of small
-    appends.
+    It is handed parts, not single frames (_Output gathers them), and drops
+    its head in whole parts, a quarter of `limit` at a time: the deque sees
+    one part per thousands of characters.
     """
 
     def __init__(self, limit: int) -> None:
         self._limit = limit
-        self._high = limit + limit // 4  # held at most in parts, beyond the part just made
-        self._part_size = min(_TAIL_PART, limit // 16)
+        self._high = limit + limit // 4  # held at most, beyond the part just appended
         self._parts: Deque[str] = collections.deque()
         self._size = 0  # characters in _parts
-        self._gathered: List[str] = []  # the latest appends, not yet a part
-        self._gathered_size = 0
         self._dropped = False
 
     @property
     def truncated(self) -> bool:
-        return self._dropped or self._size + self._gathered_size > self._limit
+        return self._dropped or self._size > self._limit
 
-    def append(self, text: str) -> None:
-        self._gathered.append(text)
-        self._gathered_size += len(text)
-        if self._gathered_size > self._part_size:
-            self._make_part()
-
-    def _make_part(self) -> None:
-        self._parts.append("".join(self._gathered))  # one text is joined without a copy
-        self._gathered.clear()
-        self._size += self._gathered_size
-        self._gathered_size = 0
+    def append(self, part: str) -> None:
+        self._parts.append(part)
+        self._size += len(part)
         if self._size > self._high:
             self._drop_head()
 
@@ -1000,8 +987,6 @@ class _Tail:
             self._dropped = True
 
     def text(self) -> str:
-        if self._gathered:
-            self._make_part()
         self._drop_head()
         parts = iter(self._parts)
         head = next(parts, "")[max(0, self._size - self._limit) :]
@@ -1010,19 +995,54 @@ class _Tail:
 
 class _Output:
     """What the process printed: a decoder and a tail per stream, plus the tail
-    of both in the order they were written (what `2>&1` would have shown)."""
+    of both in the order they were written (what `2>&1` would have shown).
 
-    def __init__(self, encoding: str, errors: str, limit: int) -> None:
+    Text goes to on_output as soon as it is decoded. The tails get it in
+    parts of about _TAIL_PART characters (a long text alone is a part
+    without a copy): a frame costs a list append here, not an append to
+    each of two tails.
+    """
+
+    def __init__(
+        self, encoding: str, errors: str, limit: int, on_output: Optional[OutputCallback]
+    ) -> None:
         self._decoders = {name: codecs.getincrementaldecoder(encoding)(errors) for name in _STREAMS}
+        self._on_output = on_output
         self.tails = {name: _Tail(limit) for name in _STREAMS}
         self.combined = _Tail(limit)
+        self._part_size = min(_TAIL_PART, limit // 16)
+        self._recent: List[Tuple[str, str]] = []  # (stream, text), not yet in the tails
+        self._recent_size = 0
 
-    def feed(self, stream: str, payload: bytes, final: bool = False) -> str:
+    def feed(self, stream: str, payload: bytes, final: bool = False) -> None:
         text: str = self._decoders[stream].decode(payload, final)
         if text:
-            self.tails[stream].append(text)
-            self.combined.append(text)
-        return text
+            self._recent.append((stream, text))
+            self._recent_size += len(text)
+            if self._recent_size > self._part_size:
+                self._file_recent()
+            if self._on_output is not None:
+                self._on_output(stream, text)
+
+    def _file_recent(self) -> None:
+        recent = self._recent
+        for name, tail in self.tails.items():
+            part = "".join([text for stream, text in recent if stream == name])
+            if part:
+                tail.append(part)
+        if recent:
+            self.combined.append("".join([text for _, text in recent]))  # one is not copied
+        recent.clear()
+        self._recent_size = 0
+
+    def finish(self, hand_out: bool) -> None:
+        """Decode what the decoders hold back (a character cut off at the end),
+        handing it to on_output unless `hand_out` is false, and fill the tails."""
+        if not hand_out:
+            self._on_output = None
+        for name in _STREAMS:
+            self.feed(name, b"", final=True)
+        self._file_recent()
 
 
 # --------------------------------------------------------------------------
@@ -1522,7 +1542,9 @@ class _Run:
         self.exit_recovered = False
         self.creation_recovered = creation_recovered
         self.deadline = None if options.timeout is None else started + options.timeout
-        self._output = _Output(options.encoding, options.errors, options.max_output_chars)
+        self._output = _Output(
+            options.encoding, options.errors, options.max_output_chars, options.on_output
+        )
         self._pending: List[bytes] = []  # accepted payloads of one stream, not yet delivered
         self._pending_stream = _STREAMS[0]
 
@@ -1547,10 +1569,7 @@ class _Run:
     def _result(
         self, status: Optional[_Exit], *, timed_out: bool = False, partial: bool = False
     ) -> ExecResult:
-        for name in _STREAMS:
-            text = self._output.feed(name, b"", final=True)  # a character cut off at the end
-            if text and not partial and self._options.on_output is not None:
-                self._options.on_output(name, text)
+        self._output.finish(hand_out=not partial)
         out, err = self._output.tails["stdout"], self._output.tails["stderr"]
         return ExecResult(
             args=self._args,
@@ -1719,9 +1738,7 @@ class _Run:
             return
         payload = b"".join(self._pending)  # one payload is joined without a copy
         self._pending.clear()
-        text = self._output.feed(self._pending_stream, payload)
-        if text and self._options.on_output is not None:
-            self._options.on_output(self._pending_stream, text)
+        self._output.feed(self._pending_stream, payload)
 
     def _exit_from_frame(self, frame: Dict[str, Any]) -> _Exit:
         status = _exit_status(frame)

@@ -26,9 +26,11 @@ throughput  A synthetic CreateOS server (stream_server.py, a process of its
 memory      Peak RSS of a child process (memory_probe.py) while execute()
             streams 64 MiB and 1 GiB of output with the default
             max_output_chars, against the same process idle.
-tail        createos_exec._Tail(4 Mi characters) fed 8, 16 and 32 MiB in
-            100-character chunks (ns per character), against the naive
-            `s = (s + chunk)[-cap:]`, timed on a sample and extrapolated.
+tail        createos_exec's output capture (_Output: the UTF-8 decoder and
+            the tails of 4 Mi characters, as execute() keeps output) fed
+            8, 16 and 32 Mi characters in 100-character chunks (ns per
+            character), against the naive `s = (s + chunk)[-cap:]` on the
+            text alone, timed on a sample and extrapolated.
 latency     Against tests/local_server.py (real bash processes): requests and
             TCP connections of one execute("true"); its wall time against the
             same HTTP requests sent with a bare requests.Session; the default
@@ -478,17 +480,17 @@ def tail_chunks(count: int) -> List[str]:
     return [pool[i & 1023] for i in range(count)]
 
 
-def time_tail(chunks: List[str], cap: int) -> float:
-    """Seconds to append `chunks` to a fresh _Tail(cap); the kept text is checked."""
-    tail = createos_exec._Tail(cap)
-    append = tail.append
+def time_tail(chunks: List[str], encoded: List[bytes], cap: int) -> float:
+    """Seconds to feed `encoded` to a fresh capture of `cap` characters; its text is checked."""
+    capture = createos_exec._Output("utf-8", "strict", cap, None)
     started = time.perf_counter()
-    for chunk in chunks:
-        append(chunk)
+    for chunk in encoded:
+        capture.feed("stdout", chunk)
+    capture.finish(hand_out=False)
     elapsed = time.perf_counter() - started
     expected = "".join(chunks[-(cap // 100 + 1) :])[-cap:]
-    if tail.text() != expected:
-        raise readers.VerificationError("_Tail kept the wrong text")
+    if capture.tails["stdout"].text() != expected or capture.combined.text() != expected:
+        raise readers.VerificationError("the capture kept the wrong text")
     return elapsed
 
 
@@ -508,15 +510,16 @@ def run_tail(report: Report, repeat: int, scale: float) -> None:
     cap = scaled(4 * MiB, scale, 1000)
     sizes = [scaled(size, scale, 2000) // 100 * 100 for size in (8 * MiB, 16 * MiB, 32 * MiB)]
     report.heading(
-        "Tail: createos_exec._Tail(%s characters) fed in 100-character chunks, "
-        "median of %d" % (size_label(cap).replace("B", ""), repeat)
+        "Tail: createos_exec._Output (UTF-8 decoder, tails of %s characters) fed in "
+        "100-character chunks, median of %d" % (size_label(cap).replace("B", ""), repeat)
     )
     chunks = tail_chunks(sizes[-1] // 100)
+    encoded = [chunk.encode("utf-8") for chunk in chunks]
     timings: Dict[int, List[float]] = {size: [] for size in sizes}
     for _ in range(repeat):
         for size in sizes:
             gc.collect()
-            timings[size].append(time_tail(chunks[: size // 100], cap))
+            timings[size].append(time_tail(chunks[: size // 100], encoded[: size // 100], cap))
     per_char = {}
     for size in sizes:
         seconds = statistics.median(timings[size])
@@ -553,7 +556,7 @@ def run_tail(report: Report, repeat: int, scale: float) -> None:
     )
     report.line(
         "  -> %s would take about %.0f s naively (extrapolated, not run) against %.3f s "
-        "with _Tail (%.0fx)"
+        "with the capture (%.0fx)"
         % (
             size_label(sizes[-1]).replace("B", "") + " characters",
             naive_per_char * sizes[-1] / 1e9,

@@ -138,9 +138,12 @@ class Decoded:
 
     def __init__(self) -> None:
         self.frames: List[Dict[str, Any]] = []
-        self.output = cx._Output("utf-8", "replace", 4 * 1024 * 1024)
+        self.output = cx._Output("utf-8", "replace", 4 * 1024 * 1024, self.hand_out)
         self.status: Optional[cx._Exit] = None
         self.text = {name: "" for name in STREAMS}
+
+    def hand_out(self, stream: str, text: str) -> None:
+        self.text[stream] += text
 
 
 def read(feed: Feed) -> Decoded:
@@ -151,12 +154,11 @@ def read(feed: Feed) -> Decoded:
         kind = cx._frame_type(frame)
         if kind == "data":
             _, stream, payload = cx._data_frame(frame)
-            decoded.text[stream] += decoded.output.feed(stream, payload)
+            decoded.output.feed(stream, payload)
         elif kind == "exit":
             decoded.status = cx._exit_status(frame)
             break  # the reader stops at the exit frame
-    for name in STREAMS:
-        decoded.text[name] += decoded.output.feed(name, b"", final=True)
+    decoded.output.finish(hand_out=True)
     # A clean EOF without an exit frame ends here too; _read_stream then
     # raises _Retryable ("clean EOF before the exit frame") and resumes.
     return decoded

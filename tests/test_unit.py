@@ -23,7 +23,7 @@ import subprocess
 import threading
 import time
 import urllib.parse
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 import requests
@@ -1564,9 +1564,8 @@ def test_exec_result_truncation_flags_and_pickle() -> None:
 # --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("looks", [1.0, 0.02])  # text() after every append, or seldom
 @pytest.mark.parametrize("limit", [0, 1, 5, 64, 1000])
-def test_tail_keeps_exactly_the_last_chars(limit: int, looks: float) -> None:
+def test_tail_keeps_exactly_the_last_chars(limit: int) -> None:
     rng = random.Random(limit)
     tail = cx._Tail(limit)
     reference = ""
@@ -1575,9 +1574,39 @@ def test_tail_keeps_exactly_the_last_chars(limit: int, looks: float) -> None:
         tail.append(piece)
         reference += piece
         assert tail.truncated == (len(reference) > limit)
-        if rng.random() < looks:
+        if rng.random() < 0.1:
             assert tail.text() == (reference[-limit:] if limit else "")
     assert tail.text() == (reference[-limit:] if limit else "")
+
+
+def last(text: str, limit: int) -> str:
+    return text[-limit:] if limit else ""
+
+
+# Limits below and above 16 parts; lengths that end on a part and between parts.
+@pytest.mark.parametrize("limit", [0, 1, 5, 64, 1000, 70_000])
+@pytest.mark.parametrize("pieces", [1, 37, 1200, 5000])
+def test_capture_keeps_the_last_chars_of_each_stream_and_both(limit: int, pieces: int) -> None:
+    rng = random.Random(limit * 7919 + pieces)
+    handed_out: List[Tuple[str, str]] = []
+    capture = cx._Output("utf-8", "strict", limit, lambda *args: handed_out.append(args))
+    written: List[Tuple[str, str]] = []
+    for _ in range(pieces):
+        stream = rng.choice(cx._STREAMS)
+        size = rng.choice([0, 1, 12, 100, 5000])
+        piece = "".join(rng.choice("ab€\n\U0001d11e") for _ in range(rng.randint(0, size)))
+        capture.feed(stream, piece.encode("utf-8"))
+        if piece:
+            written.append((stream, piece))
+    capture.finish(hand_out=True)
+    assert handed_out == written  # as it came, nothing held back
+    both = "".join(text for _, text in written)
+    assert capture.combined.text() == last(both, limit)
+    assert capture.combined.truncated == (len(both) > limit)
+    for name, tail in capture.tails.items():
+        mine = "".join(text for stream, text in written if stream == name)
+        assert tail.text() == last(mine, limit)
+        assert tail.truncated == (len(mine) > limit)
 
 
 def test_tail_memory_stays_bounded() -> None:
@@ -1586,6 +1615,16 @@ def test_tail_memory_stays_bounded() -> None:
         tail.append(f"{i:09d}\n")
     assert tail.text().endswith("000019999\n") and len(tail.text()) == 1000
     assert sum(len(part) for part in tail._parts) <= 1000 + 1000 // 4 + 10
+
+
+def test_capture_memory_stays_bounded() -> None:
+    capture = cx._Output("utf-8", "strict", 1000, None)
+    for i in range(20000):
+        capture.feed(cx._STREAMS[i % 2], b"%09d\n" % i)
+    held = [sum(len(part) for part in tail._parts) for tail in capture.tails.values()]
+    held.append(sum(len(part) for part in capture.combined._parts))
+    assert max(held) <= 1000 + 1000 // 4 + 1000 // 16 + 10
+    assert capture._recent_size <= 1000 // 16 + 10
 
 
 def test_tail_not_truncated_at_exact_limit() -> None:
@@ -1597,22 +1636,39 @@ def test_tail_not_truncated_at_exact_limit() -> None:
     assert tail.text() == "bcde" and tail.truncated
 
 
-def test_capture_decodes_multibyte_split_anywhere() -> None:
+@pytest.mark.parametrize("cut", [1, 2, 3, 4])
+def test_capture_decodes_multibyte_split_anywhere(cut: int) -> None:
     text = "h€llo wörld 𝄞 – ok"
     raw = text.encode("utf-8")
-    for cut in range(1, 5):
-        capture = cx._Output("utf-8", "replace", 100)
-        pieces = [capture.feed("stdout", raw[i : i + cut]) for i in range(0, len(raw), cut)]
-        pieces.append(capture.feed("stdout", b"", final=True))
-        assert "".join(pieces) == text
-        assert "\ufffd" not in "".join(pieces)
-        assert capture.tails["stdout"].text() == text == capture.combined.text()
+    pieces: List[str] = []
+    capture = cx._Output("utf-8", "replace", 100, lambda stream, text: pieces.append(text))
+    for i in range(0, len(raw), cut):
+        capture.feed("stdout", raw[i : i + cut])
+    capture.finish(hand_out=True)
+    assert "".join(pieces) == text
+    assert all(pieces)  # a cut character waits for its rest, not handed out as ""
+    assert capture.tails["stdout"].text() == text == capture.combined.text()
+
+
+@pytest.mark.parametrize("hand_out", [True, False])
+def test_capture_hands_out_a_character_cut_off_at_the_end_unless_told_not_to(
+    hand_out: bool,
+) -> None:
+    pieces: List[Tuple[str, str]] = []
+    capture = cx._Output("utf-8", "replace", 100, lambda *args: pieces.append(args))
+    capture.feed("stderr", "ok€".encode("utf-8")[:-1])
+    assert pieces == [("stderr", "ok")]
+    capture.finish(hand_out=hand_out)
+    assert pieces == [("stderr", "ok")] + [("stderr", "\ufffd")] * hand_out
+    assert capture.tails["stderr"].text() == "ok\ufffd" == capture.combined.text()
 
 
 def test_capture_other_encoding_and_strict_errors() -> None:
-    capture = cx._Output("latin-1", "strict", 10)
-    assert capture.feed("stderr", b"caf\xe9") == "café"
-    strict = cx._Output("utf-8", "strict", 10)
+    pieces: List[str] = []
+    capture = cx._Output("latin-1", "strict", 10, lambda stream, text: pieces.append(text))
+    capture.feed("stderr", b"caf\xe9")
+    assert pieces == ["café"]
+    strict = cx._Output("utf-8", "strict", 10, None)
     with pytest.raises(UnicodeDecodeError):
         strict.feed("stdout", b"\xff")
 
