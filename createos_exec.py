@@ -672,6 +672,9 @@ def _blocks(chunks: Iterable[bytes], limit: int = _FRAME_LIMIT) -> Iterator[byte
     pending_size = 0
     try:
         for chunk in chunks:
+            if not pending and chunk.endswith(b"\n") and len(chunk) <= limit:
+                yield chunk  # the usual chunk: whole lines, nothing before or after
+                continue
             end = chunk.rfind(b"\n") + 1
             if end:
                 if pending:
