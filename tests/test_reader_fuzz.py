@@ -33,7 +33,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import pytest
 import responses
-from conftest import frames, jsend_ok, process_record, run_with_deliveries
+from conftest import frames, jsend_ok, next_frame_agrees, process_record, run_with_deliveries
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -524,7 +524,7 @@ PLAIN_VARIANTS = {  # each makes a line that is not in the service's own form, o
     "head": [" ", "\t", "x"],
     "seq": ["0", "01", "-1", "1.0", "1e2", "9" * 19, "true", '"7"'],
     "stream": ['"stderr"', '"pty"', '"std\\u006fut"', "null"],
-    "data": ['""', '"QQ=="', '"a\\u0047k="', '"aGk"', '"é"', '"a Gk="', "5", '"aGk\\"'],
+    "data": ['""', '"QQ=="', '"a\\u0047k="', '"a\\/k="', '"aGk"', '"é"', '"a Gk="', "5", '"aGk\\"'],
     "tail": ["} ", "}\r", ',"x":1}', "}}", "", "]", "}\udcff", ',"seq":8}'],
 }
 
@@ -669,6 +669,30 @@ def test_a_run_of_data_lines_takes_only_canonical_last_characters(last):
     for padded in ("Q%s==" % last, "QU%s=" % last):
         texts = ["QUI=", padded, "QQ=="]
         assert as_one_block(texts) == frame_by_frame(texts)
+
+
+OWN_LINE = b'{"type":"data","seq":7,"stream":"stdout","data_base64":"aGk="}'  # PLAIN
+
+
+@pytest.mark.timeout(60)
+@settings(FUZZ, max_examples=400)
+@given(
+    line=plain_lines(),
+    data=st.none() | base64_texts(),
+    cursor=st.sampled_from([5, 6, 7]),  # seq 7 jumps, is next, or is a replay
+)
+@example(line=OWN_LINE.replace(b"stdout", b"stderr"), data=None, cursor=6)
+@example(line=OWN_LINE, data="QQ==QQ==", cursor=6)  # whole quanta, padding inside
+def test_a_block_of_one_data_line_is_taken_exactly_as_a_block(line, data, cursor):
+    """The usual block, one data line, skips the block machinery when it is the
+    next frame; it must change exactly what _take_block would, or nothing."""
+    STATS["examples"] += 1
+    own = line == OWN_LINE and (data is None or frame_by_frame([data])[1] is False)
+    if data is not None:
+        line = line.replace(b"aGk=", data.encode())
+    took = next_frame_agrees(line + b"\n", cursor)
+    if own and cursor == 6:
+        assert took, "the service's own form of the next frame is taken"
 
 
 class Endless:

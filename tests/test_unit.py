@@ -19,6 +19,7 @@ import pickle
 import random
 import re
 import shutil
+import string
 import subprocess
 import threading
 import time
@@ -28,7 +29,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import pytest
 import requests
 import responses
-from conftest import frames, jsend_ok, process_record, run_with_deliveries
+from conftest import frames, jsend_ok, next_frame_agrees, process_record, run_with_deliveries
 
 import createos_exec as cx
 
@@ -1800,6 +1801,37 @@ def test_strict_base64_round_trips_every_length() -> None:
     for n in range(0, 40):
         raw = bytes(rng.randrange(256) for _ in range(n))
         assert cx._strict_base64(base64.b64encode(raw).decode()) == raw
+
+
+def strict_accepts(text: str) -> bool:
+    try:
+        cx._strict_base64(text)
+    except cx.ProtocolError:
+        return False
+    return True
+
+
+ONE_LINE = '{"type":"data","seq":1,"stream":"stdout","data_base64":"%s"}\n'
+
+
+@pytest.mark.parametrize("last", string.ascii_letters + string.digits + "+/")
+def test_one_data_line_takes_only_canonical_last_characters(last: str) -> None:
+    """Every character before one and two "=": taken exactly when strict decoding accepts."""
+    for padded in ("QUJDQ%s==" % last, "QU%s=" % last):
+        took = next_frame_agrees((ONE_LINE % padded).encode(), 0)
+        assert took == strict_accepts(padded)
+
+
+@pytest.mark.parametrize(
+    "data",
+    ["", "aGk=", "QQ==QQ==", "aGk=    ", "aGk=\t\t\t\t", "a\\/k=", "aGk\\u003d", "=aGk",
+     "aG==", "A===", "aGk==", "aGk=aGk=", "aGké", "aGk=\\", "QUJD\nQUJD"],
+)  # fmt: skip
+def test_one_data_line_leaves_all_but_strict_base64_to_the_block_path(data: str) -> None:
+    """Whitespace, escapes, misplaced padding: on any Python, the one-line path
+    takes only what strict decoding accepts, and then exactly as _take_block."""
+    block = (ONE_LINE % data).encode("utf-8")
+    assert next_frame_agrees(block, 0) == strict_accepts(data)
 
 
 @pytest.mark.parametrize(
