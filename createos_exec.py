@@ -719,18 +719,16 @@ def _within_limit(block: bytes, limit: int) -> Iterator[bytes]:
 # (_CANONICAL_LAST; a lookbehind, which costs less than backtracking); the
 # length is left to _plain_base64.
 _DATA_HEAD = r'\{"type":"data","seq":([1-9][0-9]{0,17}),"stream":"(stdout|stderr)","data_base64":"'
-_DATA_BASE64 = r"([A-Za-z0-9+/]*(?:(?<=[AQgw])==|(?<=[AEIMQUYcgkosw048])=)?)"
-_PLAIN_DATA_LINE = re.compile("^" + _DATA_HEAD + _DATA_BASE64 + r'"\}$', re.MULTILINE)
-_LONG_DATA_HEAD = re.compile(_DATA_HEAD)
-_STRICT_MODE = sys.version_info >= (3, 11)  # a2b_base64(strict_mode=True); before it, _BASE64
-# A block that is one data line, the usual block of live output. Strict base64
-# decoding (Python 3.11 and later) checks characters faster than a pattern
-# can, so there this pattern takes anything between the quotes and checks only
-# the canonical end; before 3.11 it checks the characters as _PLAIN_DATA_LINE.
-_ANY_BASE64 = r'([^"]*)(?<![^AQgw]==)(?<![^AEIMQUYcgkosw048=]=)'
-_ONE_DATA_LINE = re.compile(
-    (_DATA_HEAD + (_ANY_BASE64 if _STRICT_MODE else _DATA_BASE64) + r'"\}\n\Z').encode("ascii")
+_PLAIN_DATA_LINE = re.compile(
+    "^" + _DATA_HEAD + r'([A-Za-z0-9+/]*(?:(?<=[AQgw])==|(?<=[AEIMQUYcgkosw048])=)?)"\}$',
+    re.MULTILINE,
 )
+_LONG_DATA_HEAD = re.compile(_DATA_HEAD)
+# A block that is one data line, the usual block of live output. Strict base64
+# decoding (_strict_a2b) checks its characters anyway, on Python 3.11 and later
+# faster than a pattern can, so this pattern takes anything between the quotes
+# and checks only the canonical end.
+_ONE_DATA_LINE = re.compile(_DATA_HEAD + r'([^"]*)(?<![^AQgw]==)(?<![^AEIMQUYcgkosw048=]=)"\}\n\Z')
 _PlainData = List[Tuple[str, str, str]]  # seq digits, stream, base64 of each line
 _PLAIN_LINE_LENGTH = 512  # bytes; a block that starts with a longer line skips the patterns
 
@@ -825,7 +823,6 @@ def _frame_type(value: Any) -> str:
 
 
 _STREAMS = ("stdout", "stderr")
-_STREAM_NAMES = {name.encode("ascii"): name for name in _STREAMS}  # as a bytes pattern gives them
 _Data = Tuple[int, str, bytes]  # seq, stream, payload (a plain tuple: this runs per frame)
 
 
@@ -845,6 +842,21 @@ _CANONICAL_LAST = ("", "AQgw", "AEIMQUYcgkosw048")
 _BASE64 = re.compile(r"(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?\Z")
 
 
+if sys.version_info >= (3, 11):
+
+    def _strict_a2b(text: str) -> bytes:
+        """a2b_base64 of standard, padded base64 only; binascii.Error for anything else."""
+        return binascii.a2b_base64(text, strict_mode=True)  # novermin
+
+else:
+
+    def _strict_a2b(text: str) -> bytes:
+        """a2b_base64 of standard, padded base64 only; binascii.Error for anything else."""
+        if not _BASE64.match(text):
+            raise binascii.Error("not strict base64")
+        return binascii.a2b_base64(text)
+
+
 def _plain_base64(text: str) -> bytes:
     """The payload of base64 that _PLAIN_DATA_LINE took (alphabet, padding, unused bits).
 
@@ -861,12 +873,7 @@ def _strict_base64(text: Any) -> bytes:
     if type(text) is not str:
         raise ProtocolError("a data frame has no data_base64 string")
     try:
-        if _STRICT_MODE:
-            payload = binascii.a2b_base64(text, strict_mode=True)  # novermin
-        elif _BASE64.match(text):
-            payload = binascii.a2b_base64(text)
-        else:
-            raise binascii.Error("not strict base64")
+        payload = _strict_a2b(text)
     except ValueError:  # binascii.Error, or a character beyond ASCII
         raise ProtocolError("a data frame carries invalid base64") from None
     # strict_mode lets "=" follow a whole last quantum; the length tells.
@@ -1668,28 +1675,30 @@ class _Run:
         and it skips the block machinery. Anything else, also base64 that
         strict decoding refuses, is left to _take_block, which decides exactly.
         """
-        line = _ONE_DATA_LINE.match(block) if len(block) <= _PLAIN_LINE_LENGTH else None
+        if len(block) > _PLAIN_LINE_LENGTH:
+            return False
+        try:
+            line = _ONE_DATA_LINE.match(block.decode("ascii"))
+        except UnicodeDecodeError:
+            return False  # not in the service's form
         if line is None:
             return False
         seq, stream, text = line.groups()
         if int(seq) != self.cursor + 1 or len(text) % 4:
             return False
         try:
-            if _STRICT_MODE:
-                payload = binascii.a2b_base64(text, strict_mode=True)  # novermin
-            else:
-                payload = binascii.a2b_base64(text)
+            payload = _strict_a2b(text)
         except ValueError:
             return False
         self.cursor += 1
-        self._output.feed(_STREAM_NAMES[stream], payload)
+        self._output.feed(stream, payload)
         return True
 
     def _take_block(self, block: bytes, budget: _Budget) -> Optional[_Exit]:
         """Act on the frames of a block; the exit status when it holds the exit frame.
 
-        Data arriving together is delivered together: one decode, one tail
-        append and one on_output call per run of frames of one stream.
+        Data arriving together is delivered together: one base64 decode and
+        one feed of the capture per run of frames of one stream.
         """
         try:
             text = _utf8_text(block)

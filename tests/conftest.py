@@ -149,29 +149,28 @@ def figures():
     return Figures(os.environ.get("CREATEOS_RELIABILITY_REPORT"))
 
 
-def taken(take, block, cursor):
-    """Cursor, deliveries and failure after run.<take>(block) at `cursor`, and its value."""
+def taken(take, cursor=0):
+    """Cursor, deliveries, failure and value of take(run) on a fresh `_Run` at `cursor`."""
     run, delivered = run_with_deliveries("latin-1", "strict")
     run.cursor = cursor
-    value = None
     try:
-        if take == "_take_next_frame":
-            value = run._take_next_frame(block)
-        else:
-            run._take_block(block, cx._Budget(cx.RetryPolicy()))
-        failed = False
+        value = take(run)
     except cx.ProtocolError:
-        failed = True
-    return run.cursor, delivered, failed, value
+        return run.cursor, delivered, True, None
+    return run.cursor, delivered, False, value
+
+
+def take_block(block):
+    return lambda run: run._take_block(block, cx._Budget(cx.RetryPolicy()))
 
 
 def next_frame_agrees(block, cursor):
     """Whether _take_next_frame took `block`; it must take it exactly as _take_block
     would, or leave it untouched."""
-    cursor_after, delivered, failed, took = taken("_take_next_frame", block, cursor)
+    cursor_after, delivered, failed, took = taken(lambda run: run._take_next_frame(block), cursor)
     assert not failed, "it never fails: it leaves the block to _take_block"
     if not took:
         assert (cursor_after, delivered) == (cursor, [])
         return False
-    assert (cursor_after, delivered, False) == taken("_take_block", block, cursor)[:3]
+    assert (cursor_after, delivered, False) == taken(take_block(block), cursor)[:3]
     return True

@@ -33,7 +33,14 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import pytest
 import responses
-from conftest import frames, jsend_ok, next_frame_agrees, process_record, run_with_deliveries
+from conftest import (
+    frames,
+    jsend_ok,
+    next_frame_agrees,
+    process_record,
+    take_block,
+    taken,
+)
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -639,14 +646,9 @@ def frame_by_frame(texts: List[str]) -> Tuple[bytes, bool]:
 
 def as_one_block(texts: List[str]) -> Tuple[bytes, bool]:
     """The payload delivered of a block of data lines with `texts`, and whether it failed."""
-    run, delivered = run_with_deliveries("latin-1", "strict")
     line = '{"type":"data","seq":%d,"stream":"stdout","data_base64":"%s"}\n'
     block = "".join(line % (seq, text) for seq, text in enumerate(texts, 1)).encode()
-    try:
-        run._take_block(block, cx._Budget(cx.RetryPolicy()))
-        failed = False
-    except cx.ProtocolError:
-        failed = True
+    _, delivered, failed, _ = taken(take_block(block))
     return "".join(text for _, text in delivered).encode("latin-1"), failed
 
 
