@@ -57,6 +57,7 @@ from typing import (
     Tuple,
     Type,
     Union,
+    cast,
 )
 
 import requests
@@ -74,6 +75,7 @@ __all__ = [
     "CreateOSError",
     "ExecResult",
     "OutputEvictedError",
+    "OutputIncompleteError",
     "ProtocolError",
     "RetryPolicy",
     "StreamEndedError",
@@ -215,6 +217,20 @@ class StreamEndedError(TransportError):
         self.args = ("CreateOS process stream ended without an exit status.",)
 
 
+class OutputIncompleteError(StreamEndedError):
+    """The exit status is known, but the output after the cursor could not be read."""
+
+    def __init__(
+        self, *, process_id: Optional[str] = None, result: Optional[ExecResult] = None
+    ) -> None:
+        super().__init__(process_id=process_id)
+        self.result = result
+        self.args = (
+            "The command ended with a known exit status, but its output could not be "
+            "read in full from CreateOS.",
+        )
+
+
 class ProtocolError(CreateOSError):
     """CreateOS sent something this client does not understand; it fails closed."""
 
@@ -326,6 +342,7 @@ _TERMINATE_GRACE = 1.0  # seconds between SIGTERM and SIGKILL when terminating
 _PACING_POLL = 0.05  # seconds between looks at a full window
 _CANCEL_POLL = 0.1  # seconds between looks at the cancel event while a read blocks
 _EXIT_CHECK_MS = 5_000  # how long an exit frame without status is checked against `wait`
+_LIVENESS_POLL_MS = 1_000  # the `wait` that tells a quiet process from an exited one
 
 
 def _is_int(value: Any) -> bool:
@@ -453,32 +470,20 @@ def _rate_limit(value: Any) -> Optional[Tuple[int, float]]:
     return limit, float(period)
 
 
+@dataclasses.dataclass(eq=False)
 class _Retryable(Exception):
     """A failure worth another attempt: transport trouble, 408/429/5xx."""
 
-    def __init__(
-        self,
-        operation: str,
-        *,
-        status: Optional[int] = None,
-        retry_after: Optional[float] = None,
-        maybe_sent: bool = True,
-    ) -> None:
-        super().__init__(operation)
-        self.operation = operation
-        self.status = status
-        self.retry_after = retry_after
-        self.maybe_sent = maybe_sent
+    operation: str
+    status: Optional[int] = None
+    retry_after: Optional[float] = None
+    maybe_sent: bool = True
 
     def final(self, process_id: Optional[str]) -> CreateOSError:
         """The public error to raise once no attempt is left."""
         if self.status is not None:
             return APIError(self.status, self.operation, process_id=process_id)
         return TransportError(self.operation, process_id=process_id)
-
-
-class _TimedOut(Exception):
-    """The command's own deadline expired."""
 
 
 # What the HTTP stack raises: urllib3's and http.client's errors and OSError,
@@ -581,7 +586,9 @@ class _Budget:
 
 
 class _Transport:
-    """Sends one request: pacing, the key header, no redirects, status triage."""
+    """Requests to one API origin: pacing, the key header, no redirects, status
+    triage, and retries under the client's policy. It holds the client's
+    timeouts too: everything that sends a request asks it."""
 
     def __init__(
         self,
@@ -589,11 +596,66 @@ class _Transport:
         api_key: str,
         session: requests.Session,
         limiter: Optional[_RateLimiter],
+        *,
+        request_timeout: float,
+        stream_idle_timeout: float,
+        cleanup_timeout: float,
+        retry: RetryPolicy,
     ) -> None:
         self.base = base
+        self.request_timeout = request_timeout
+        self.stream_idle_timeout = stream_idle_timeout
+        self.cleanup_timeout = cleanup_timeout
+        self.retry = retry
         self._headers = {"X-Api-Key": api_key}
         self._session = session
         self._limiter = limiter
+
+    def call(
+        self,
+        method: str,
+        path: str,
+        *,
+        operation: str,
+        deadline: Optional[float],
+        read_timeout: Optional[float] = None,
+        process_id: Optional[str] = None,
+        **request: Any,
+    ) -> requests.Response:
+        """One request, retried under the retry policy while it fails and time remains."""
+        budget = _Budget(self.retry)
+        while True:
+            timeout = (
+                _within(self.request_timeout, deadline),
+                _within(read_timeout or self.request_timeout, deadline),
+            )
+            answer = self.attempt(
+                method, path, operation=operation, timeout=timeout, process_id=process_id, **request
+            )
+            if not isinstance(answer, _Retryable):
+                return answer
+            delay = budget.next_delay(answer.retry_after)
+            left = _remaining(deadline)
+            if delay is None or (left is not None and left <= delay):
+                raise answer.final(process_id) from answer.__cause__
+            time.sleep(delay)
+
+    def attempt(self, method: str, path: str, **send: Any) -> Union[requests.Response, _Retryable]:
+        """The response, or the failure worth another attempt (returned, not raised:
+        the public error raised for it must not have it as its context)."""
+        try:
+            return self.send(method, path, **send)
+        except _Retryable as failure:
+            return failure
+
+    def _headers_for(self, *, raw_body: bool, stream: bool) -> Dict[str, str]:
+        headers = dict(self._headers)
+        if raw_body:
+            headers["Content-Type"] = "application/octet-stream"
+        if stream:
+            # Compression on the way (gzip in a proxy) would hold live output back.
+            headers["Accept-Encoding"] = "identity"
+        return headers
 
     def send(
         self,
@@ -602,20 +664,16 @@ class _Transport:
         *,
         operation: str,
         timeout: Tuple[float, float],
+        process_id: Optional[str] = None,
         params: Optional[Dict[str, Any]] = None,
         json_body: Any = None,
         data: Optional[bytes] = None,
         stream: bool = False,
         ok_statuses: Tuple[int, ...] = (),
     ) -> requests.Response:
-        """A 2xx (or an `ok_statuses`) response; any other status raises."""
+        """One attempt: a 2xx (or an `ok_statuses`) response; any other status raises."""
         logger.debug("%s %s", method, path)
-        headers = dict(self._headers)
-        if data is not None:
-            headers["Content-Type"] = "application/octet-stream"
-        if stream:
-            # Compression on the way (gzip in a proxy) would hold live output back.
-            headers["Accept-Encoding"] = "identity"
+        headers = self._headers_for(raw_body=data is not None, stream=stream)
         place = self._limiter.acquire() if self._limiter is not None else None
         try:
             with _transport_errors(operation):
@@ -640,7 +698,7 @@ class _Transport:
         response.close()
         if status in (408, 429) or status >= 500:
             raise _Retryable(operation, status=status, retry_after=retry_after)
-        raise APIError(status, operation)
+        raise APIError(status, operation, process_id=process_id)
 
 
 def _jsend_data(response: requests.Response, operation: str) -> Any:
@@ -660,17 +718,71 @@ def _jsend_data(response: requests.Response, operation: str) -> Any:
 # Wire protocol: bytes -> blocks of complete lines -> frames
 # --------------------------------------------------------------------------
 
+_STREAMS = ("stdout", "stderr")
 
-def _blocks(chunks: Iterable[bytes], limit: int = _FRAME_LIMIT) -> Iterator[bytes]:
-    """The complete lines of a byte stream, as soon as they arrive, a block at a time.
+# A line in the form the service writes (protocol.md 5.4): a data frame or a
+# heartbeat. Such a line is a JSON object whose fields the groups give (a
+# heartbeat has empty groups): digits and one of two words need no unescaping,
+# and base64 text needs none when the block holds no backslash. The base64 is
+# taken as whatever stands between the quotes (`[^"]*`, a fast path in `re`;
+# a character class costs several times more): _base64 checks it.
+_DATA_HEAD = r'\{"type":"data","seq":([1-9][0-9]{0,17}),"stream":"(stdout|stderr)","data_base64":"'
+_SERVICE_LINE = re.compile(
+    "^(?:" + _DATA_HEAD + r'([^"]*)"\}|\{"type":"heartbeat"\})$', re.MULTILINE
+)
+_LONG_DATA_HEAD = re.compile(_DATA_HEAD)
+_SHORT_LINE = 512  # characters; a block that starts with a longer line skips the pattern
+_Line = Tuple[str, str, str]  # seq digits, stream, base64 text; all empty for a heartbeat
 
-    Every block ends with b"\\n" (the only line break: U+2028 is legal inside
-    JSON). A stream that breaks, also one that ends inside a line, is a
-    broken connection (_Retryable), not a frame.
+
+class _Reader:
+    """The output stream of one process, read from a cursor on.
+
+    bytes -> blocks of complete lines -> frames -> the capture. It owns the
+    cursor (the seq of the last data frame accepted), the bytes of a line cut
+    between chunks, the heartbeats seen and the routes by which data lines are
+    taken: lines in the service's own form by one pattern (nearly every block),
+    a block that is one long data line by its head and strict base64, anything
+    else as JSON, line by line, with the verdict json.loads gives each line.
+    Whatever the route, data frames end in _take_data: _base64 is the one
+    base64 decoder, and _take_data holds the one sequence check.
     """
-    pending: List[Union[bytes, memoryview]] = []
-    pending_size = 0
-    try:
+
+    def __init__(self, output: _Output, cursor: int = 0, limit: int = _FRAME_LIMIT) -> None:
+        self.cursor = cursor
+        self.heartbeats = 0
+        self._output = output
+        self._limit = limit
+
+    def read(
+        self, chunks: Iterator[bytes], check: Callable[[], None], until: Optional[int] = None
+    ) -> Optional[_Exit]:
+        """Read one connection: the exit frame's status, or None once the cursor reaches `until`.
+
+        A connection that ends before either is a broken one (_Retryable).
+        `check` runs before each block: a stream that keeps flowing can still
+        be cancelled or time out.
+        """
+        for block in self.blocks(chunks):
+            check()
+            status = self.take(block)
+            if status is not None:
+                _read_to_end(chunks)
+                return status
+            if until is not None and self.cursor >= until:
+                return None
+        raise _Retryable("output connection")  # clean EOF before the exit frame
+
+    def blocks(self, chunks: Iterable[bytes]) -> Iterator[bytes]:
+        """The complete lines of a byte stream, as soon as they arrive, a block at a time.
+
+        Every block ends with b"\\n" (the only line break: U+2028 is legal
+        inside JSON). A stream that ends inside a line is a broken
+        connection (_Retryable), not a frame.
+        """
+        limit = self._limit
+        pending: List[Union[bytes, memoryview]] = []
+        pending_size = 0
         for chunk in chunks:
             if not pending and chunk.endswith(b"\n") and len(chunk) <= limit:
                 yield chunk  # the usual chunk: whole lines, nothing before or after
@@ -683,20 +795,91 @@ def _blocks(chunks: Iterable[bytes], limit: int = _FRAME_LIMIT) -> Iterator[byte
                     pending.clear()
                 else:
                     block = chunk if end == len(chunk) else chunk[:end]
-                if len(block) > limit:
-                    yield from _within_limit(block, limit)
-                else:
-                    yield block
+                yield from _within_limit(block, limit) if len(block) > limit else (block,)
                 pending_size = 0
             if end < len(chunk):
                 pending.append(chunk[end:] if end else chunk)
                 pending_size += len(chunk) - end
                 if pending_size > limit:
                     raise ProtocolError("an output frame is longer than 1 MiB")
-    except _LOW_LEVEL_ERRORS as exc:
-        raise _transport_failure(exc, "output connection") from exc
-    if pending:
-        raise _Retryable("output connection")
+        if pending:
+            raise _Retryable("output connection")
+
+    def take(self, block: bytes) -> Optional[_Exit]:
+        """Act on a block of complete lines; the exit status when it holds the exit frame.
+
+        An exit frame without a status gives _NO_STATUS.
+        """
+        try:
+            text: Optional[str] = block.decode("utf-8")
+        except UnicodeDecodeError:
+            text = None  # its lines are then decoded alone, to fail at the first bad one
+        lines = None if text is None else _service_lines(text)
+        if lines is None:
+            return self._take_frames(_frames(block, text))
+        self._take_data(lines)
+        return None
+
+    def _take_frames(self, frames: Iterator[Any]) -> Optional[_Exit]:
+        """Act on parsed frames in order; the exit status when one is the exit frame.
+
+        Data frames are gathered and taken together, before whatever ends
+        the block: a later frame, its failure, or the block's end.
+        """
+        data: List[Tuple[Any, str, Any]] = []
+        try:
+            for frame in frames:
+                kind = _frame_type(frame)
+                if kind == "data":
+                    data.append(_data_frame(frame))
+                    continue
+                self._take_data(data)
+                data.clear()
+                if kind == "exit":
+                    return _exit_status(frame) or _NO_STATUS
+                if kind == "error":
+                    raise _stream_error(frame)
+                if kind != "heartbeat":
+                    raise ProtocolError("an output frame has an unknown type")
+                self.heartbeats += 1
+            return None
+        finally:
+            self._take_data(data)
+
+    def _take_data(self, lines: Iterable[Tuple[Any, str, str]]) -> None:
+        """Accept data frames (seq, stream, base64) in order; an empty seq is a heartbeat.
+
+        Every route ends here: _base64 is the one decoder, and this the one
+        sequence check. The next frame is kept, a frame read before (a
+        replay after a resume) is dropped, a frame beyond the next fails
+        closed after those before it. Each run of one stream's frames is
+        delivered to the capture in one piece.
+        """
+        cursor = self.cursor
+        run: List[bytes] = []
+        run_stream = ""
+        try:
+            for seq, stream, base64 in lines:
+                if not seq:
+                    self.heartbeats += 1
+                    continue
+                payload = _base64(base64)
+                number = int(seq)
+                if number != cursor + 1:
+                    if number <= cursor:
+                        continue
+                    raise ProtocolError(f"output seq jumped from {cursor} to {number}")
+                if stream != run_stream:
+                    if run:
+                        done, run = run, []  # never handed out twice, even if that fails
+                        self._output.feed(run_stream, b"".join(done))
+                    run_stream = stream
+                run.append(payload)
+                cursor = number
+        finally:
+            self.cursor = cursor
+            if run:
+                self._output.feed(run_stream, b"".join(run))  # one payload: not copied
 
 
 def _within_limit(block: bytes, limit: int) -> Iterator[bytes]:
@@ -712,65 +895,41 @@ def _within_limit(block: bytes, limit: int) -> Iterator[bytes]:
     yield block
 
 
-# A data frame as the service writes it (protocol.md 5.4). A line in exactly
-# this form is a JSON object whose fields the groups give: digits, one of two
-# words and base64 characters need no unescaping. The base64 ends as only
-# canonical base64 can: the character before "=" or "==" leaves no bits set
-# (_CANONICAL_LAST; a lookbehind, which costs less than backtracking); the
-# length is left to _plain_base64.
-_DATA_HEAD = r'\{"type":"data","seq":([1-9][0-9]{0,17}),"stream":"(stdout|stderr)","data_base64":"'
-_PLAIN_DATA_LINE = re.compile(
-    "^" + _DATA_HEAD + r'([A-Za-z0-9+/]*(?:(?<=[AQgw])==|(?<=[AEIMQUYcgkosw048])=)?)"\}$',
-    re.MULTILINE,
-)
-_LONG_DATA_HEAD = re.compile(_DATA_HEAD)
-# A block that is one data line, the usual block of live output. Strict base64
-# decoding (_strict_a2b) checks its characters anyway, on Python 3.11 and later
-# faster than a pattern can, so this pattern takes anything between the quotes
-# and checks only the canonical end.
-_ONE_DATA_LINE = re.compile(_DATA_HEAD + r'([^"]*)(?<![^AQgw]==)(?<![^AEIMQUYcgkosw048=]=)"\}\n\Z')
-_PlainData = List[Tuple[str, str, str]]  # seq digits, stream, base64 of each line
-_PLAIN_LINE_LENGTH = 512  # bytes; a block that starts with a longer line skips the patterns
+def _service_lines(text: str) -> Optional[List[_Line]]:
+    """The fields of every line of `text` when all are in the service's form, else None.
 
-
-def _utf8_text(block: bytes) -> Optional[str]:
-    """`block` decoded, or None when it is not UTF-8 (its lines are then taken alone)."""
-    try:
-        return block.decode("utf-8")
-    except UnicodeDecodeError:
-        return None
-
-
-def _plain_data(text: str) -> Optional[_PlainData]:
-    """The fields of every line of `text` when all are plain data frames, else None.
-
-    Nearly every block is just that: one pattern search costs less than
-    parsing each line as JSON. The pattern scans a long line more slowly
-    than the JSON scanner does, so a block that starts with one is left to
-    _long_data_line and the scanner.
+    Exactly the lines whose JSON value is what the groups say: the block
+    holds no escape, each line is one match and none spans lines. The
+    pattern scans a long line more slowly than strict base64 decoding checks
+    it, so a block that starts with one is only looked at as one data line.
     """
-    if len(text) > _PLAIN_LINE_LENGTH and text.find("\n", 0, _PLAIN_LINE_LENGTH) < 0:
-        return None
-    lines: _PlainData = _PLAIN_DATA_LINE.findall(text)
+    if "\\" in text:
+        return None  # an escape: JSON decides what it stands for
+    first_end = text.find("\n")
+    if first_end == len(text) - 1:  # one line, the usual block of live output
+        if first_end > _SHORT_LINE:
+            return _long_data_line(text)
+        line = _SERVICE_LINE.match(text)
+        if line is None or line.end() != first_end:
+            return None
+        return [cast(_Line, line.groups(""))]  # as findall gives it: "" for no group
+    if first_end > _SHORT_LINE:
+        return None  # several lines, the first of them long: the JSON scanner is faster
+    lines: List[_Line] = _SERVICE_LINE.findall(text)
     return lines if len(lines) == text.count("\n") else None
 
 
-def _long_data_line(text: str) -> Optional[_Data]:
-    """seq, stream and payload when `text` is one data line in the service's form.
+def _long_data_line(text: str) -> Optional[List[_Line]]:
+    """A block that is one long data line in the service's form, as one line's fields.
 
-    A long line is not worth the pattern; strict base64 decoding checks its
-    characters instead. Base64 it accepts holds no escape, quote or line
-    break, so the line is exactly what its head and its end say, without the
-    JSON scanner. Anything else (escapes, more keys) is left to it, and so is
-    a block of several lines: its first line's base64 would be decoded twice.
+    With no quote between its quotes, the line is exactly what its head and
+    its end say.
     """
     head = _LONG_DATA_HEAD.match(text)
-    if head is None or not text.endswith('"}\n') or text.find("\n") < len(text) - 1:
+    if head is None or not text.endswith('"}\n'):
         return None
-    try:
-        return int(head.group(1)), head.group(2), _strict_base64(text[head.end() : -3])
-    except ProtocolError:
-        return None
+    base64 = text[head.end() : -3]
+    return None if '"' in base64 else [(head.group(1), head.group(2), base64)]
 
 
 _JSON = json.JSONDecoder()
@@ -822,18 +981,26 @@ def _frame_type(value: Any) -> str:
     return kind
 
 
-_STREAMS = ("stdout", "stderr")
-_Data = Tuple[int, str, bytes]  # seq, stream, payload (a plain tuple: this runs per frame)
-
-
-def _data_frame(frame: Dict[str, Any]) -> _Data:
+def _data_frame(frame: Dict[str, Any]) -> Tuple[int, str, str]:
+    """seq, stream and base64 text of a data frame, checked but for the base64."""
     seq: Any = frame.get("seq")
     if not _is_int(seq) or seq < 1:
         raise ProtocolError("a data frame has no positive integer seq")
     stream = frame.get("stream")
     if stream not in _STREAMS:
         raise ProtocolError("a data frame names an unknown stream")
-    return seq, stream, _strict_base64(frame.get("data_base64"))
+    text = frame.get("data_base64")
+    if type(text) is not str:
+        raise ProtocolError("a data frame has no data_base64 string")
+    return seq, stream, text
+
+
+def _stream_error(frame: Dict[str, Any]) -> ProtocolError:
+    """The error an `error` frame reports."""
+    if frame.get("error") == "output_offset_expired":
+        oldest = frame.get("oldest_available_seq")
+        return OutputEvictedError(oldest if _is_int(oldest) else None)
+    return ProtocolError("the output stream reported an error")
 
 
 # By bytes in the last quantum (1 or 2): the characters allowed before its
@@ -857,21 +1024,11 @@ else:
         return binascii.a2b_base64(text)
 
 
-def _plain_base64(text: str) -> bytes:
-    """The payload of base64 that _PLAIN_DATA_LINE took (alphabet, padding, unused bits).
+def _base64(text: str) -> bytes:
+    """The payload of canonical base64: standard alphabet, "=" padding, unused bits zero.
 
-    Such text is canonical base64 if it is whole 4-character quanta; then
-    a2b_base64 decodes it exactly, even before Python 3.11 and its strict mode.
+    The one definition of what a data frame may carry, whatever route took it.
     """
-    if len(text) % 4:
-        raise ProtocolError("a data frame carries invalid base64")
-    return binascii.a2b_base64(text)
-
-
-def _strict_base64(text: Any) -> bytes:
-    """Standard-alphabet padded base64 whose unused bits are zero (canonical)."""
-    if type(text) is not str:
-        raise ProtocolError("a data frame has no data_base64 string")
     try:
         payload = _strict_a2b(text)
     except ValueError:  # binascii.Error, or a character beyond ASCII
@@ -888,6 +1045,9 @@ def _strict_base64(text: Any) -> bytes:
 class _Exit(NamedTuple):
     exit_code: Optional[int]
     signal: Optional[str]
+
+
+_NO_STATUS = _Exit(None, None)  # an exit frame that carries no status
 
 
 # Go-style spellings of signals, as some agents report them.
@@ -968,7 +1128,7 @@ def _signal_number(name: str) -> Optional[int]:
 # --------------------------------------------------------------------------
 
 
-_TAIL_PART = 4096  # characters; shorter texts are gathered into one part for the tails
+_TAIL_PART = 65536  # characters; shorter texts are gathered into one part for the tails
 
 
 class _Tail:
@@ -1063,8 +1223,8 @@ class _Output:
 
 
 # --------------------------------------------------------------------------
-# The command: plan (wrapper script, staged secrets), then create, follow,
-# recover, contain
+# The command: its plan (wrapper script, staged secrets) and options, the
+# client, then create, follow, recover, contain
 # --------------------------------------------------------------------------
 
 
@@ -1175,41 +1335,37 @@ def _utf8(what: str, text: str) -> bytes:
     return encoded
 
 
-class _Options(NamedTuple):
-    """The per-call options shared by execute() and attach(), checked."""
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """The per-call options of execute() and attach(), checked when built."""
 
-    timeout: Optional[float]
-    on_output: Optional[OutputCallback]
-    check: bool
-    max_output_chars: int
-    encoding: str
-    errors: str
-    cancel: Optional[threading.Event]
+    timeout: Optional[float] = None
+    on_output: Optional[OutputCallback] = None
+    check: bool = False
+    max_output_chars: int = 4 * 1024 * 1024
+    encoding: str = "utf-8"
+    errors: str = "replace"
+    cancel: Optional[threading.Event] = None
 
+    def __post_init__(self) -> None:
+        if self.timeout is not None:
+            _positive_seconds("timeout", self.timeout)
+        if self.on_output is not None and not callable(self.on_output):
+            raise ConfigError("on_output must be callable.")
+        if not _is_int(self.max_output_chars) or self.max_output_chars < 0:
+            raise ConfigError("max_output_chars must be an integer >= 0.")
+        try:
+            codecs.getincrementaldecoder(self.encoding)
+            codecs.lookup_error(self.errors)
+        except (LookupError, TypeError):
+            raise ConfigError("Unknown encoding or error handler.") from None
+        if self.cancel is not None and not callable(getattr(self.cancel, "is_set", None)):
+            raise ConfigError("cancel must be a threading.Event.")
 
-def _options(
-    timeout: Optional[float],
-    on_output: Optional[OutputCallback],
-    check: bool,
-    max_output_chars: int,
-    encoding: str,
-    errors: str,
-    cancel: Optional[threading.Event],
-) -> _Options:
-    if timeout is not None:
-        timeout = _positive_seconds("timeout", timeout)
-    if on_output is not None and not callable(on_output):
-        raise ConfigError("on_output must be callable.")
-    if not _is_int(max_output_chars) or max_output_chars < 0:
-        raise ConfigError("max_output_chars must be an integer >= 0.")
-    try:
-        codecs.getincrementaldecoder(encoding)
-        codecs.lookup_error(errors)
-    except (LookupError, TypeError):
-        raise ConfigError("Unknown encoding or error handler.") from None
-    if cancel is not None and not callable(getattr(cancel, "is_set", None)):
-        raise ConfigError("cancel must be a threading.Event.")
-    return _Options(timeout, on_output, bool(check), max_output_chars, encoding, errors, cancel)
+    @classmethod
+    def of(cls, arguments: Dict[str, Any]) -> "_Options":
+        """The options among the arguments of a call (its locals()), by name."""
+        return cls(**{field.name: arguments[field.name] for field in dataclasses.fields(cls)})
 
 
 class Client:
@@ -1229,12 +1385,8 @@ class Client:
     ) -> None:
         base = _api_base(api_url or os.environ.get("CREATEOS_API_URL") or DEFAULT_API_URL)
         key = _api_key(api_key)
-        self.request_timeout = _positive_seconds("request_timeout", request_timeout)
-        self.stream_idle_timeout = _positive_seconds("stream_idle_timeout", stream_idle_timeout)
-        self.cleanup_timeout = _positive_seconds("cleanup_timeout", cleanup_timeout)
         if retry is not None and not isinstance(retry, RetryPolicy):
             raise ConfigError("retry must be a RetryPolicy.")
-        self.retry = retry or RetryPolicy()
         if session is not None and not isinstance(session, requests.Session):
             raise ConfigError("session must be a requests.Session.")
         pacing = _rate_limit(rate_limit)
@@ -1244,11 +1396,24 @@ class Client:
         )
         used = session if session is not None else _new_session()
         self._own_session = None if used is session else used  # we close only our own
-        self._transport = _Transport(base, key, used, limiter)
+        self._transport = _Transport(
+            base,
+            key,
+            used,
+            limiter,
+            request_timeout=_positive_seconds("request_timeout", request_timeout),
+            stream_idle_timeout=_positive_seconds("stream_idle_timeout", stream_idle_timeout),
+            cleanup_timeout=_positive_seconds("cleanup_timeout", cleanup_timeout),
+            retry=retry or RetryPolicy(),
+        )
 
     @property
     def api_url(self) -> str:
         return self._transport.base
+
+    @property
+    def retry(self) -> RetryPolicy:
+        return self._transport.retry
 
     def __repr__(self) -> str:
         return f"Client(api_url={self.api_url!r})"
@@ -1269,39 +1434,30 @@ class Client:
         self.close()
 
     def execute(
-        self,
-        sandbox_id: str,
-        command: Command,
-        *,
-        shell: bool = False,
-        cwd: Optional[str] = None,
-        env: Optional[Dict[str, str]] = None,
-        stdin: Union[str, bytes, None] = None,
-        timeout: Optional[float] = None,
-        on_output: Optional[OutputCallback] = None,
-        check: bool = False,
-        max_output_chars: int = 4 * 1024 * 1024,
-        encoding: str = "utf-8",
-        errors: str = "replace",
+        self, sandbox_id: str, command: Command, *,
+        shell: bool = False, cwd: Optional[str] = None,
+        env: Optional[Dict[str, str]] = None, stdin: Union[str, bytes, None] = None,
+        timeout: Optional[float] = None, on_output: Optional[OutputCallback] = None,
+        check: bool = False, max_output_chars: int = 4 * 1024 * 1024,
+        encoding: str = "utf-8", errors: str = "replace",
         cancel: Optional[threading.Event] = None,
-    ) -> ExecResult:
+    ) -> ExecResult:  # fmt: skip
         """Run `command` in the sandbox and return how it ended (see the module doc)."""
         started = time.monotonic()
         sandbox_id = _checked_id("sandbox", sandbox_id)
-        options = _options(timeout, on_output, check, max_output_chars, encoding, errors, cancel)
+        options = _Options.of(locals())
         if env is not None and not isinstance(env, dict):
             raise ConfigError("env must be a dict of str to str.")
         plan = _plan(command, shell=shell, cwd=cwd, env=env, stdin=stdin)
-        args = command if isinstance(command, str) else list(command)
-        launch = _Launch(self, sandbox_id, plan)
+        launch = _Launch(self._transport, sandbox_id, plan)
         launch.stage()
         process_id, recovered = launch.create()
         run = _Run(
-            self,
+            self._transport,
             sandbox_id,
             process_id,
             options,
-            args=args,
+            args=command if isinstance(command, str) else list(command),
             started=started,
             launch=launch,
             creation_recovered=recovered,
@@ -1309,19 +1465,13 @@ class Client:
         return run.run()
 
     def attach(
-        self,
-        sandbox_id: str,
-        process_id: str,
-        *,
+        self, sandbox_id: str, process_id: str, *,
         after: int = 0,
-        timeout: Optional[float] = None,
-        on_output: Optional[OutputCallback] = None,
-        check: bool = False,
-        max_output_chars: int = 4 * 1024 * 1024,
-        encoding: str = "utf-8",
-        errors: str = "replace",
+        timeout: Optional[float] = None, on_output: Optional[OutputCallback] = None,
+        check: bool = False, max_output_chars: int = 4 * 1024 * 1024,
+        encoding: str = "utf-8", errors: str = "replace",
         cancel: Optional[threading.Event] = None,
-    ) -> ExecResult:
+    ) -> ExecResult:  # fmt: skip
         """Follow a process started elsewhere, from output seq `after` + 1.
 
         Failures are contained exactly as for execute(): the process tree is
@@ -1332,42 +1482,36 @@ class Client:
         process_id = _checked_id("process", process_id)
         if not _is_int(after) or after < 0:
             raise ConfigError("after must be an integer >= 0.")
-        options = _options(timeout, on_output, check, max_output_chars, encoding, errors, cancel)
-        run = _Run(self, sandbox_id, process_id, options, args=None, started=started, cursor=after)
+        options = _Options.of(locals())
+        run = _Run(
+            self._transport,
+            sandbox_id,
+            process_id,
+            options,
+            args=None,
+            started=started,
+            cursor=after,
+        )
         return run.run()
 
-    def _call(
-        self,
-        method: str,
-        path: str,
-        *,
-        operation: str,
-        deadline: Optional[float],
-        read_timeout: Optional[float] = None,
-        process_id: Optional[str] = None,
-        **request: Any,
-    ) -> requests.Response:
-        """One request, retried under the retry policy while it fails and time remains."""
-        budget = _Budget(self.retry)
-        while True:
-            limit = _within(self.request_timeout, deadline)
-            try:
-                return self._transport.send(
-                    method,
-                    path,
-                    operation=operation,
-                    timeout=(limit, _within(read_timeout or self.request_timeout, deadline)),
-                    **request,
-                )
-            except APIError as error:
-                error.process_id = process_id
-                raise
-            except _Retryable as failure:
-                delay = budget.next_delay(failure.retry_after)
-                left = _remaining(deadline)
-                if delay is None or (left is not None and left <= delay):
-                    raise failure.final(process_id) from failure.__cause__
-                time.sleep(delay)
+
+def execute(
+    sandbox_id: str,
+    command: Command,
+    *,
+    client: Optional[Client] = None,
+    **options: Any,
+) -> ExecResult:
+    """Client.execute() with a client built from the environment (or the one given)."""
+    if client is not None:
+        return client.execute(sandbox_id, command, **options)
+    with Client() as own:
+        return own.execute(sandbox_id, command, **options)
+
+
+def echo(stream: str, text: str) -> None:
+    """A ready `on_output`: print output live, stderr to stderr (terminals, notebooks)."""
+    print(text, end="", file=sys.stderr if stream == "stderr" else sys.stdout, flush=True)
 
 
 def _new_session() -> requests.Session:
@@ -1382,18 +1526,21 @@ def _sandbox_path(sandbox_id: str, rest: str = "") -> str:
     return f"/v1/sandboxes/{sandbox_id}{rest}"
 
 
+# -- create: stage the private file, then create the process exactly once ---
+
+
 class _Launch:
     """Staging the private file and creating the process, exactly once."""
 
-    def __init__(self, client: Client, sandbox_id: str, plan: _Plan) -> None:
-        self._client = client
+    def __init__(self, transport: _Transport, sandbox_id: str, plan: _Plan) -> None:
+        self._transport = transport
         self._sandbox_id = sandbox_id
         self._plan = plan
 
     def stage(self) -> None:
         if self._plan.staged_path is None:
             return
-        self._client._call(
+        self._transport.call(
             "PUT",
             _sandbox_path(self._sandbox_id, "/files"),
             operation="staging of env and stdin",
@@ -1408,48 +1555,52 @@ class _Launch:
         Never retried: a 4xx (429 included) or a refused connection means no
         process; a lost answer or a 5xx means it may exist, so look for it.
         """
-        client = self._client
+        transport = self._transport
         try:
-            response = client._transport.send(
+            answer = transport.attempt(
                 "POST",
                 _sandbox_path(self._sandbox_id, "/processes"),
                 operation="process creation",
-                timeout=(client.request_timeout, client.request_timeout),
+                timeout=(transport.request_timeout, transport.request_timeout),
                 json_body=self._plan.body,
             )
-        except _Retryable as failure:
-            if failure.status == 429 or not failure.maybe_sent:
-                self.unstage()
-                raise failure.final(None) from failure.__cause__
-            logger.info("Process creation is ambiguous; looking for it by its marker")
-            return self._find_created(), True
         except KeyboardInterrupt:
             self._abandon()
             raise
         except APIError:
             self.unstage()
             raise
+        if isinstance(answer, _Retryable):
+            if answer.status == 429 or not answer.maybe_sent:
+                self.unstage()
+                raise answer.final(None) from answer.__cause__
+            logger.info("Process creation is ambiguous; looking for it by its marker")
+            return self._find_created(), True
+        return self._created(answer)
+
+    def _created(self, response: requests.Response) -> Tuple[str, bool]:
         try:
             record = _jsend_data(response, "process creation")
             if not isinstance(record, dict):
                 raise ProtocolError("the created process record is not an object")
             return _checked_process_id(record.get("process_id")), False
         except ProtocolError as exc:
-            # Created, but unnamed: it may run unseen. Find it by its marker.
-            logger.info("Process creation answer is unreadable; looking for it by its marker")
-            try:
-                return self._find_created(), True
-            except CleanupError as cleanup:
-                raise cleanup from exc
+            unreadable = exc
+        # Created, but unnamed: it may run unseen. Find it by its marker.
+        logger.info("Process creation answer is unreadable; looking for it by its marker")
+        try:
+            return self._find_created(), True
+        except CleanupError as cleanup:
+            raise cleanup from unreadable
 
     def _find_created(self) -> str:
         """Find the process by the marker in its arguments, or fail as unconfirmed."""
         try:
-            response = self._client._call(
+            response = self._transport.call(
                 "GET",
                 _sandbox_path(self._sandbox_id, "/processes"),
                 operation="process listing",
-                deadline=time.monotonic() + self._client.cleanup_timeout,
+                deadline=time.monotonic() + self._transport.cleanup_timeout,
             )
             listing = _jsend_data(response, "process listing")
             processes = listing.get("processes") if isinstance(listing, dict) else None
@@ -1473,7 +1624,7 @@ class _Launch:
         """Ctrl-C while creating: find the process if it exists and terminate it."""
         try:
             process_id = self._find_created()
-            _terminate(self._client, self._sandbox_id, process_id)
+            _terminate(self._transport, self._sandbox_id, process_id)
         except CleanupError:
             logger.warning("Could not confirm that no process was left running")
 
@@ -1481,13 +1632,13 @@ class _Launch:
         """Remove the staged secrets file, best-effort, when the wrapper may not have."""
         if self._plan.staged_path is None:
             return
-        client = self._client
+        transport = self._transport
         try:
-            client._transport.send(
+            transport.send(
                 "POST",
                 _sandbox_path(self._sandbox_id, "/exec"),
                 operation="removal of the staged file",
-                timeout=(client.request_timeout, client.cleanup_timeout),
+                timeout=(transport.request_timeout, transport.cleanup_timeout),
                 json_body={"cmd": "rm", "args": ["-f", "--", self._plan.staged_path]},
             ).close()
         except (CreateOSError, _Retryable):
@@ -1500,41 +1651,33 @@ def _checked_process_id(value: Any) -> str:
     return value
 
 
-def _terminate(client: Client, sandbox_id: str, process_id: str) -> None:
-    """DELETE the tree with a grace period and a fresh deadline.
+# -- follow: read the stream, resume it after every transport failure --------
 
-    Raises CleanupError unless the answer is 404 (gone) or `tree_exited: true`.
-    """
-    grace = min(_TERMINATE_GRACE, client.cleanup_timeout / 2)
-    try:
-        response = client._call(
-            "DELETE",
-            _sandbox_path(sandbox_id, f"/processes/{process_id}"),
-            operation="process cleanup",
-            deadline=time.monotonic() + client.cleanup_timeout,
-            process_id=process_id,
-            read_timeout=grace + client.request_timeout,
-            params={"grace_ms": int(grace * 1000)},
-            ok_statuses=(404,),
-        )
-        if response.status_code == 404:
-            response.close()
-            return
-        record = _jsend_data(response, "process cleanup")
-    except CreateOSError as exc:
-        logger.warning("Termination of %s failed", process_id)
-        raise CleanupError(process_id=process_id) from exc
-    if not isinstance(record, dict) or record.get("tree_exited") is not True:
-        logger.warning("Termination of %s is unconfirmed", process_id)
-        raise CleanupError(process_id=process_id)
+
+class _TimedOut(Exception):
+    """The deadline a wait runs under expired."""
+
+
+class _Ending(NamedTuple):
+    """How following a process ended, before containment: a status, the
+    deadline, or an error (a callback's and Ctrl-C included)."""
+
+    status: Optional[_Exit] = None
+    timed_out: bool = False
+    error: Optional[BaseException] = None
 
 
 class _Run:
-    """Following one process to its end: the stream, recovery and containment."""
+    """Following one process to its end: follow the stream, recover, contain.
+
+    The run's deadline is computed once, from `timeout`. Containment has a
+    deadline of its own (cleanup_timeout); every wait takes the deadline it
+    runs under as an argument.
+    """
 
     def __init__(
         self,
-        client: Client,
+        transport: _Transport,
         sandbox_id: str,
         process_id: str,
         options: _Options,
@@ -1545,7 +1688,7 @@ class _Run:
         launch: Optional[_Launch] = None,
         creation_recovered: bool = False,
     ) -> None:
-        self._client = client
+        self._transport = transport
         self._options = options
         self._sandbox_id = sandbox_id
         self._path = _sandbox_path(sandbox_id, f"/processes/{process_id}")
@@ -1553,32 +1696,36 @@ class _Run:
         self._args = args
         self._started = started
         self._first_seq = cursor
-        self.process_id = process_id
-        self.cursor = cursor
-        self.reconnects = 0
-        self.exit_recovered = False
-        self.creation_recovered = creation_recovered
-        self.deadline = None if options.timeout is None else started + options.timeout
+        self._deadline = None if options.timeout is None else started + options.timeout
         self._output = _Output(
             options.encoding, options.errors, options.max_output_chars, options.on_output
         )
-        self._pending: List[bytes] = []  # accepted payloads of one stream, not yet delivered
-        self._pending_stream = _STREAMS[0]
-
-    # -- the whole run -----------------------------------------------------
+        self._reader = _Reader(self._output, cursor)
+        self.process_id = process_id
+        self.reconnects = 0
+        self.exit_recovered = False
+        self.creation_recovered = creation_recovered
 
     def run(self) -> ExecResult:
-        status: Optional[_Exit]
+        return self._end(self._follow_to_end())
+
+    def _follow_to_end(self) -> _Ending:
         try:
-            status = self._follow()
-            timed_out = False
+            return _Ending(status=self._follow(self._deadline))
         except _TimedOut:
-            status = self._terminate_and_drain()
-            timed_out = True
-        except BaseException as exc:
-            self._contain_after(exc)
-            raise
-        result = self._result(status, timed_out=timed_out)
+            return _Ending(timed_out=True)
+        except BaseException as exc:  # contained by _end, then raised again
+            return _Ending(error=exc)
+
+    def _end(self, ending: _Ending) -> ExecResult:
+        """The one way a run ends. Unless the process ended by itself, its tree
+        is terminated and that confirmed first; then the result, or the error
+        with the partial result attached."""
+        if ending.timed_out or ending.error is not None:
+            ending = self._contain(ending)
+        if ending.error is not None:
+            raise ending.error
+        result = self._result(ending.status, timed_out=ending.timed_out)
         if self._options.check and not result.ok:
             raise CommandError(result)
         return result
@@ -1606,262 +1753,159 @@ class _Run:
             duration=time.monotonic() - self._started,
         )
 
-    # -- follow: read the stream, resume it on every transport failure -------
+    # -- follow ----------------------------------------------------------------
 
-    def _follow(self) -> _Exit:
-        budget = _Budget(self._client.retry)
+    def _follow(self, deadline: Optional[float]) -> _Exit:
+        """Follow the stream to its end, resuming it after every transport failure.
+
+        Only a new frame is progress. When the retry policy is spent without
+        any, a short `wait` tells a quiet process (followed on, with a fresh
+        budget) from one that has exited: its record is then the result, once
+        the output it says there is has been replayed.
+        """
+        budget = _Budget(self._transport.retry)
+        record: Optional[Dict[str, Any]] = None  # the exited process's, once known
         while True:
-            self._check_interrupts()
-            cursor = self.cursor
-            try:
-                return self._read_stream(budget)
-            except _Retryable as failure:
-                if self.cursor != cursor:
-                    budget.progress()  # the connection that broke brought output
-                self._check_interrupts()
-                delay = budget.next_delay(failure.retry_after)
-                if delay is None:
-                    return self._recover(failure)
-                logger.info(
-                    "Output stream of %s broke; resuming after seq %d in %.2f s",
-                    self.process_id,
-                    self.cursor,
-                    delay,
-                )
-                self._pause(delay)
-                self.reconnects += 1
-
-    def _read_stream(self, budget: _Budget) -> _Exit:
-        """Connect after the cursor and read until the exit frame."""
-        response = self._connect()
-        with contextlib.closing(response), _unblocked_by(self._options.cancel, response):
-            chunks = _arriving(response)
-            for block in _blocks(chunks):
-                self._check_interrupts()
-                if self._take_next_frame(block):
-                    continue
-                status = self._take_block(block, budget)
-                if status is not None:
-                    _read_to_end(chunks)
-                    return status
-        raise _Retryable("output connection")  # clean EOF before the exit frame
-
-    def _connect(self) -> requests.Response:
-        client = self._client
-        try:
-            response = client._transport.send(
-                "GET",
-                self._path + "/connect",
-                operation="output connection",
-                timeout=(
-                    _within(client.request_timeout, self.deadline),
-                    _within(client.stream_idle_timeout, self.deadline),
-                ),
-                params={"after": self.cursor},
-                stream=True,
-                ok_statuses=(410,),
+            self._check_interrupts(deadline)
+            cursor = self._reader.cursor
+            until = None if record is None else _newest_seq(record)
+            ended = self._connection(deadline, until)
+            if ended is None:
+                return self._recovered(record)
+            if isinstance(ended, _Exit):
+                return self._exit_from_frame(ended, deadline)
+            if self._reader.cursor != cursor:
+                budget.progress()
+            delay = budget.next_delay(ended.retry_after)
+            if delay is None:
+                record = self._when_spent(record, deadline, ended)
+                if record is not None and self._caught_up(record):
+                    return self._recovered(record)
+                budget = _Budget(self._transport.retry)
+                delay = 0.0
+            logger.info(
+                "Output stream of %s broke; resuming after seq %d in %.2f s",
+                self.process_id,
+                self._reader.cursor,
+                delay,
             )
-        except APIError as error:
-            error.process_id = self.process_id
-            raise
+            self._pause(delay, deadline)
+            self.reconnects += 1
+
+    def _connection(
+        self, deadline: Optional[float], until: Optional[int]
+    ) -> Union[_Exit, None, _Retryable]:
+        """One connection to the stream, and what ended it: the exit frame's
+        status, None once the output reached `until`, or the failure."""
+        try:
+            response = self._connect(deadline)
+            with contextlib.closing(response), _unblocked_by(self._options.cancel, response):
+                check = functools.partial(self._check_interrupts, deadline)
+                return self._reader.read(_arriving(response), check, until)
+        except _Retryable as failure:
+            return failure
+
+    def _connect(self, deadline: Optional[float]) -> requests.Response:
+        transport = self._transport
+        response = transport.send(
+            "GET",
+            self._path + "/connect",
+            operation="output connection",
+            timeout=(
+                _within(transport.request_timeout, deadline),
+                _within(transport.stream_idle_timeout, deadline),
+            ),
+            process_id=self.process_id,
+            params={"after": self._reader.cursor},
+            stream=True,
+            ok_statuses=(410,),
+        )
         if response.status_code == 410:
             raise OutputEvictedError(_evicted_seq(response), process_id=self.process_id)
         return response
 
-    def _take_next_frame(self, block: bytes) -> bool:
-        """Take a block that is just the next data frame, in the service's form.
-
-        Live output comes a frame per HTTP chunk, so this is the usual block,
-        and it skips the block machinery. Anything else, also base64 that
-        strict decoding refuses, is left to _take_block, which decides exactly.
-        """
-        if len(block) > _PLAIN_LINE_LENGTH:
-            return False
-        try:
-            line = _ONE_DATA_LINE.match(block.decode("ascii"))
-        except UnicodeDecodeError:
-            return False  # not in the service's form
-        if line is None:
-            return False
-        seq, stream, text = line.groups()
-        if int(seq) != self.cursor + 1 or len(text) % 4:
-            return False
-        try:
-            payload = _strict_a2b(text)
-        except ValueError:
-            return False
-        self.cursor += 1
-        self._output.feed(stream, payload)
-        return True
-
-    def _take_block(self, block: bytes, budget: _Budget) -> Optional[_Exit]:
-        """Act on the frames of a block; the exit status when it holds the exit frame.
-
-        Data arriving together is delivered together: one base64 decode and
-        one feed of the capture per run of frames of one stream.
-        """
-        try:
-            text = _utf8_text(block)
-            if text is not None:
-                plain = _plain_data(text)
-                if plain is not None:
-                    self._take_plain(plain)
-                    return None
-                data = _long_data_line(text)
-                if data is not None:
-                    self._accept(*data)
-                    return None
-            return self._take_frames(_frames(block, text), budget)
-        finally:
-            self._deliver()  # what was accepted before a failure counts too
-
-    def _take_plain(self, plain: _PlainData) -> None:
-        """Accept plain data lines: many at once when they simply continue the output."""
-        if len(plain) > 1:
-            seqs, streams, texts = zip(*plain)
-            first = self.cursor + 1
-            next_in_order = list(map(int, seqs)) == list(range(first, first + len(plain)))
-            if next_in_order and streams.count(self._pending_stream) == len(plain):
-                self._accept_run(texts)
-                return
-        for seq, stream, text in plain:
-            self._accept(int(seq), stream, _plain_base64(text))
-
-    def _accept_run(self, texts: Sequence[str]) -> None:
-        """Accept the base64 of the next data frames of the stream in hand."""
-        payloads: List[bytes] = []
-        try:
-            payloads.extend(map(_plain_base64, texts))
-        finally:  # the frames before a bad one are accepted
-            self._pending.extend(payloads)
-            self.cursor += len(payloads)
-
-    def _take_frames(self, frames: Iterator[Any], budget: _Budget) -> Optional[_Exit]:
-        """Act on parsed frames one at a time; the exit status when one is the exit frame."""
-        for frame in frames:
-            if type(frame) is dict and frame.get("type") == "data":
-                self._accept(*_data_frame(frame))
-                continue
-            self._deliver()
-            status = self._take(frame, budget)
-            if status is not None:
-                return status
-        return None
-
-    def _take(self, frame: Any, budget: _Budget) -> Optional[_Exit]:
-        """Act on a frame other than data; the exit status when it is the exit frame."""
-        kind = _frame_type(frame)
-        if kind == "heartbeat":
-            budget.progress()
-        elif kind == "exit":
-            return self._exit_from_frame(frame)
-        elif kind == "error":
-            if frame.get("error") == "output_offset_expired":
-                oldest = frame.get("oldest_available_seq")
-                raise OutputEvictedError(
-                    oldest if _is_int(oldest) else None, process_id=self.process_id
-                )
-            raise ProtocolError("the output stream reported an error")
-        else:
-            raise ProtocolError("an output frame has an unknown type")
-        return None
-
-    def _accept(self, seq: int, stream: str, payload: bytes) -> None:
-        if seq <= self.cursor:
-            return  # replayed overlap after a resume
-        if seq != self.cursor + 1:
-            raise ProtocolError(f"output seq jumped from {self.cursor} to {seq}")
-        if stream != self._pending_stream:
-            self._deliver()
-            self._pending_stream = stream
-        self._pending.append(payload)
-        self.cursor = seq
-
-    def _deliver(self) -> None:
-        """Hand the accepted, not yet delivered output to the capture and on_output."""
-        if not self._pending:
-            return
-        payload = b"".join(self._pending)  # one payload is joined without a copy
-        self._pending.clear()
-        self._output.feed(self._pending_stream, payload)
-
-    def _exit_from_frame(self, frame: Dict[str, Any]) -> _Exit:
-        status = _exit_status(frame)
-        if status is not None:
+    def _exit_from_frame(self, status: _Exit, deadline: Optional[float]) -> _Exit:
+        if status != _NO_STATUS:
             return status
         logger.info("Exit frame of %s has no status; asking the process record", self.process_id)
         problem = ProtocolError("the exit frame carries no exit status", process_id=self.process_id)
         try:
-            record = self._wait("leader", _EXIT_CHECK_MS)
+            record = self._wait("leader", _EXIT_CHECK_MS, deadline)
         except CreateOSError as exc:
             raise problem from exc
-        status = _exit_status(record) if record is not None else None
-        if status is None:
+        recovered = _exit_status(record) if record is not None else None
+        if recovered is None:
             raise problem
         self.exit_recovered = True
-        return status
+        return recovered
 
-    def _check_interrupts(self) -> None:
+    def _check_interrupts(self, deadline: Optional[float]) -> None:
         cancel = self._options.cancel
         if cancel is not None and cancel.is_set():
             raise CancelledError(process_id=self.process_id)
-        if self.deadline is not None and time.monotonic() >= self.deadline:
+        if deadline is not None and time.monotonic() >= deadline:
             raise _TimedOut()
 
-    def _pause(self, delay: float) -> None:
-        delay = _within(delay, self.deadline)
+    def _pause(self, delay: float, deadline: Optional[float]) -> None:
+        delay = _within(delay, deadline)
         cancel = self._options.cancel
         if cancel is not None:
             cancel.wait(delay)
         else:
             time.sleep(delay)
-        self._check_interrupts()
+        self._check_interrupts(deadline)
 
-    # -- recover: the exit status out of band --------------------------------
+    # -- recover ---------------------------------------------------------------
 
-    def _recover(self, failure: _Retryable) -> _Exit:
-        logger.info(
-            "Output stream of %s kept failing; recovering its exit status out of band",
-            self.process_id,
-        )
-        try:
-            record = self._wait_for_tree()
-            newest = _newest_seq(record)
-            if newest < self.cursor:
-                raise ProtocolError("the journal ends before output already read")
-            if newest > self.cursor:
-                # Output is missing: one bounded replay window to fetch it.
-                self.reconnects += 1
-                return self._read_stream(_Budget(self._client.retry))
+    def _when_spent(
+        self, record: Optional[Dict[str, Any]], deadline: Optional[float], failure: _Retryable
+    ) -> Optional[Dict[str, Any]]:
+        """The retry policy is spent without progress: the exited process's record,
+        or None while it still runs (a quiet job behind connections that end)."""
+        if record is not None:  # the replay of the output the record promised failed too
+            self.exit_recovered = True
             status = _exit_status(record)
-        except (_Retryable, TransportError, APIError) as exc:
-            self._check_interrupts()
+            raise OutputIncompleteError(
+                process_id=self.process_id, result=self._result(status, partial=True)
+            )
+        logger.info("Output stream of %s keeps failing; asking whether it runs", self.process_id)
+        try:
+            record = self._wait("tree", _LIVENESS_POLL_MS, deadline)
+        except (TransportError, APIError) as exc:
             raise StreamEndedError(process_id=self.process_id) from exc
-        if status is None:
-            raise StreamEndedError(process_id=self.process_id) from failure
+        if record is None:
+            logger.info("Process %s still runs; following it on", self.process_id)
+        elif _exit_status(record) is None:
+            raise StreamEndedError(process_id=self.process_id) from failure.__cause__
+        return record
+
+    def _caught_up(self, record: Dict[str, Any]) -> bool:
+        """Whether the output read reaches the end of the exited process's journal."""
+        newest = _newest_seq(record)
+        if newest < self._reader.cursor:
+            raise ProtocolError("the journal ends before output already read")
+        return newest == self._reader.cursor
+
+    def _recovered(self, record: Optional[Dict[str, Any]]) -> _Exit:
+        status = _exit_status(record) if record is not None else None
+        if status is None:  # _when_spent lets only a record with a status through
+            raise ProtocolError("the wait answer carries no exit status")
         self.exit_recovered = True
         logger.info("Recovered the exit status of %s out of band", self.process_id)
         return status
 
-    def _wait_for_tree(self) -> Dict[str, Any]:
-        """Long-poll until the whole tree has exited (or the deadline passes)."""
-        while True:
-            self._check_interrupts()
-            poll = _within(_WAIT_POLL_MS / 1000, self.deadline)
-            record = self._wait("tree", max(1, int(poll * 1000)))
-            if record is not None:
-                return record
-
-    def _wait(self, scope: str, poll_ms: int) -> Optional[Dict[str, Any]]:
+    def _wait(
+        self, scope: str, poll_ms: int, deadline: Optional[float]
+    ) -> Optional[Dict[str, Any]]:
         """One `wait` long-poll: the exited process record, or None when it expired."""
-        client = self._client
-        response = client._call(
+        transport = self._transport
+        response = transport.call(
             "GET",
             self._path + "/wait",
             operation="exit status wait",
-            deadline=self.deadline,
+            deadline=deadline,
             process_id=self.process_id,
-            read_timeout=poll_ms / 1000 + client.request_timeout,
+            read_timeout=poll_ms / 1000 + transport.request_timeout,
             params={"scope": scope, "timeout_ms": poll_ms},
             ok_statuses=(408,),
         )
@@ -1873,41 +1917,56 @@ class _Run:
             raise ProtocolError("the wait answer is not an exited process record")
         return record
 
-    # -- contain: terminate the remote tree ----------------------------------
+    # -- contain ---------------------------------------------------------------
 
-    def _terminate_and_drain(self) -> Optional[_Exit]:
-        """After the deadline: terminate, reading what the grace period prints meanwhile.
+    def _contain(self, ending: _Ending) -> _Ending:
+        """Terminate the tree and confirm it, then say how the run ended.
 
-        The reading starts while the DELETE is still waiting out the grace
-        period: a service may forget a process once it is deleted.
+        The DELETE starts first. After a timeout, the output of the grace
+        period is read while the DELETE waits it out (a service may forget a
+        process once it is deleted); whatever ends that reading, the DELETE
+        is waited for (a second Ctrl-C ends that wait).
         """
-        termination = _Background(_terminate, self._client, self._sandbox_id, self.process_id)
-        self.deadline = time.monotonic() + self._client.cleanup_timeout
+        termination = _Termination(self._transport, self._sandbox_id, self.process_id)
+        if ending.timed_out:
+            ending = self._drain(ending)
+        unconfirmed = termination.wait()
+        error = ending.error
+        if isinstance(error, CreateOSError):
+            error.process_id = error.process_id or self.process_id
+            if error.result is None and (ending.timed_out or self._reader.cursor > self._first_seq):
+                error.result = self._result(ending.status, timed_out=ending.timed_out, partial=True)
+        if isinstance(error, KeyboardInterrupt):
+            return ending  # Ctrl-C is raised itself; a failed cleanup was logged
+        if unconfirmed is not None:
+            if error is None:
+                unconfirmed.result = self._result(ending.status, timed_out=True, partial=True)
+            else:
+                unconfirmed.result = getattr(error, "result", None)
+                unconfirmed.__cause__ = error
+            return _Ending(error=unconfirmed)
+        if error is not None and self._launch is not None:
+            self._launch.unstage()
+        return ending
+
+    def _drain(self, ending: _Ending) -> _Ending:
+        """After the timeout: read what the process prints in its grace period.
+
+        A cancel, a callback's error or Ctrl-C ends the reading and becomes
+        how the run ended; trouble with the stream only ends the reading.
+        """
         try:
-            status: Optional[_Exit] = self._follow()
+            status = self._follow(time.monotonic() + self._transport.cleanup_timeout)
+        except CancelledError as exc:
+            return ending._replace(error=exc)
         except (_TimedOut, CreateOSError):
             logger.warning(
                 "Output of %s printed after its timeout could not be read", self.process_id
             )
-            status = None
-        termination.join()
-        return status
-
-    def _contain_after(self, exc: BaseException) -> None:
-        """Terminate the tree after `exc`; the caller re-raises it unless this raises."""
-        if isinstance(exc, CreateOSError):
-            exc.process_id = exc.process_id or self.process_id
-            if exc.result is None and self.cursor > self._first_seq:
-                exc.result = self._result(None, partial=True)
-        try:
-            _terminate(self._client, self._sandbox_id, self.process_id)
-        except CleanupError as cleanup:
-            if isinstance(exc, KeyboardInterrupt):
-                return  # Ctrl-C is re-raised itself; the failure is logged
-            cleanup.result = getattr(exc, "result", None)
-            raise cleanup from exc
-        if self._launch is not None and not isinstance(exc, KeyboardInterrupt):
-            self._launch.unstage()
+            return ending
+        except BaseException as exc:  # raised once the tree is confirmed gone
+            return ending._replace(error=exc)
+        return ending._replace(status=status)
 
 
 def _arriving(response: requests.Response) -> Iterator[bytes]:
@@ -1915,12 +1974,30 @@ def _arriving(response: requests.Response) -> Iterator[bytes]:
 
     Straight from urllib3 (requests' iter_content() adds a layer per chunk
     and would wait for the end of a body that is not chunked: a proxy may
-    remove the chunking, and all live output would be held back).
+    remove the chunking, and all live output would be held back). This is
+    where the bytes come from, so this is where the HTTP stack's errors
+    become a broken connection.
     """
     raw = response.raw
     if raw.chunked or not hasattr(raw, "read1"):  # read1: urllib3 2.2 and later
-        return raw.stream(None, decode_content=True)
-    return iter(functools.partial(raw.read1, _READ_SIZE, decode_content=True), b"")
+        chunks = raw.stream(None, decode_content=True)
+    else:
+        chunks = iter(functools.partial(raw.read1, _READ_SIZE, decode_content=True), b"")
+    with _transport_errors("output connection"):
+        yield from chunks
+
+
+def _read_to_end(chunks: Iterator[bytes]) -> None:
+    """Finish the body after the exit frame so the connection can be reused.
+
+    Whatever follows the exit frame is ignored, and at most 64 KiB is read.
+    """
+    read = 0
+    with contextlib.suppress(_Retryable, TransportError):
+        for chunk in chunks:
+            read += len(chunk)
+            if read > 65536:
+                return
 
 
 @contextlib.contextmanager
@@ -1955,48 +2032,6 @@ def _shut_down_on(cancel: threading.Event, done: threading.Event, response: Any)
             return
 
 
-class _Background:
-    """A call running in a daemon thread; join() re-raises what it raised."""
-
-    def __init__(self, function: Callable[..., Any], *args: Any) -> None:
-        self._error: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._run, args=(function, args))
-        self._thread.daemon = True
-        self._thread.start()
-
-    def _run(self, function: Callable[..., Any], args: Tuple[Any, ...]) -> None:
-        try:
-            function(*args)
-        except BaseException as exc:  # handed over to join()
-            self._error = exc
-
-    def join(self) -> None:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-
-
-def _read_to_end(chunks: Iterator[bytes]) -> None:
-    """Finish the body after the exit frame so the connection can be reused.
-
-    Whatever follows the exit frame is ignored, and at most 64 KiB is read.
-    """
-    read = 0
-    with contextlib.suppress(requests.RequestException, *_LOW_LEVEL_ERRORS):
-        for chunk in chunks:
-            read += len(chunk)
-            if read > 65536:
-                return
-
-
-def _newest_seq(record: Dict[str, Any]) -> int:
-    output = record.get("output")
-    newest: Any = output.get("newest_seq") if isinstance(output, dict) else None
-    if not _is_int(newest) or newest < 0:
-        raise ProtocolError("the process record has no valid output.newest_seq")
-    return int(newest)
-
-
 def _evicted_seq(response: requests.Response) -> Optional[int]:
     """oldest_available_seq from a 410 body, when it has one."""
     try:
@@ -2009,23 +2044,72 @@ def _evicted_seq(response: requests.Response) -> Optional[int]:
     return oldest if _is_int(oldest) else None
 
 
-def execute(
-    sandbox_id: str,
-    command: Command,
-    *,
-    client: Optional[Client] = None,
-    **options: Any,
-) -> ExecResult:
-    """Client.execute() with a client built from the environment (or the one given)."""
-    if client is not None:
-        return client.execute(sandbox_id, command, **options)
-    with Client() as own:
-        return own.execute(sandbox_id, command, **options)
+# -- recover: what the process record says -------------------------------------
 
 
-def echo(stream: str, text: str) -> None:
-    """A ready `on_output`: print output live, stderr to stderr (terminals, notebooks)."""
-    print(text, end="", file=sys.stderr if stream == "stderr" else sys.stdout, flush=True)
+def _newest_seq(record: Dict[str, Any]) -> int:
+    output = record.get("output")
+    newest: Any = output.get("newest_seq") if isinstance(output, dict) else None
+    if not _is_int(newest) or newest < 0:
+        raise ProtocolError("the process record has no valid output.newest_seq")
+    return int(newest)
+
+
+# -- contain: terminate the remote tree, confirmed -----------------------------
+
+
+def _terminate(transport: _Transport, sandbox_id: str, process_id: str) -> None:
+    """DELETE the tree with a grace period and a fresh deadline.
+
+    Raises CleanupError unless the answer is 404 (gone) or `tree_exited: true`.
+    """
+    grace = min(_TERMINATE_GRACE, transport.cleanup_timeout / 2)
+    try:
+        response = transport.call(
+            "DELETE",
+            _sandbox_path(sandbox_id, f"/processes/{process_id}"),
+            operation="process cleanup",
+            deadline=time.monotonic() + transport.cleanup_timeout,
+            process_id=process_id,
+            read_timeout=grace + transport.request_timeout,
+            params={"grace_ms": int(grace * 1000)},
+            ok_statuses=(404,),
+        )
+        if response.status_code == 404:
+            response.close()
+            return
+        record = _jsend_data(response, "process cleanup")
+    except CreateOSError as exc:
+        logger.warning("Termination of %s failed", process_id)
+        raise CleanupError(process_id=process_id) from exc
+    if not isinstance(record, dict) or record.get("tree_exited") is not True:
+        logger.warning("Termination of %s is unconfirmed", process_id)
+        raise CleanupError(process_id=process_id)
+
+
+class _Termination:
+    """_terminate in a thread of its own, so that the grace period's output can be read."""
+
+    def __init__(self, transport: _Transport, sandbox_id: str, process_id: str) -> None:
+        self._failure: Optional[BaseException] = None
+        self._thread = threading.Thread(
+            target=self._run, args=(transport, sandbox_id, process_id), name="createos_exec-cleanup"
+        )
+        self._thread.daemon = True
+        self._thread.start()
+
+    def _run(self, transport: _Transport, sandbox_id: str, process_id: str) -> None:
+        try:
+            _terminate(transport, sandbox_id, process_id)
+        except BaseException as exc:  # handed over by wait()
+            self._failure = exc
+
+    def wait(self) -> Optional[CleanupError]:
+        """The CleanupError when termination is unconfirmed, None once it is."""
+        self._thread.join()
+        if self._failure is not None and not isinstance(self._failure, CleanupError):
+            raise self._failure  # not a cleanup failure: a fault of this module
+        return self._failure
 
 
 # --------------------------------------------------------------------------

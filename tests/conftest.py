@@ -66,17 +66,27 @@ def client(server):
 
 def frames(block):
     """The JSON values of a block of complete lines, decoded as the reader does."""
-    return cx._frames(block, cx._utf8_text(block))
+    return cx._frames(block, utf8_text(block))
 
 
-def run_with_deliveries(encoding="utf-8", errors="replace"):
-    """A `_Run` to hand blocks to, and the (stream, text) pairs it delivers."""
+def utf8_text(block):
+    """`block` decoded as the reader decodes it, or None when it is not UTF-8."""
+    try:
+        return block.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def reader_with_deliveries(encoding="utf-8", errors="replace"):
+    """A `_Reader` to hand blocks to, and the (stream, text) pairs it delivers."""
     delivered = []
-    options = cx._options(
-        None, lambda *args: delivered.append(args), False, 100, encoding, errors, None
-    )
-    client = cx.Client("http://127.0.0.1:9", "k", rate_limit=None)  # never called
-    return cx._Run(client, "sb", "p1", options, args=[], started=0), delivered
+    output = cx._Output(encoding, errors, 100, lambda *args: delivered.append(args))
+    return cx._Reader(output), delivered
+
+
+def blocks(chunks, limit=cx._FRAME_LIMIT):
+    """The blocks of complete lines the reader cuts `chunks` into."""
+    return cx._Reader(cx._Output("utf-8", "replace", 0, None), limit=limit).blocks(chunks)
 
 
 def jsend_ok(data):
@@ -150,27 +160,28 @@ def figures():
 
 
 def taken(take, cursor=0):
-    """Cursor, deliveries, failure and value of take(run) on a fresh `_Run` at `cursor`."""
-    run, delivered = run_with_deliveries("latin-1", "strict")
-    run.cursor = cursor
+    """Cursor, deliveries, failure and value of take(reader) on a fresh `_Reader` at `cursor`."""
+    reader, delivered = reader_with_deliveries("latin-1", "strict")
+    reader.cursor = cursor
     try:
-        value = take(run)
+        value = take(reader)
     except cx.ProtocolError:
-        return run.cursor, delivered, True, None
-    return run.cursor, delivered, False, value
+        return reader.cursor, delivered, True, None
+    return reader.cursor, delivered, False, value
 
 
 def take_block(block):
-    return lambda run: run._take_block(block, cx._Budget(cx.RetryPolicy()))
+    return lambda reader: reader.take(block)
 
 
-def next_frame_agrees(block, cursor):
-    """Whether _take_next_frame took `block`; it must take it exactly as _take_block
-    would, or leave it untouched."""
-    cursor_after, delivered, failed, took = taken(lambda run: run._take_next_frame(block), cursor)
-    assert not failed, "it never fails: it leaves the block to _take_block"
-    if not took:
-        assert (cursor_after, delivered) == (cursor, [])
-        return False
-    assert (cursor_after, delivered, False) == taken(take_block(block), cursor)[:3]
-    return True
+def by_json(block):
+    """What the JSON route alone, json.loads of each line, does with `block`."""
+    return lambda reader: reader._take_frames(frames(block))
+
+
+def agrees_with_json(block, cursor=0):
+    """Whether the reader took `block` without failing; whatever route it took,
+    it must leave exactly the cursor, deliveries and verdict of the JSON route."""
+    fast = taken(take_block(block), cursor)
+    assert fast == taken(by_json(block), cursor)
+    return not fast[2]

@@ -34,12 +34,14 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import pytest
 import responses
 from conftest import (
+    agrees_with_json,
+    blocks,
     frames,
     jsend_ok,
-    next_frame_agrees,
     process_record,
     take_block,
     taken,
+    utf8_text,
 )
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -127,7 +129,7 @@ class Feed:
             STATS["max_pending"] = max(STATS["max_pending"], pending)
 
     def blocks(self) -> Iterator[bytes]:
-        for block in cx._blocks(self._pull(), self.limit):
+        for block in blocks(self._pull(), self.limit):
             assert block.endswith(b"\n")
             self.emitted += len(block)
             yield block
@@ -160,8 +162,8 @@ def read(feed: Feed) -> Decoded:
         decoded.frames.append(frame)
         kind = cx._frame_type(frame)
         if kind == "data":
-            _, stream, payload = cx._data_frame(frame)
-            decoded.output.feed(stream, payload)
+            _, stream, text = cx._data_frame(frame)
+            decoded.output.feed(stream, cx._base64(text))
         elif kind == "exit":
             decoded.status = cx._exit_status(frame)
             break  # the reader stops at the exit frame
@@ -454,10 +456,15 @@ def test_corrupted_ndjson_fails_closed(valid, fields, edits, sizes):
 @pytest.mark.timeout(60)
 @settings(FUZZ, max_examples=300)
 @given(text=st.text(alphabet="AQgw/+=9aZ_-\n ", max_size=13) | JSON)
-def test_strict_base64_accepts_only_canonical_text(text):
+def test_base64_accepts_only_canonical_text(text):
     STATS["examples"] += 1
+    if not isinstance(text, str):  # _data_frame lets only strings through
+        frame = {"type": "data", "seq": 1, "stream": "stdout", "data_base64": text}
+        with pytest.raises(cx.ProtocolError):
+            cx._data_frame(frame)
+        return
     try:
-        payload = cx._strict_base64(text)
+        payload = cx._base64(text)
     except cx.ProtocolError:
         return
     assert base64.b64encode(payload).decode("ascii") == text
@@ -564,20 +571,30 @@ PLAIN_LINES = st.lists(
 @settings(FUZZ, max_examples=400)
 @given(lines=PLAIN_LINES)
 def test_plain_data_lines_are_read_exactly_as_json(lines):
-    """The pattern for the service's own data lines may only take lines whose
-    JSON value is exactly what its groups say, and must take all of a block
-    or none of it."""
+    """The pattern for lines in the service's own form may only take lines whose
+    JSON value is exactly what its groups say; a block it takes whole must be
+    read exactly as the JSON route reads it."""
     STATS["examples"] += 1
-    text = cx._utf8_text(b"".join(line + b"\n" for line in lines))
-    plain = None if text is None else cx._plain_data(text)
-    if plain is None:
-        return
-    assert len(plain) == len(lines)
-    for line, (seq, stream, data) in zip(lines, plain):
-        value = json.loads(line)
-        assert value == {"type": "data", "seq": int(seq), "stream": stream, "data_base64": data}
-        assert type(value["seq"]) is int and list(value) == ["type", "seq", "stream", "data_base64"]
-        assert int(seq) >= 1 and stream in cx._STREAMS  # what _data_frame checks
+    block = b"".join(line + b"\n" for line in lines)
+    text = utf8_text(block)
+    found = None if text is None else cx._service_lines(text)
+    if found is not None:
+        assert len(found) == len(lines)
+        for line, (seq, stream, data) in zip(lines, found):
+            value = json.loads(line)
+            if not seq:
+                assert value == {"type": "heartbeat"} and list(value) == ["type"]
+                continue
+            assert value == {"type": "data", "seq": int(seq), "stream": stream, "data_base64": data}
+            assert type(value["seq"]) is int and list(value) == [
+                "type",
+                "seq",
+                "stream",
+                "data_base64",
+            ]
+            assert int(seq) >= 1 and stream in cx._STREAMS  # what _data_frame checks
+    for cursor in (0, 1):
+        agrees_with_json(block, cursor)
 
 
 LONG = base64.b64encode(bytes(range(256)) * 2 + b"tail").decode()  # 692 characters, "=" at the end
@@ -608,13 +625,14 @@ def test_a_long_data_line_is_read_exactly_as_json(field, data, choice):
         fields[field] = PLAIN_VARIANTS[field][choice % len(PLAIN_VARIANTS[field])]
     line = '%(head)s{"type":"data","seq":%(seq)s,"stream":%(stream)s,"data_base64":%(data)s'
     text = line % fields + fields["tail"] + "\n"
-    taken = cx._long_data_line(text)
-    if taken is None:
-        assert fields != dict(PLAIN, data='"%s"' % LONG)  # the service's own form is taken
-        return
-    value = json.loads(text)
-    assert list(value) == ["type", "seq", "stream", "data_base64"] and value["type"] == "data"
-    assert taken == cx._data_frame(value)
+    own = fields == dict(PLAIN, data='"%s"' % LONG)
+    line = cx._service_lines(text)
+    assert line is not None or not own  # the service's own form is taken without JSON
+    if line is not None:
+        value = json.loads(text)
+        assert list(value) == ["type", "seq", "stream", "data_base64"] and value["type"] == "data"
+        assert line == [(str(value["seq"]), value["stream"], value["data_base64"])]
+    agrees_with_json(text.encode("utf-8", "surrogateescape"), 6)
 
 
 @st.composite
@@ -634,11 +652,11 @@ def base64_texts(draw: Any) -> str:
 
 
 def frame_by_frame(texts: List[str]) -> Tuple[bytes, bool]:
-    """The payload _strict_base64 accepts of `texts`, one at a time, and whether one failed."""
+    """The payload _base64 accepts of `texts`, one at a time, and whether one failed."""
     payload = b""
     for text in texts:
         try:
-            payload += cx._strict_base64(text)
+            payload += cx._base64(text)
         except cx.ProtocolError:
             return payload, True
     return payload, False
@@ -658,7 +676,7 @@ def as_one_block(texts: List[str]) -> Tuple[bytes, bool]:
 @example(texts=["QUI=", "QUJDA==", "QQ=="])  # in the pattern, but not whole quanta
 def test_a_run_of_data_lines_decodes_exactly_as_frame_by_frame(texts):
     """A block of data lines that simply continue one stream is decoded in one
-    pass; it must accept and decode exactly what _strict_base64 does frame by
+    pass; it must accept and decode exactly what _base64 does frame by
     frame, up to the first bad frame."""
     STATS["examples"] += 1
     assert as_one_block(texts) == frame_by_frame(texts)
@@ -685,14 +703,14 @@ OWN_LINE = b'{"type":"data","seq":7,"stream":"stdout","data_base64":"aGk="}'  # 
 )
 @example(line=OWN_LINE.replace(b"stdout", b"stderr"), data=None, cursor=6)
 @example(line=OWN_LINE, data="QQ==QQ==", cursor=6)  # whole quanta, padding inside
-def test_a_block_of_one_data_line_is_taken_exactly_as_a_block(line, data, cursor):
-    """The usual block, one data line, skips the block machinery when it is the
-    next frame; it must change exactly what _take_block would, or nothing."""
+def test_a_block_of_one_data_line_is_read_exactly_as_json(line, data, cursor):
+    """The usual block, one data line, is taken by the pattern when it is in the
+    service's form; it must change exactly what the JSON route would."""
     STATS["examples"] += 1
     own = line == OWN_LINE and (data is None or frame_by_frame([data])[1] is False)
     if data is not None:
         line = line.replace(b"aGk=", data.encode())
-    took = next_frame_agrees(line + b"\n", cursor)
+    took = agrees_with_json(line + b"\n", cursor)
     if own and cursor == 6:
         assert took, "the service's own form of the next frame is taken"
 
@@ -730,7 +748,7 @@ def test_an_endless_line_fails_before_more_than_the_limit_is_buffered(size, befo
     stream = Endless(prefix, size, fill)
     seen = []
     with pytest.raises(cx.ProtocolError):
-        for block in cx._blocks(stream):
+        for block in blocks(stream):
             seen.extend(block.split(b"\n")[:-1])
     assert seen == before
     # Everything pulled beyond the good lines is the bad line: at most the

@@ -105,12 +105,13 @@ def test_exit_status_recovered_by_wait_when_the_stream_cannot_deliver_it(client,
     assert len(server.requests_to("wait")) >= 1
 
 
-def test_missing_output_gets_one_replay_window(client, server):
+def test_missing_output_is_replayed_and_the_wait_record_is_the_status(client, server):
     server.drop_stream(after_frames=1)
     server.fail("connect", 503, count=5)  # attempts 2-6 fail: the budget of 6 is spent
     result = client.execute(SANDBOX, "echo a; sleep 0.2; echo b; exit 2", shell=True)
     assert result.stdout == "a\nb\n" and result.exit_code == 2
-    assert not result.exit_recovered  # the replay window delivered the exit frame
+    # The record's status holds as soon as the replay reached its newest seq.
+    assert result.exit_recovered
     assert connects(server) == 7
 
 
@@ -131,12 +132,15 @@ def test_stream_ended_error_only_after_budget_and_recovery_both_fail(client, ser
     assert server.wait_tree_gone(error.process_id)
 
 
-def test_stream_ended_error_when_the_replay_window_fails_too(client, server):
+def test_output_incomplete_when_the_replay_window_fails_too(client, server):
     server.drop_stream(after_frames=0)
     server.fail("connect", 503, count=5)
-    server.drop_stream(after_frames=0)  # the replay window breaks as well
-    with pytest.raises(cx.StreamEndedError):
-        client.execute(SANDBOX, "echo lost", shell=True)
+    # The replay window has a budget of its own, and spends it as well.
+    server.fail("connect", 503, count=FAST_RETRY.max_attempts)
+    with pytest.raises(cx.OutputIncompleteError) as caught:
+        client.execute(SANDBOX, "echo lost; exit 3", shell=True)
+    assert isinstance(caught.value, cx.StreamEndedError)  # what older handlers catch
+    assert caught.value.result.exit_code == 3 and caught.value.result.stdout == ""
 
 
 def test_exit_frame_without_status_is_checked_against_wait(client, server):

@@ -29,7 +29,14 @@ from typing import Any, Dict, List, Optional, Tuple
 import pytest
 import requests
 import responses
-from conftest import frames, jsend_ok, next_frame_agrees, process_record, run_with_deliveries
+from conftest import (
+    agrees_with_json,
+    blocks,
+    frames,
+    jsend_ok,
+    process_record,
+    reader_with_deliveries,
+)
 
 import createos_exec as cx
 
@@ -1225,17 +1232,26 @@ def test_recovery_replays_missing_output_once(rsps: responses.RequestsMock) -> N
     assert [query(c)["after"] for c in calls(rsps, "GET", CONNECT)] == ["0", "1", "1"]
 
 
-def test_recovery_replay_still_incomplete_is_stream_ended(rsps: responses.RequestsMock) -> None:
+def test_recovery_replay_still_incomplete_is_output_incomplete(
+    rsps: responses.RequestsMock,
+) -> None:
     add_created(rsps)
     add_connect(rsps, nd(data(1, "stdout", b"a")))
-    rsps.add(responses.GET, WAIT, json=ok(exited(2, exit_code=0)))
+    rsps.add(responses.GET, WAIT, json=ok(exited(2, exit_code=7)))
     add_deleted(rsps)
-    with pytest.raises(cx.StreamEndedError) as info:
+    with pytest.raises(cx.OutputIncompleteError) as info:
         make_client().execute(SB, ["true"])
-    assert str(info.value) == "CreateOS process stream ended without an exit status."
-    assert isinstance(info.value, cx.TransportError)
-    assert info.value.result is not None and info.value.result.stdout == "a"
-    assert len(calls(rsps, "GET", CONNECT)) == FAST.max_attempts + 1
+    assert str(info.value) == (
+        "The command ended with a known exit status, but its output could not be "
+        "read in full from CreateOS."
+    )
+    assert isinstance(info.value, cx.StreamEndedError)
+    result = info.value.result
+    assert result is not None and result.stdout == "a"
+    assert result.exit_code == 7 and result.exit_recovered
+    # The live stream's budget, then the replay window's own.
+    assert len(calls(rsps, "GET", CONNECT)) == 2 * FAST.max_attempts
+    assert len(calls(rsps, "GET", WAIT)) == 1
     assert_deleted_once(rsps)
 
 
@@ -1436,6 +1452,7 @@ def _error_samples() -> List[BaseException]:
         cx.APIError(404, "process creation", process_id=PID),
         cx.TransportError("output connection", process_id=PID),
         cx.StreamEndedError(process_id=PID),
+        cx.OutputIncompleteError(process_id=PID, result=_sample_result()),
         cx.ProtocolError("a thing is wrong", process_id=PID),
         cx.OutputEvictedError(5, process_id=PID),
         cx.CleanupError(process_id=PID),
@@ -1677,32 +1694,32 @@ def test_capture_other_encoding_and_strict_errors() -> None:
 def test_blocks_split_only_on_newline_and_come_as_soon_as_complete() -> None:
     sep = "\u2028".encode("utf-8")
     chunks = [b'{"a":"x' + sep[:1], sep[1:] + b'y"}\n{"b":', b"1}\r\n", b"\n", b"last\nnext\n"]
-    blocks = list(cx._blocks(chunks))
-    assert blocks == [b'{"a":"x' + sep + b'y"}\n', b'{"b":1}\r\n', b"\n", b"last\nnext\n"]
-    assert json.loads(blocks[0]) == {"a": "x\u2028y"}
+    cut = list(blocks(chunks))
+    assert cut == [b'{"a":"x' + sep + b'y"}\n', b'{"b":1}\r\n', b"\n", b"last\nnext\n"]
+    assert json.loads(cut[0]) == {"a": "x\u2028y"}
 
 
 def test_blocks_unterminated_last_line_is_retryable() -> None:
     with pytest.raises(cx._Retryable):
-        list(cx._blocks([b"done\n", b'{"type":"exit"']))
-    assert list(cx._blocks([])) == []
-    assert list(cx._blocks([b"a\n", b""])) == [b"a\n"]
+        list(blocks([b"done\n", b'{"type":"exit"']))
+    assert list(blocks([])) == []
+    assert list(blocks([b"a\n", b""])) == [b"a\n"]
 
 
 def test_blocks_length_limit() -> None:
-    assert list(cx._blocks([b"x" * 10 + b"\n"], limit=10)) == [b"x" * 10 + b"\n"]
+    assert list(blocks([b"x" * 10 + b"\n"], limit=10)) == [b"x" * 10 + b"\n"]
     with pytest.raises(cx.ProtocolError):
-        list(cx._blocks([b"x" * 11 + b"\n"], limit=10))
+        list(blocks([b"x" * 11 + b"\n"], limit=10))
     with pytest.raises(cx.ProtocolError):
-        list(cx._blocks([b"x" * 6, b"x" * 5 + b"\n"], limit=10))
+        list(blocks([b"x" * 6, b"x" * 5 + b"\n"], limit=10))
     with pytest.raises(cx.ProtocolError):
-        list(cx._blocks([b"x" * 6, b"x" * 6], limit=10))  # fails before EOF
+        list(blocks([b"x" * 6, b"x" * 6], limit=10))  # fails before EOF
 
 
 def test_blocks_hand_out_the_lines_before_one_that_is_too_long() -> None:
     seen = []
     with pytest.raises(cx.ProtocolError):
-        for block in cx._blocks([b"ok\nfine\n" + b"x" * 11 + b"\nnever\n"], limit=10):
+        for block in blocks([b"ok\nfine\n" + b"x" * 11 + b"\nnever\n"], limit=10):
             seen.append(block)
     assert seen == [b"ok\nfine\n"]
 
@@ -1717,7 +1734,7 @@ def test_blocks_fail_before_buffering_an_endless_line() -> None:
             yield chunk
 
     with pytest.raises(cx.ProtocolError):
-        list(cx._blocks(endless()))
+        list(blocks(endless()))
     assert consumed <= 1025  # bounded by 1 MiB, not by the stream
 
 
@@ -1766,8 +1783,8 @@ def test_frames_hand_out_the_good_lines_then_fail_on_the_bad_one(bad: bytes) -> 
         ("+/+/", b"\xfb\xff\xbf"),
     ],
 )
-def test_strict_base64_accepts_canonical(text: str, expected: bytes) -> None:
-    assert cx._strict_base64(text) == expected
+def test_base64_accepts_canonical(text: str, expected: bytes) -> None:
+    assert cx._base64(text) == expected
 
 
 @pytest.mark.parametrize(
@@ -1786,26 +1803,23 @@ def test_strict_base64_accepts_canonical(text: str, expected: bytes) -> None:
         "aGVsbG8",
         "AAAA====",
         "QQ==\x00",
-        None,
-        5,
-        b"QQ==",
     ],
 )
-def test_strict_base64_rejects(text: Any) -> None:
+def test_base64_rejects(text: Any) -> None:
     with pytest.raises(cx.ProtocolError):
-        cx._strict_base64(text)
+        cx._base64(text)
 
 
-def test_strict_base64_round_trips_every_length() -> None:
+def test_base64_round_trips_every_length() -> None:
     rng = random.Random(1)
     for n in range(0, 40):
         raw = bytes(rng.randrange(256) for _ in range(n))
-        assert cx._strict_base64(base64.b64encode(raw).decode()) == raw
+        assert cx._base64(base64.b64encode(raw).decode()) == raw
 
 
 def strict_accepts(text: str) -> bool:
     try:
-        cx._strict_base64(text)
+        cx._base64(text)
     except cx.ProtocolError:
         return False
     return True
@@ -1818,7 +1832,7 @@ ONE_LINE = '{"type":"data","seq":1,"stream":"stdout","data_base64":"%s"}\n'
 def test_one_data_line_takes_only_canonical_last_characters(last: str) -> None:
     """Every character before one and two "=": taken exactly when strict decoding accepts."""
     for padded in ("QUJDQ%s==" % last, "QU%s=" % last):
-        took = next_frame_agrees((ONE_LINE % padded).encode(), 0)
+        took = agrees_with_json((ONE_LINE % padded).encode(), 0)
         assert took == strict_accepts(padded)
 
 
@@ -1827,11 +1841,17 @@ def test_one_data_line_takes_only_canonical_last_characters(last: str) -> None:
     ["", "aGk=", "QQ==QQ==", "aGk=    ", "aGk=\t\t\t\t", "a\\/k=", "aGk\\u003d", "=aGk",
      "aG==", "A===", "aGk==", "aGk=aGk=", "aGké", "aGk=\\", "QUJD\nQUJD"],
 )  # fmt: skip
-def test_one_data_line_leaves_all_but_strict_base64_to_the_block_path(data: str) -> None:
-    """Whitespace, escapes, misplaced padding: on any Python, the one-line path
-    takes only what strict decoding accepts, and then exactly as _take_block."""
+def test_one_data_line_is_read_exactly_as_json(data: str) -> None:
+    """Whitespace, escapes, misplaced padding: on any Python, the reader takes
+    one data line exactly as the JSON route does (json.loads, then _base64)."""
     block = (ONE_LINE % data).encode("utf-8")
-    assert next_frame_agrees(block, 0) == strict_accepts(data)
+    try:
+        value = json.loads(block)
+    except ValueError:
+        expected = False
+    else:
+        expected = strict_accepts(value["data_base64"])
+    assert agrees_with_json(block, 0) == expected
 
 
 @pytest.mark.parametrize(
@@ -1938,11 +1958,10 @@ def test_line_value_parsing() -> None:
     "value", [None, 1, "x", [], ["data"], {}, {"type": None}, {"type": 1}, float("nan")]
 )
 def test_a_frame_is_an_object_with_a_string_type(value: Any) -> None:
-    options = cx._options(None, None, False, 100, "utf-8", "replace", None)
-    run = cx._Run(make_client(), SB, PID, options, args=[], started=0)
+    reader, _ = reader_with_deliveries()
     block = json.dumps(value).encode() + b"\n"
     with pytest.raises(cx.ProtocolError, match="not an object with a type"):
-        run._take_block(block, cx._Budget(cx.RetryPolicy()))
+        reader.take(block)
 
 
 def plain_line(seq: int, text: str, stream: str = "stdout", data: Optional[str] = None) -> bytes:
@@ -1952,37 +1971,36 @@ def plain_line(seq: int, text: str, stream: str = "stdout", data: Optional[str] 
 
 
 def test_a_block_of_data_is_delivered_once_per_run_of_one_stream() -> None:
-    run, delivered = run_with_deliveries()
+    reader, delivered = reader_with_deliveries()
     block = b"".join(
         [plain_line(1, "a"), plain_line(2, "b"), plain_line(3, "E", "stderr"), plain_line(4, "c")]
     )
-    run._take_block(block + plain_line(5, "d"), cx._Budget(cx.RetryPolicy()))
+    reader.take(block + plain_line(5, "d"))
     assert delivered == [("stdout", "ab"), ("stderr", "E"), ("stdout", "cd")]
-    assert run.cursor == 5
-    run._take_block(plain_line(6, "e") + plain_line(7, "f"), cx._Budget(cx.RetryPolicy()))
-    assert delivered[-1] == ("stdout", "ef") and run.cursor == 7
+    assert reader.cursor == 5
+    reader.take(plain_line(6, "e") + plain_line(7, "f"))
+    assert delivered[-1] == ("stdout", "ef") and reader.cursor == 7
 
 
 def test_a_replayed_block_adds_only_what_is_new() -> None:
-    run, delivered = run_with_deliveries()
-    budget = cx._Budget(cx.RetryPolicy())
-    run._take_block(plain_line(1, "a") + plain_line(2, "b"), budget)
-    run._take_block(plain_line(1, "a") + plain_line(2, "b") + plain_line(3, "c"), budget)
-    assert delivered == [("stdout", "ab"), ("stdout", "c")] and run.cursor == 3
+    reader, delivered = reader_with_deliveries()
+    reader.take(plain_line(1, "a") + plain_line(2, "b"))
+    reader.take(plain_line(1, "a") + plain_line(2, "b") + plain_line(3, "c"))
+    assert delivered == [("stdout", "ab"), ("stdout", "c")] and reader.cursor == 3
     with pytest.raises(cx.ProtocolError, match="jumped from 4 to 6"):
-        run._take_block(plain_line(4, "d") + plain_line(6, "f") + plain_line(7, "g"), budget)
-    assert delivered[-1] == ("stdout", "d") and run.cursor == 4
+        reader.take(plain_line(4, "d") + plain_line(6, "f") + plain_line(7, "g"))
+    assert delivered[-1] == ("stdout", "d") and reader.cursor == 4
 
 
 # "QR==" and "AAAA====" are not in the data-line pattern; the others are,
 # but are not whole quanta of base64.
 @pytest.mark.parametrize("bad", ["QR==", "AAAA====", "QQ", "QUJDA==", "QUJDQ=", "QUJDQUI"])
 def test_a_bad_frame_in_a_block_fails_after_the_good_ones_are_delivered(bad: str) -> None:
-    run, delivered = run_with_deliveries()
+    reader, delivered = reader_with_deliveries()
     block = plain_line(1, "a") + plain_line(2, "b") + plain_line(3, "", data=bad)
     with pytest.raises(cx.ProtocolError):
-        run._take_block(block + plain_line(4, "d"), cx._Budget(cx.RetryPolicy()))
-    assert delivered == [("stdout", "ab")] and run.cursor == 2
+        reader.take(block + plain_line(4, "d"))
+    assert delivered == [("stdout", "ab")] and reader.cursor == 2
 
 
 def test_budget_counts_attempts_and_resets_on_progress() -> None:
