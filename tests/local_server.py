@@ -67,6 +67,7 @@ JSON_BODY_LIMIT = 256 * 1024  # the API's request limit (protocol §5.5, §8)
 FILE_BODY_LIMIT = 64 * 1024 * 1024
 POLL_INTERVAL = 0.02  # seconds between /proc scans while waiting for a tree
 KILL_TIMEOUT = 10.0  # seconds a SIGKILLed group gets to disappear
+WAIT_DEFAULT_MS = 30000  # a wait long-poll that names no timeout_ms
 STOLEN_LOCATION = "http://127.0.0.2:1/stolen"
 
 # The two readings of protocol §11 (see LocalServer's docstring).
@@ -1444,7 +1445,8 @@ class LocalServer:
 
     def _ep_connect(self, req: _Handler, sandbox_id: str, process_id: str) -> None:
         proc = self._process(sandbox_id, process_id)
-        after = uint_param(req.query, "after")
+        # The vendor CLI leaves `after` out when it is 0: the service defaults it.
+        after = uint_param(req.query, "after", 0)
         with proc.cond:
             evicted_through = proc.evicted_through
         if self._take_fault("connect", ("replay",)) is not None:
@@ -1482,11 +1484,17 @@ class LocalServer:
         return {"ok": True}
 
     def _ep_wait(self, req: _Handler, sandbox_id: str, process_id: str) -> dict[str, Any]:
+        """Long-poll for the exit of the leader or of the whole tree.
+
+        SDKs that send neither parameter (PY's ``wait(pid)``, Java, Rust) or an
+        empty scope (Go's zero value) get the defaults: scope ``leader`` and
+        a ``WAIT_DEFAULT_MS`` (30 000 ms) long-poll, the duration clients use.
+        """
         proc = self._process(sandbox_id, process_id)
-        scope = req.query.get("scope")
+        scope = req.query.get("scope") or "leader"
         if scope not in ("leader", "tree"):
             raise ApiError(400, {"scope": "must be leader or tree"})
-        timeout = uint_param(req.query, "timeout_ms", 30000) / 1000.0
+        timeout = uint_param(req.query, "timeout_ms", WAIT_DEFAULT_MS) / 1000.0
         if self.reading == ALTERNATIVE:
             timeout = min(timeout, ALT_WAIT_CAP)
         condition = proc.leader_exited if scope == "leader" else proc.tree_exited

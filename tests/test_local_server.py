@@ -21,6 +21,7 @@ import requests
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import local_server  # noqa: E402
 from local_server import LocalServer  # noqa: E402
 
 PROCESS_ID = re.compile(r"proc_[A-Za-z0-9_-]{22}")
@@ -266,7 +267,18 @@ def test_after_replays_only_newer_frames(server, api):
     for bad in ("-1", "x", "1.5", ""):
         response = api.request("GET", "/processes/%s/connect" % process_id, params={"after": bad})
         assert response.status_code == 400, bad
-    assert api.request("GET", "/processes/%s/connect" % process_id).status_code == 400
+
+
+def test_connect_without_after_serves_from_the_start(server, api):
+    process_id = api.sh("printf 1; sleep 0.3; printf 2")
+    live = api.request("GET", "/processes/%s/connect" % process_id, stream=True)
+    assert live.status_code == 200
+    frames = read_frames(live)  # attached while running: replay, then live frames
+    assert payloads(frames) == [(1, "stdout", b"1"), (2, "stdout", b"2")]
+    assert frames[-1] == {"type": "exit", "exit_code": 0}
+    finished = api.request("GET", "/processes/%s/connect" % process_id, stream=True)
+    assert read_frames(finished) == frames  # after exit: the whole journal again
+    assert [r.query for r in server.requests_to("connect")] == [{}, {}]
 
 
 def test_several_readers_see_the_same_live_output(server, api):
@@ -323,9 +335,28 @@ def test_wait_for_leader_and_for_tree(server, api):
     assert server.tree_alive(process_id)
     assert api.wait(process_id, scope="tree")["tree_exited"] is True
     assert not server.tree_alive(process_id)
-    for params in ({}, {"scope": "all"}, {"scope": "tree", "timeout_ms": "soon"}):
+    for params in ({"scope": "all"}, {"scope": "tree", "timeout_ms": "soon"}):
         response = api.request("GET", "/processes/%s/wait" % process_id, params=params)
         assert response.status_code == 400, params
+
+
+def test_wait_without_scope_waits_for_the_leader(server, api):
+    process_id = api.sh("sleep 0.2; sleep 1 >/dev/null 2>&1 & exit 0")
+    for params in ({}, {"scope": ""}):  # left out (PY, Java, Rust) or empty (Go)
+        response = api.request("GET", "/processes/%s/wait" % process_id, params=params)
+        assert response.status_code == 200, params
+        record = response.json()["data"]
+        assert record["leader_exited"] is True and record["tree_exited"] is False
+    assert server.wait_tree_gone(process_id)
+
+
+def test_wait_without_timeout_is_a_bounded_long_poll(server, api, monkeypatch):
+    monkeypatch.setattr(local_server, "WAIT_DEFAULT_MS", 300)  # instead of 30 000
+    process_id = api.create("sleep", "100")
+    started = time.monotonic()
+    response = api.request("GET", "/processes/%s/wait" % process_id)
+    assert response.status_code == 408 and response.json()["status"] == "fail"
+    assert 0.3 <= time.monotonic() - started < 5
 
 
 def test_delete_kills_a_tree_that_ignores_sigterm(server, api):
