@@ -513,9 +513,14 @@ class Process:
                 pass
 
     def send_signal(self, signum: int) -> None:
+        """Signal the process group, as the vendor CLI documents for pipe
+        processes (the alternative reading: the leader alone)."""
         with self.cond:
             if self.returncode is None:
-                os.kill(self.pid, signum)
+                if self.alternative:
+                    os.kill(self.pid, signum)
+                else:  # the leader is not reaped yet: its group exists
+                    os.killpg(self.pid, signum)
             elif not self.alternative:
                 raise ApiError(409, {"process": "the leader has already exited"})
 
@@ -1065,6 +1070,8 @@ class LocalServer:
       (§11.12) (``processes()`` and ``process()`` still show it to tests);
     - ``stdin/close`` is idempotent (200 when already closed or after exit)
       and ``signal`` after the leader exited is a 200 no-op (§11.10);
+    - ``signal`` reaches the **leader alone**, not its process group: a
+      background child that the leader started survives a SIGTERM (§11.10);
     - a file upload does **not create missing parent directories** (404)
       (§11.16).
     """

@@ -47,7 +47,7 @@ class Api:
         response = self.request(
             "POST", "/processes", json=dict(spec, cmd=argv[0], args=list(argv[1:]))
         )
-        assert response.status_code == 200, response.text
+        assert response.status_code in (200, 201), response.text  # 201: alternative reading
         return response.json()["data"]["process_id"]
 
     def sh(self, script: str) -> str:
@@ -421,7 +421,7 @@ def test_input_is_refused_after_exit_and_when_too_big(server, api):
     assert late.status_code == 409
 
 
-def test_signal_is_delivered_to_the_leader(server, api):
+def test_signal_is_delivered(server, api):
     process_id = api.create("sleep", "100")
     path = "/processes/%s/signal" % process_id
     for name in ("SIGSTOP", "TERM", None):
@@ -430,6 +430,52 @@ def test_signal_is_delivered_to_the_leader(server, api):
     assert ok.json() == {"status": "success", "data": {"ok": True}}
     assert api.wait(process_id, scope="leader")["signal"] == "SIGUSR1"
     assert api.request("POST", path, json={"signal": "SIGTERM"}).status_code == 409
+
+
+CHILD_IN_BACKGROUND = "sleep 100 & echo $!; wait"  # prints the background child's pid
+
+
+def started_with_child(api: Api) -> tuple:
+    """(process id, pid of its background child) of CHILD_IN_BACKGROUND, once started."""
+    process_id = api.sh(CHILD_IN_BACKGROUND)
+    response = api.connect(process_id)
+    for chunk in response.raw.read_chunked(decode_content=False):
+        frame = json.loads(chunk)
+        if frame["type"] == "data":  # not the alternative reading's first heartbeat
+            response.close()
+            return process_id, int(base64.b64decode(frame["data_base64"]))
+    raise AssertionError("the process printed nothing")
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as stat_file:
+            return stat_file.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except FileNotFoundError:
+        return False
+
+
+def test_signal_reaches_the_process_group(server, api):
+    process_id, child = started_with_child(api)
+    assert alive(child)
+    ok = api.request("POST", "/processes/%s/signal" % process_id, json={"signal": "SIGTERM"})
+    assert ok.status_code == 200
+    record = api.wait(process_id, scope="tree")  # the untrapped child died with its leader
+    assert (record["signal"], record["tree_exited"]) == ("SIGTERM", True)
+    assert not alive(child)
+
+
+def test_signal_reaches_the_leader_alone_under_the_alternative_reading():
+    with LocalServer(reading="alternative") as server:
+        api = Api(server)
+        process_id, child = started_with_child(api)
+        path = "/processes/%s/signal" % process_id
+        assert api.request("POST", path, json={"signal": "SIGTERM"}).status_code == 200
+        leader = api.wait(process_id, scope="leader")
+        assert (leader["exit_code"], leader["signal"]) == (-1, "terminated")
+        assert alive(child) and server.tree_alive(process_id)
+        assert api.request("DELETE", "/processes/%s" % process_id).status_code == 200
+        assert not alive(child)
 
 
 # -- files and exec ---------------------------------------------------------------

@@ -170,6 +170,43 @@ def test_signal_then_wait_for_the_tree(sdk, sandbox, server):
     assert (exit_event.exit_code, exit_event.signal) == expected
 
 
+def alive(pid):
+    """Whether a pid is a live (not zombie) process: reparented zombies may never be reaped."""
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as stat_file:
+            return stat_file.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except FileNotFoundError:
+        return False
+
+
+def test_a_sigterm_reaches_the_background_child_too(sdk, sandbox, server):
+    processes = sandbox.processes
+    process_id = processes.create(
+        sdk.ManagedProcessCreateRequest(command="sh", arguments=["-c", "sleep 30 & echo $!; wait"])
+    ).process_id
+    with processes.connect(process_id) as stream:  # the SDK's default `after`
+        child = next(
+            int(e.data) for e in stream if e.type == sdk.ManagedProcessConnectEventType.DATA
+        )
+    assert alive(child)
+
+    processes.signal(process_id, sdk.ManagedProcessSignal.TERMINATE)
+    if server.reading == "conservative":  # the process group: the child is not spared
+        record = processes.wait(
+            process_id,
+            sdk.ManagedProcessWaitOptions(scope=sdk.ManagedProcessWaitScope.TREE, wait_timeout=5.0),
+        )
+        assert record.tree_exited and record.signal == "SIGTERM"
+        assert not alive(child)
+    else:  # the leader alone: its child lives on until DELETE
+        record = processes.wait(process_id)  # the default scope is the leader
+        assert record.leader_exited and not record.tree_exited
+        assert (record.exit_code, record.signal) == (-1, "terminated")
+        assert alive(child)
+        assert processes.delete(process_id).tree_exited
+        assert not alive(child)
+
+
 def test_delete_terminates_the_tree_with_sigterm_first(sdk, sandbox, server):
     processes = sandbox.processes
     script = 'trap "echo bye; exit 3" TERM; echo ready; while :; do sleep 0.05; done'
