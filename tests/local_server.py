@@ -903,6 +903,24 @@ def environment_of(spec: dict[str, Any], sandbox: Sandbox) -> dict[str, str]:
     return merged
 
 
+def raise_expired(reading: str, oldest_available_seq: int, finished: bool) -> None:
+    """The 410 of a connect whose reader's next frame is gone, if this reading sends one.
+
+    The conservative reading always answers 410, naming the restart point.
+    The alternative reading answers 410 only once the output is final (the
+    exit frame is due), with a plain string that names no seq, as the vendor
+    CLI's reading of it suggests (it takes the restart point from GET); while
+    output is still produced it starts the stream and sends the
+    output_offset_expired frame instead.
+    """
+    if reading == CONSERVATIVE:
+        raise ApiError(
+            410, {"error": "output_offset_expired", "oldest_available_seq": oldest_available_seq}
+        )
+    if finished:
+        raise ApiError(410, "output offset expired")
+
+
 def start_error(exc: BaseException) -> ApiError:
     reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
     return ApiError(400, {"cmd": "cannot start the command: %s" % reason})
@@ -1045,11 +1063,14 @@ class LocalServer:
       seconds with nothing to send it ends cleanly without an exit frame
       (§11.2, proxy recycling);
     - **eviction** (§11.3): a connect whose ``after`` is behind the journal
-      gets a 200 stream whose first frame (after the heartbeat) is the
-      ``output_offset_expired`` error frame instead of a 410; a live reader
+      of a process still producing output gets a 200 stream whose first
+      frame (after the heartbeat) is the ``output_offset_expired`` error
+      frame instead of a 410; once the output is final (the exit frame is
+      due) it gets a **410 whose ``data`` is the plain string** ``"output
+      offset expired"``, without ``oldest_available_seq``; a live reader
       that falls behind has its connection cut without any frame, and meets
-      the error frame when it reconnects (a reader that has been sent no
-      data frame yet gets the error frame at once);
+      the error frame or the 410 when it reconnects (a reader that has been
+      sent no data frame yet gets the error frame at once);
     - the exit frame waits for the **whole tree** (process group empty), not
       only for the leader and its pipes (§11.5);
     - each output pipe's EOF is journalled as an **empty data frame**
@@ -1456,15 +1477,11 @@ class LocalServer:
         after = uint_param(req.query, "after", 0)
         with proc.cond:
             evicted_through = proc.evicted_through
+            finished = proc.output_finished
         if self._take_fault("connect", ("replay",)) is not None:
             after = evicted_through  # replay from the oldest retained frame
-        elif after < evicted_through and self.reading == CONSERVATIVE:
-            # The reader's next frame is gone. (The alternative reading starts
-            # the stream and sends the output_offset_expired frame instead.)
-            raise ApiError(
-                410,
-                {"error": "output_offset_expired", "oldest_available_seq": evicted_through + 1},
-            )
+        elif after < evicted_through:
+            raise_expired(self.reading, evicted_through + 1, finished)
         OutputStream(self, req, proc, after, self._take_fault("connect", STREAM_FAULTS)).run()
 
     def _ep_input(self, req: _Handler, sandbox_id: str, process_id: str) -> dict[str, Any]:

@@ -307,6 +307,32 @@ def test_evicted_output_answers_410(server, api):
     assert api.frames(process_id, after=3) == [{"type": "exit", "exit_code": 0}]
 
 
+def test_the_alternative_410_is_a_plain_string_once_the_output_is_final():
+    with LocalServer(reading="alternative") as server:
+        api = Api(server)
+        running = api.sh("printf 1; printf 2 >&2; sleep 100")
+        deadline = time.monotonic() + 10
+        while server.process(running)["output"]["newest_seq"] < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        server.evict(running)
+        response = api.connect(running, after=1)  # output still produced: an error frame
+        assert response.status_code == 200
+        assert read_frames(response) == [
+            {"type": "heartbeat"},
+            {"type": "error", "error": "output_offset_expired", "oldest_available_seq": 3},
+        ]
+        finished = api.sh("printf 1; printf 2 >&2")
+        api.wait(finished)
+        server.evict(finished)
+        newest = server.process(finished)["output"]["newest_seq"]  # 4: two EOF frames
+        for after in (0, newest - 1):
+            gone = api.connect(finished, after)
+            assert gone.status_code == 410
+            assert gone.json() == {"status": "fail", "data": "output offset expired"}
+        assert [f["type"] for f in api.frames(finished, after=newest)] == ["heartbeat", "exit"]
+
+
 def test_reader_behind_eviction_gets_an_error_frame():
     with LocalServer(journal_limit=64 * 1024) as server:
         api = Api(server)

@@ -235,7 +235,7 @@ def test_delete_terminates_the_tree_with_sigterm_first(sdk, sandbox, server):
         assert process_id not in [p.process_id for p in processes.list()]
 
 
-def test_eviction_is_a_410_or_an_error_event(sdk, sandbox, server):
+def test_eviction_of_finished_output_is_a_410(sdk, sandbox, server):
     processes = sandbox.processes
     process_id = processes.create(
         sdk.ManagedProcessCreateRequest(command="sh", arguments=["-c", "echo a; echo b"])
@@ -245,19 +245,39 @@ def test_eviction_is_a_410_or_an_error_event(sdk, sandbox, server):
     )
     newest = processes.get(process_id).output.newest_sequence
     server.evict(process_id)
-    options = sdk.ManagedProcessConnectOptions(after_sequence=0)
+    with pytest.raises(sdk.APIError) as caught:
+        processes.connect(process_id)  # the SDK's default `after` (0)
+    assert caught.value.status_code == 410
+    if server.reading == "conservative":  # a string map naming the restart point
+        assert "output_offset_expired" in str(caught.value)
+        assert "oldest_available_seq: %d" % (newest + 1) in str(caught.value)
+    else:  # a plain string, no restart point
+        assert "output offset expired" in str(caught.value)
+        assert "oldest_available_seq" not in str(caught.value)
+
+
+def test_eviction_of_live_output_is_a_410_or_an_error_event(sdk, sandbox, server):
+    processes = sandbox.processes
+    process_id = processes.create(
+        sdk.ManagedProcessCreateRequest(command="sh", arguments=["-c", "echo a; sleep 30"])
+    ).process_id
+    deadline = time.monotonic() + 10
+    while processes.get(process_id).output.newest_sequence < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    server.evict(process_id)
     if server.reading == "conservative":
         with pytest.raises(sdk.APIError) as caught:
-            processes.connect(process_id, options)
+            processes.connect(process_id)
         assert caught.value.status_code == 410
-        assert "output_offset_expired" in str(caught.value)
     else:
-        with processes.connect(process_id, options) as stream:
+        with processes.connect(process_id) as stream:
             events = [e for e in stream if e.type != sdk.ManagedProcessConnectEventType.HEARTBEAT]
         (error,) = events
         assert error.type == sdk.ManagedProcessConnectEventType.ERROR
         assert error.error_message == "output_offset_expired"
-        assert error.oldest_available_sequence == newest + 1
+        assert error.oldest_available_sequence == 2
+    processes.delete(process_id)
 
 
 def test_files_upload_then_download_the_same_bytes(sdk, sandbox, server, tmp_path):
@@ -342,16 +362,23 @@ def test_a_reader_left_behind_by_the_journal_gets_output_evicted(reading):
             if not seen:  # meanwhile the flood outruns the socket buffers and the journal
                 seen.append(text)
                 time.sleep(1.3)
+                (process_id,) = [p["process_id"] for p in server.processes()]
+                assert server.wait_tree_gone(process_id)  # and the output is final
 
         script = "echo first; sleep 0.3; head -c 30000000 /dev/zero"
         with make_client(server) as client, pytest.raises(cx.OutputEvictedError) as caught:
             client.execute(SANDBOX, script, shell=True, on_output=fall_behind)
         connects = [r.status for r in server.requests_to("connect")]
     assert seen == ["first\n"] and caught.value.result.stdout.startswith("first\n")
-    assert caught.value.oldest_available_seq > 2
-    # Conservative: an error frame on the live stream. Alternative: the stream
-    # is cut, and the reconnect starts with the error frame.
-    assert connects == ([200] if reading == "conservative" else [200, 200])
+    # Conservative: an error frame on the live stream, naming the restart point.
+    # Alternative: the stream is cut, and the reconnect meets a 410 whose plain
+    # string names no seq (the output is final by then).
+    if reading == "conservative":
+        assert connects == [200] and caught.value.oldest_available_seq > 2
+    else:
+        assert connects == [200, 410]
+        oldest = caught.value.oldest_available_seq
+        assert oldest is None or oldest > 2
 
 
 # -- createos_exec against a Go-style signal spelling -----------------------------------
