@@ -68,6 +68,7 @@ FILE_BODY_LIMIT = 64 * 1024 * 1024
 POLL_INTERVAL = 0.02  # seconds between /proc scans while waiting for a tree
 KILL_TIMEOUT = 10.0  # seconds a SIGKILLed group gets to disappear
 WAIT_DEFAULT_MS = 30000  # a wait long-poll that names no timeout_ms
+LIST_LIMIT_MAX = 500  # the largest page of a paginated listing (the SDKs ask for 500)
 STOLEN_LOCATION = "http://127.0.0.2:1/stolen"
 
 # The two readings of protocol §11 (see LocalServer's docstring).
@@ -866,6 +867,25 @@ def uint_param(query: dict[str, str], name: str, default: int | None = None) -> 
     return int(value)
 
 
+def page_of(items: list[Any], query: dict[str, str], default_limit: int) -> dict[str, Any]:
+    """One page of a listing in the paginated form of the vendor's other listings.
+
+    ``limit`` (default ``default_limit``, at least 1; more than
+    ``LIST_LIMIT_MAX`` is clamped to it) and ``offset`` (default 0) pick the
+    page; ``pagination`` echoes both, as used, and the ``total`` of the whole
+    listing, so a client follows pages while ``offset + len(page) < total``.
+    An offset past the end gives an empty page.
+    """
+    limit = min(uint_param(query, "limit", default_limit), LIST_LIMIT_MAX)
+    if limit < 1:
+        raise ApiError(400, {"limit": "must be at least 1"})
+    offset = uint_param(query, "offset", 0)
+    return {
+        "data": items[offset : offset + limit],
+        "pagination": {"limit": limit, "offset": offset, "total": len(items)},
+    }
+
+
 def absolute_path(query: dict[str, str]) -> str:
     path = query.get("path", "")
     if not path.startswith("/") or "\0" in path:
@@ -1094,7 +1114,14 @@ class LocalServer:
     - ``signal`` reaches the **leader alone**, not its process group: a
       background child that the leader started survives a SIGTERM (§11.10);
     - a file upload does **not create missing parent directories** (404)
-      (§11.16).
+      (§11.16);
+    - the process listing is **paginated** like the vendor's other
+      listings: ``{"data": [...], "pagination": {"limit", "offset",
+      "total"}}``, taking ``limit`` (default ``list_page_size``, at most
+      ``LIST_LIMIT_MAX``) and ``offset`` (default 0) (§5.3).
+
+    ``list_page_size`` is the default page size of that paginated listing
+    (100), small in tests so that a few processes fill several pages.
     """
 
     def __init__(
@@ -1108,10 +1135,13 @@ class LocalServer:
         frame_limit: int = FRAME_LIMIT,
         reading: str = CONSERVATIVE,
         chunked: bool = True,
+        list_page_size: int = 100,
         verbose: bool = False,
     ):
         if reading not in READINGS:
             raise ValueError("reading must be one of: %s" % ", ".join(READINGS))
+        if not 1 <= list_page_size <= LIST_LIMIT_MAX:
+            raise ValueError("list_page_size must be from 1 to %d" % LIST_LIMIT_MAX)
         if heartbeat_interval <= 0:
             raise ValueError("heartbeat_interval must be positive")
         if journal_limit < 1:
@@ -1130,6 +1160,7 @@ class LocalServer:
         # chunked=False answers `connect` as a proxy that removes the chunking
         # would: no Transfer-Encoding, the body ends when the connection closes.
         self.chunked = chunked
+        self.list_page_size = list_page_size
         self.verbose = verbose
         self.url = ""
         self.requests: list[RequestRecord] = []
@@ -1462,11 +1493,16 @@ class LocalServer:
         return proc.record()
 
     def _ep_list(self, req: _Handler, sandbox_id: str) -> dict[str, Any]:
+        """Every retained process, in creation order: unpaginated as
+        ``{"processes": [...]}`` (conservative, which ignores ``limit`` and
+        ``offset``), or one page of them (alternative, see ``page_of``)."""
         self._sandbox(sandbox_id)
         records = self.processes(sandbox_id)
-        if self.reading == ALTERNATIVE:  # deleted processes are forgotten
-            records = [r for r in records if not self._get_process(r["process_id"]).deleted]
-        return {"processes": records}
+        if self.reading == CONSERVATIVE:
+            return {"processes": records}
+        # Deleted processes are forgotten.
+        records = [r for r in records if not self._get_process(r["process_id"]).deleted]
+        return page_of(records, req.query, self.list_page_size)
 
     def _ep_get(self, req: _Handler, sandbox_id: str, process_id: str) -> dict[str, Any]:
         return self._process(sandbox_id, process_id).record()

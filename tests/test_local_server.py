@@ -221,6 +221,58 @@ def test_process_record_shape(server, api):
         server.process("proc_unknown")
 
 
+def listing(api: Api, **params) -> dict:
+    response = api.request("GET", "/processes", params=params)
+    assert response.status_code == 200, response.text
+    return response.json()["data"]
+
+
+def test_the_alternative_listing_is_paginated():
+    with LocalServer(reading="alternative", list_page_size=2) as server:
+        api = Api(server)
+        assert listing(api) == {"data": [], "pagination": {"limit": 2, "offset": 0, "total": 0}}
+        created = [api.create("sleep", "100") for _ in range(5)]
+        first = listing(api)
+        assert first["pagination"] == {"limit": 2, "offset": 0, "total": 5}
+        # Follow pages as a client does: while offset + len(page) < total.
+        seen, offset = [], 0
+        while True:
+            page = listing(api, offset=offset)
+            seen += [p["process_id"] for p in page["data"]]
+            if offset + len(page["data"]) >= page["pagination"]["total"]:
+                break
+            offset += len(page["data"])
+        assert seen == created  # creation order, each once
+        assert [r.query["offset"] for r in server.requests_to("list")[2:]] == ["0", "2", "4"]
+        assert [p["process_id"] for p in listing(api, limit=3, offset=1)["data"]] == created[1:4]
+        assert listing(api, limit=1000)["pagination"]["limit"] == 500  # clamped
+        assert listing(api, offset=9) == {
+            "data": [],
+            "pagination": {"limit": 2, "offset": 9, "total": 5},
+        }
+        for params in ({"limit": 0}, {"limit": "x"}, {"offset": -1}):
+            response = api.request("GET", "/processes", params=params)
+            assert response.status_code == 400 and response.json()["status"] == "fail", params
+        api.request("DELETE", "/processes/%s" % created[0], params={"grace_ms": 0})
+        after_delete = listing(api, limit=10)  # a deleted process is forgotten
+        assert [p["process_id"] for p in after_delete["data"]] == created[1:]
+        assert after_delete["pagination"]["total"] == 4
+    with pytest.raises(ValueError):
+        LocalServer(list_page_size=0)
+    with pytest.raises(ValueError):
+        LocalServer(list_page_size=501)
+
+
+def test_the_conservative_listing_is_not_paginated():
+    with LocalServer(list_page_size=1) as server:
+        api = Api(server)
+        created = [api.create("sleep", "100") for _ in range(3)]
+        for params in ({}, {"limit": 1, "offset": 1}):  # both ignored
+            data = listing(api, **params)
+            assert list(data) == ["processes"]
+            assert [p["process_id"] for p in data["processes"]] == created
+
+
 # -- output streams --------------------------------------------------------------
 
 

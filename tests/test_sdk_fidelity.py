@@ -81,6 +81,24 @@ def joined(events, stream):
     return b"".join(event.data for event in events if event.stream == stream)
 
 
+def listed(sdk, sandbox, server):
+    """Process ids of the listing, as the SDK reads them.
+
+    ``processes.list()`` of SDK 0.1.3 reads only the unpaginated form
+    (``data.processes``): on the alternative reading's paginated form it finds
+    nothing. That form is the one of the SDK's other listings (templates,
+    networks, disks), so the SDK's own page-following reader of those proves
+    it decodable.
+    """
+    if server.reading == "conservative":
+        return [p.process_id for p in sandbox.processes.list()]
+    assert sandbox.processes.list() == []
+    fetch_all = sdk.services._fetch_all
+    path = sandbox.processes._path()
+    pages = fetch_all(sandbox._transport, path, sdk.ManagedProcess, sdk.PaginationOptions())
+    return [p.process_id for p in pages]
+
+
 def signal_spelling(server, name, go_word):
     """(exit_code, signal) of a death by `name` as this reading spells it."""
     return (None, name) if server.reading == "conservative" else (-1, go_word)
@@ -133,7 +151,7 @@ def test_create_input_close_connect_list_get_and_wait(sdk, sandbox, server):
     tail, again = follow(sdk, sandbox, process_id, after=newest - 1)
     assert [e.sequence for e in tail] == [newest] and again.exit_code == 0
 
-    assert process_id in [p.process_id for p in processes.list()]
+    assert process_id in listed(sdk, sandbox, server)
     record = processes.get(process_id)
     assert record.process_id == process_id
     assert record.state == sdk.ManagedProcessState.EXITED
@@ -146,6 +164,17 @@ def test_create_input_close_connect_list_get_and_wait(sdk, sandbox, server):
         sdk.ManagedProcessWaitOptions(scope=sdk.ManagedProcessWaitScope.TREE, wait_timeout=5.0),
     )
     assert waited.tree_exited and waited.exit_code == 0
+
+
+def test_the_listing_holds_every_process_in_creation_order(sdk, sandbox, server, monkeypatch):
+    monkeypatch.setattr(local_server, "LIST_LIMIT_MAX", 2)  # the SDK asks for 500 a page
+    create = sdk.ManagedProcessCreateRequest(command="sleep", arguments=["30"])
+    created = [sandbox.processes.create(create).process_id for _ in range(5)]
+    assert listed(sdk, sandbox, server) == created
+    pages = [r.query for r in server.requests_to("list")]
+    if server.reading == "alternative":  # list() once, then three pages of two
+        assert [q.get("offset") for q in pages] == [None, "0", "2", "4"]
+        assert {q.get("limit") for q in pages[1:]} == {"500"}
 
 
 def test_signal_then_wait_for_the_tree(sdk, sandbox, server):
@@ -232,7 +261,7 @@ def test_delete_terminates_the_tree_with_sigterm_first(sdk, sandbox, server):
             with pytest.raises(sdk.APIError) as caught:
                 call(process_id)
             assert caught.value.status_code == 404
-        assert process_id not in [p.process_id for p in processes.list()]
+        assert process_id not in listed(sdk, sandbox, server)
 
 
 def test_eviction_of_finished_output_is_a_410(sdk, sandbox, server):
