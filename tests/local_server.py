@@ -845,6 +845,26 @@ def match_route(method: str, path: str) -> tuple[str, list[str]]:
     raise ApiError(404, {"path": "no such endpoint"})
 
 
+def check_post_framing(req: _Handler) -> None:
+    """Refuse a POST the way the vendor's control forwarder does (strict mode).
+
+    Every POST must frame its body, ``Content-Length`` (0 when there is
+    none) or chunked, else 411; and every POST must be JSON, ``Content-Type:
+    application/json`` (parameters such as ``; charset=utf-8`` allowed),
+    else 400. That holds for body-less POSTs (``stdin/close``) too: the
+    forwarder rejects POSTs whose type is not JSON, and the vendor CLI sends
+    ``application/json`` on every request. File upload is a PUT: unchecked.
+    """
+    if req.command != "POST":
+        return
+    chunked = req.headers.get("Transfer-Encoding", "").lower() == "chunked"
+    if req.headers.get("Content-Length") is None and not chunked:
+        raise ApiError(411, {"body": "Content-Length required"})
+    media_type = req.headers.get("Content-Type", "").split(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise ApiError(400, {"content_type": "must be application/json"})
+
+
 def endpoint_of(method: str, path: str) -> str | None:
     try:
         return match_route(method, path)[0]
@@ -1122,6 +1142,12 @@ class LocalServer:
 
     ``list_page_size`` is the default page size of that paginated listing
     (100), small in tests so that a few processes fill several pages.
+
+    ``strict=True`` frames POSTs as the vendor's control forwarder does
+    (either reading): 411 to a POST that names no ``Content-Length`` (and is
+    not chunked), 400 to a POST that is not ``application/json``, body-less
+    ones included (see ``check_post_framing``). It is checked after the
+    route, before the API key.
     """
 
     def __init__(
@@ -1136,6 +1162,7 @@ class LocalServer:
         reading: str = CONSERVATIVE,
         chunked: bool = True,
         list_page_size: int = 100,
+        strict: bool = False,
         verbose: bool = False,
     ):
         if reading not in READINGS:
@@ -1161,6 +1188,7 @@ class LocalServer:
         # would: no Transfer-Encoding, the body ends when the connection closes.
         self.chunked = chunked
         self.list_page_size = list_page_size
+        self.strict = strict
         self.verbose = verbose
         self.url = ""
         self.requests: list[RequestRecord] = []
@@ -1382,6 +1410,8 @@ class LocalServer:
             req.body = req.read_body(JSON_BODY_LIMIT)  # keep the connection in sync
             raise
         req.body = req.read_body(FILE_BODY_LIMIT if endpoint == "files_put" else JSON_BODY_LIMIT)
+        if self.strict:
+            check_post_framing(req)
         if endpoint == "healthz":
             req.send_json(200, envelope(200, {"up": True}))
             return
@@ -1682,6 +1712,12 @@ def main(argv: list[str] | None = None) -> int:
         help="how to answer where protocol.md §11 leaves the service open (default %s)"
         % CONSERVATIVE,
     )
+    parser.add_argument(
+        "--strict",
+        action="store_true",
+        help="answer 411 to a POST without Content-Length and 400 to a POST that is not "
+        "application/json, as the vendor's control forwarder does",
+    )
     parser.add_argument("--verbose", action="store_true", help="log requests to stderr")
     options = parser.parse_args(argv)
     try:
@@ -1691,6 +1727,7 @@ def main(argv: list[str] | None = None) -> int:
             port=options.port,
             heartbeat_interval=options.heartbeat,
             reading=options.reading,
+            strict=options.strict,
             verbose=options.verbose,
         )
     except ValueError as exc:

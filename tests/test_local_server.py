@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import contextlib
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import stat
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import requests
@@ -122,6 +124,33 @@ def raw_connect(server: LocalServer, process_id: str, after: int = 0) -> tuple:
             return head.split(b"\r\n")[0], chunks, False, rest
         chunks.append(rest[:size])
         body = rest[size + 2 :]
+
+
+def raw_request(server: LocalServer, method: str, path: str, head: str = "", body: bytes = b""):
+    """One request on a bare socket, framed exactly as given: (status, JSON body or None).
+
+    `head` holds extra header lines, each ending in CRLF; nothing is added but
+    Host, the API key and Connection: close.
+    """
+    host, port = server.url[len("http://") :].rsplit(":", 1)
+    request = "%s /v1/sandboxes/sb_local%s HTTP/1.1\r\nHost: %s\r\nX-Api-Key: %s\r\n%s" % (
+        method,
+        path,
+        host,
+        server.api_key,
+        head,
+    )
+    received = b""
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(request.encode("ascii") + b"Connection: close\r\n\r\n" + body)
+        while True:
+            part = sock.recv(65536)
+            if not part:
+                break
+            received += part
+    status_line, _, rest = received.partition(b"\r\n")
+    content = rest.partition(b"\r\n\r\n")[2]
+    return int(status_line.split()[1]), json.loads(content) if content else None
 
 
 def finished_three_frames(api: Api) -> str:
@@ -556,6 +585,58 @@ def test_signal_reaches_the_leader_alone_under_the_alternative_reading():
         assert not alive(child)
 
 
+# -- strict mode ------------------------------------------------------------------
+
+
+def test_strict_mode_wants_framed_json_posts():
+    with LocalServer(strict=True) as server:
+        api = Api(server)
+        for content_type in ("application/json", "Application/JSON; charset=utf-8"):
+            created = api.request(
+                "POST", "/processes", data=b'{"cmd": "cat"}', headers={"Content-Type": content_type}
+            )
+            assert created.status_code == 200, content_type
+            process_id = created.json()["data"]["process_id"]
+        create = json.dumps({"cmd": "true"}).encode()
+        for head in ("", "Content-Type: text/plain\r\n", "Content-Type: application/jsonx\r\n"):
+            framed = head + "Content-Length: %d\r\n" % len(create)
+            status, answer = raw_request(server, "POST", "/processes", framed, create)
+            assert (status, answer["status"]) == (400, "fail"), head
+            assert "content_type" in answer["data"]
+        chunked = "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n"
+        body = b"%X\r\n%s\r\n0\r\n\r\n" % (len(create), create)
+        assert raw_request(server, "POST", "/processes", chunked, body)[0] == 200
+        assert len(server.processes()) == 3  # the refused ones started nothing
+
+        close = "/processes/%s/stdin/close" % process_id
+        json_type = "Content-Type: application/json\r\n"
+        status, answer = raw_request(server, "POST", close, json_type)  # no Content-Length
+        assert (status, answer["status"]) == (411, "fail") and "body" in answer["data"]
+        status, _ = raw_request(server, "POST", close, "Content-Length: 0\r\n")  # not JSON
+        assert status == 400
+        assert raw_request(server, "POST", close, json_type + "Content-Length: 0\r\n")[0] == 200
+        assert [r.status for r in server.requests_to("stdin_close")] == [411, 400, 200]
+
+        upload = api.request(  # a PUT of raw bytes: unaffected
+            "PUT",
+            "/files",
+            params={"path": os.path.join(server.process(process_id)["cwd"], "f")},
+            data=b"x",
+            headers={"Content-Type": "application/octet-stream"},
+        )
+        assert upload.status_code == 200
+        assert api.request("GET", "/processes/%s" % process_id).status_code == 200
+
+
+def test_without_strict_mode_posts_need_no_framing_headers(server):
+    process_id = Api(server).create("cat")
+    close = "/processes/%s/stdin/close" % process_id
+    assert raw_request(server, "POST", close)[0] == 200  # neither Content-Length nor type
+    create = b'{"cmd": "true"}'
+    head = "Content-Type: text/plain\r\nContent-Length: %d\r\n" % len(create)
+    assert raw_request(server, "POST", "/processes", head, create)[0] == 200
+
+
 # -- files and exec ---------------------------------------------------------------
 
 
@@ -768,6 +849,37 @@ def test_cli_prints_its_url_first_and_stops_on_a_signal(signum):
             cli.wait()
         cli.stdout.close()
         cli.stderr.close()
+
+
+@contextlib.contextmanager
+def cli_server(*args: str):
+    """The command-line server started with `args`, as an Api on its sandbox."""
+    cli = subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "local_server.py"), "--port", "0", *args],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert select.select([cli.stdout], [], [], 10)[0], "no URL within 10 s"
+        url = cli.stdout.readline().decode().strip()
+        yield Api(types.SimpleNamespace(url=url, api_key="local-dev-key"))  # type: ignore[arg-type]
+    finally:
+        cli.send_signal(signal.SIGTERM)
+        try:
+            cli.wait(timeout=10)
+        finally:
+            if cli.poll() is None:
+                cli.kill()
+                cli.wait()
+            cli.stdout.close()
+
+
+def test_cli_strict_flag():
+    with cli_server("--strict") as api:
+        answer = api.request(
+            "POST", "/processes", data=b'{"cmd": "true"}', headers={"Content-Type": "text/plain"}
+        )
+        assert answer.status_code == 400 and "content_type" in answer.json()["data"]
+        assert api.request("POST", "/processes", json={"cmd": "true"}).status_code == 200
 
 
 def test_cli_help_carries_the_warning():
