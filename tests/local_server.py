@@ -41,6 +41,7 @@ import hmac
 import ipaddress
 import itertools
 import json
+import math
 import os
 import re
 import secrets
@@ -191,10 +192,11 @@ class RequestRecord(NamedTuple):
 class ApiError(Exception):
     """An answer other than success: a JSend fail (4xx) or error (5xx)."""
 
-    def __init__(self, status: int, data: object):
+    def __init__(self, status: int, data: object, headers: dict[str, str] | None = None):
         super().__init__(status, data)
         self.status = status
         self.data = data
+        self.headers = headers or {}
 
 
 def envelope(status: int, data: object) -> dict[str, Any]:
@@ -608,6 +610,34 @@ class Process:
         }
 
 
+class SlidingWindow:
+    """At most ``limit`` admitted requests per client address in any ``seconds``.
+
+    Only admitted requests count: a refused one was not served, and counting
+    it would keep a client that asks again too early locked out for ever.
+    Thread-safe: the server handles each connection in a thread of its own.
+    """
+
+    def __init__(self, limit: int, seconds: float):
+        self.limit = limit
+        self.seconds = seconds
+        self._admitted: dict[str, collections.deque[float]] = {}
+        self._lock = threading.Lock()
+
+    def admit(self, address: str) -> int | None:
+        """None if the request is admitted (and counted), else the whole
+        seconds, at least 1, until the oldest admission leaves the window."""
+        now = time.monotonic()
+        with self._lock:
+            admitted = self._admitted.setdefault(address, collections.deque())
+            while admitted and admitted[0] <= now - self.seconds:
+                admitted.popleft()
+            if len(admitted) < self.limit:
+                admitted.append(now)
+                return None
+            return max(1, math.ceil(admitted[0] + self.seconds - now))
+
+
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
@@ -743,6 +773,15 @@ class _Handler(BaseHTTPRequestHandler):
                 raise ApiError(413, {"body": "request body larger than %d bytes" % limit})
             parts.append(self.rfile.read(size))
             self.rfile.readline(1024)
+
+    def discard_body(self) -> None:
+        """Read and drop the body of a request refused before it was read, so
+        that the next request on the connection starts where it should (a body
+        that cannot be read closes the connection instead)."""
+        try:
+            self.body = self.read_body(FILE_BODY_LIMIT)
+        except ApiError:
+            self.body = b""
 
     def json_body(self) -> dict[str, Any]:
         try:
@@ -1148,6 +1187,16 @@ class LocalServer:
     not chunked), 400 to a POST that is not ``application/json``, body-less
     ones included (see ``check_post_framing``). It is checked after the
     route, before the API key.
+
+    ``rate_limit=(N, seconds)`` admits at most N requests from one client
+    address (the peer IP) in any sliding window of that many seconds, as the
+    service's per-IP limit does (protocol §3). Every request counts at its
+    arrival, whatever its path (a connect stream once); only admitted ones
+    count (see ``SlidingWindow``). Others get **429** with ``Retry-After``
+    (whole seconds until a place frees, at least 1) and a JSend fail, before
+    anything else is looked at: no process is created, no fault is consumed.
+    They are recorded in ``requests`` like every answer. ``None`` (the
+    default): no limit.
     """
 
     def __init__(
@@ -1163,12 +1212,17 @@ class LocalServer:
         chunked: bool = True,
         list_page_size: int = 100,
         strict: bool = False,
+        rate_limit: tuple[int, float] | None = None,
         verbose: bool = False,
     ):
         if reading not in READINGS:
             raise ValueError("reading must be one of: %s" % ", ".join(READINGS))
         if not 1 <= list_page_size <= LIST_LIMIT_MAX:
             raise ValueError("list_page_size must be from 1 to %d" % LIST_LIMIT_MAX)
+        if rate_limit is not None:
+            count, seconds = rate_limit
+            if not (isinstance(count, int) and count >= 1 and 0 < seconds < math.inf):
+                raise ValueError("rate_limit must be (requests >= 1, seconds > 0)")
         if heartbeat_interval <= 0:
             raise ValueError("heartbeat_interval must be positive")
         if journal_limit < 1:
@@ -1189,6 +1243,7 @@ class LocalServer:
         self.chunked = chunked
         self.list_page_size = list_page_size
         self.strict = strict
+        self._rate_window = None if rate_limit is None else SlidingWindow(*rate_limit)
         self.verbose = verbose
         self.url = ""
         self.requests: list[RequestRecord] = []
@@ -1394,7 +1449,7 @@ class LocalServer:
         try:
             self._dispatch(req)
         except ApiError as exc:
-            req.send_json(exc.status, envelope(exc.status, exc.data))
+            req.send_json(exc.status, envelope(exc.status, exc.data), exc.headers)
         except Exception:  # a bug here must not kill the connection silently
             if self.verbose:
                 traceback.print_exc()
@@ -1404,6 +1459,7 @@ class LocalServer:
                 req.abort()
 
     def _dispatch(self, req: _Handler) -> None:
+        self._admit(req)
         try:
             endpoint, ids = match_route(req.command, req.raw_path)
         except ApiError:
@@ -1424,6 +1480,21 @@ class LocalServer:
         if result is not None:
             status = 201 if endpoint == "create" and self.reading == ALTERNATIVE else 200
             req.send_json(status, envelope(status, result))
+
+    def _admit(self, req: _Handler) -> None:
+        """Refuse with 429, doing nothing else, a client over its rate limit."""
+        if self._rate_window is None:
+            return
+        wait = self._rate_window.admit(req.client_address[0])
+        if wait is None:
+            return
+        req.discard_body()
+        limit, seconds = self._rate_window.limit, self._rate_window.seconds
+        raise ApiError(
+            429,
+            {"rate_limit": "more than %d requests in %g s from this address" % (limit, seconds)},
+            {"Retry-After": str(wait)},
+        )
 
     def _authenticate(self, req: _Handler) -> None:
         key = req.headers.get("X-Api-Key", "")
@@ -1682,6 +1753,18 @@ class LocalServer:
 # Command line
 
 
+def rate_limit_option(value: str) -> tuple[int, float]:
+    """``N/SECONDS`` of ``--rate-limit``, e.g. ``300/60``."""
+    count, _, seconds = value.partition("/")
+    try:
+        parsed = int(count), float(seconds)
+    except ValueError:
+        parsed = (0, 0.0)
+    if parsed[0] < 1 or not 0 < parsed[1] < math.inf:
+        raise argparse.ArgumentTypeError("expected N/SECONDS, e.g. 300/60, not %r" % value)
+    return parsed
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="local_server.py",
@@ -1718,6 +1801,12 @@ def main(argv: list[str] | None = None) -> int:
         help="answer 411 to a POST without Content-Length and 400 to a POST that is not "
         "application/json, as the vendor's control forwarder does",
     )
+    parser.add_argument(
+        "--rate-limit",
+        type=rate_limit_option,
+        metavar="N/SECONDS",
+        help="answer 429 to a client address over N requests in any SECONDS (default: no limit)",
+    )
     parser.add_argument("--verbose", action="store_true", help="log requests to stderr")
     options = parser.parse_args(argv)
     try:
@@ -1728,6 +1817,7 @@ def main(argv: list[str] | None = None) -> int:
             heartbeat_interval=options.heartbeat,
             reading=options.reading,
             strict=options.strict,
+            rate_limit=options.rate_limit,
             verbose=options.verbose,
         )
     except ValueError as exc:

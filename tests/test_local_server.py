@@ -126,11 +126,19 @@ def raw_connect(server: LocalServer, process_id: str, after: int = 0) -> tuple:
         body = rest[size + 2 :]
 
 
-def raw_request(server: LocalServer, method: str, path: str, head: str = "", body: bytes = b""):
+def raw_request(
+    server: LocalServer,
+    method: str,
+    path: str,
+    head: str = "",
+    body: bytes = b"",
+    *,
+    source: str = "127.0.0.1",
+):
     """One request on a bare socket, framed exactly as given: (status, JSON body or None).
 
     `head` holds extra header lines, each ending in CRLF; nothing is added but
-    Host, the API key and Connection: close.
+    Host, the API key and Connection: close. `source` is the client's address.
     """
     host, port = server.url[len("http://") :].rsplit(":", 1)
     request = "%s /v1/sandboxes/sb_local%s HTTP/1.1\r\nHost: %s\r\nX-Api-Key: %s\r\n%s" % (
@@ -141,7 +149,7 @@ def raw_request(server: LocalServer, method: str, path: str, head: str = "", bod
         head,
     )
     received = b""
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
+    with socket.create_connection((host, int(port)), 10, (source, 0)) as sock:
         sock.sendall(request.encode("ascii") + b"Connection: close\r\n\r\n" + body)
         while True:
             part = sock.recv(65536)
@@ -637,6 +645,63 @@ def test_without_strict_mode_posts_need_no_framing_headers(server):
     assert raw_request(server, "POST", "/processes", head, create)[0] == 200
 
 
+# -- rate limit -------------------------------------------------------------------
+
+
+def test_rate_limit_refuses_without_acting_and_says_when_to_come_back():
+    with LocalServer(rate_limit=(3, 2.0)) as server:
+        api = Api(server)
+        started = time.monotonic()
+        assert [api.request("GET", "/processes").status_code for _ in range(3)] == [200] * 3
+        admitted_by = time.monotonic()
+        refused = api.request("POST", "/processes", json={"cmd": "sleep", "args": ["5"]})
+        assert refused.status_code == 429
+        assert refused.headers["Retry-After"] == "2"  # the first admission leaves in 2 s
+        assert refused.json()["status"] == "fail" and "rate_limit" in refused.json()["data"]
+        assert server.processes() == []  # not created
+        assert requests.get(server.url + "/healthz", timeout=5).status_code == 429  # any path
+        time.sleep(max(0.0, started + 1.2 - time.monotonic()))
+        assert api.request("GET", "/processes").headers["Retry-After"] == "1"  # 0.8 s, rounded up
+        time.sleep(max(0.0, admitted_by + 2.05 - time.monotonic()))
+        assert api.create("true")  # a place is free again: the keep-alive connection works
+        statuses = [r.status for r in server.requests]
+        assert statuses == [200, 200, 200, 429, 429, 429, 200]
+        assert len(server.requests_to("create")) == 2  # the refused one is recorded too
+        api_ports = {r.client_port for r in server.requests if r.path.endswith("/processes")}
+        assert len(api_ports) == 1  # a refused POST's body was read: keep-alive holds
+
+
+def test_rate_limit_counts_only_admitted_requests():
+    with LocalServer(rate_limit=(2, 0.6)) as server:
+        api = Api(server)
+        started = time.monotonic()
+        assert [api.request("GET", "/processes").status_code for _ in range(2)] == [200, 200]
+        admitted_by = time.monotonic()
+        while time.monotonic() - started < 0.5:  # refused, and not counted
+            assert api.request("GET", "/processes").status_code == 429
+            time.sleep(0.02)
+        time.sleep(max(0.0, admitted_by + 0.65 - time.monotonic()))
+        assert [api.request("GET", "/processes").status_code for _ in range(3)] == [200, 200, 429]
+
+
+def test_rate_limit_is_per_client_address_and_thread_safe():
+    with LocalServer(rate_limit=(5, 60.0)) as server:
+        server.fail("list", 503, count=100)  # a refused request must not consume faults
+
+        def ask(_):
+            return raw_request(server, "GET", "/processes")[0]
+
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            statuses = list(pool.map(ask, range(40)))
+        assert sorted(statuses) == [429] * 35 + [503] * 5
+        other = [raw_request(server, "GET", "/processes", source="127.0.0.2")[0] for _ in range(6)]
+        assert other == [503] * 5 + [429]
+        assert sum(r.status == 429 for r in server.requests) == 36
+    for bad in ((0, 1.0), (1, 0), (1.5, 1.0), (1, float("inf"))):
+        with pytest.raises(ValueError):
+            LocalServer(rate_limit=bad)
+
+
 # -- files and exec ---------------------------------------------------------------
 
 
@@ -880,6 +945,19 @@ def test_cli_strict_flag():
         )
         assert answer.status_code == 400 and "content_type" in answer.json()["data"]
         assert api.request("POST", "/processes", json={"cmd": "true"}).status_code == 200
+
+
+def test_cli_rate_limit_flag():
+    with cli_server("--rate-limit", "2/60") as api:
+        statuses = [api.request("GET", "/processes").status_code for _ in range(3)]
+        assert statuses == [200, 200, 429]
+    for bad in ("2", "x/60", "0/60", "2/0", "2/-1"):
+        shown = subprocess.run(
+            [sys.executable, os.path.join(HERE, "local_server.py"), "--rate-limit", bad],
+            stderr=subprocess.PIPE,
+            timeout=10,
+        )
+        assert shown.returncode == 2 and b"N/SECONDS" in shown.stderr, bad
 
 
 def test_cli_help_carries_the_warning():
