@@ -178,6 +178,24 @@ def test_the_listing_holds_every_process_in_creation_order(sdk, sandbox, server,
         assert {q.get("limit") for q in pages[1:]} == {"500"}
 
 
+def test_the_sdks_defaults_are_served(sdk, sandbox, server):
+    processes = sandbox.processes
+    process_id = processes.create(
+        sdk.ManagedProcessCreateRequest(
+            command="sh", arguments=["-c", "echo hi; sleep 1 >/dev/null 2>&1 &"]
+        )
+    ).process_id
+    record = processes.wait(process_id)  # no scope, no timeout: the leader, 30 s at most
+    assert record.leader_exited and not record.tree_exited and record.exit_code == 0
+    assert server.requests_to("wait")[-1].query == {}
+    with processes.connect(process_id) as stream:  # no options
+        data = [e for e in stream if e.type == sdk.ManagedProcessConnectEventType.DATA]
+    assert data[0].data == b"hi\n" and data[0].sequence == 1
+    # The SDK always sends `after` (0 by default); the server would default it too.
+    assert server.requests_to("connect")[-1].query == {"after": "0"}
+    assert server.wait_tree_gone(process_id)
+
+
 def test_signal_then_wait_for_the_tree(sdk, sandbox, server):
     processes = sandbox.processes
     process_id = processes.create(
