@@ -1796,6 +1796,14 @@ def main(argv: list[str] | None = None) -> int:
         % CONSERVATIVE,
     )
     parser.add_argument(
+        "--list-page-size",
+        type=int,
+        default=100,
+        metavar="N",
+        help="default page size of the alternative reading's paginated process listing "
+        "(default 100, at most %d)" % LIST_LIMIT_MAX,
+    )
+    parser.add_argument(
         "--strict",
         action="store_true",
         help="answer 411 to a POST without Content-Length and 400 to a POST that is not "
@@ -1816,6 +1824,7 @@ def main(argv: list[str] | None = None) -> int:
             port=options.port,
             heartbeat_interval=options.heartbeat,
             reading=options.reading,
+            list_page_size=options.list_page_size,
             strict=options.strict,
             rate_limit=options.rate_limit,
             verbose=options.verbose,

@@ -960,6 +960,20 @@ def test_cli_rate_limit_flag():
         assert shown.returncode == 2 and b"N/SECONDS" in shown.stderr, bad
 
 
+def test_cli_reading_and_list_page_size_flags():
+    with cli_server("--reading", "alternative", "--list-page-size", "1") as api:
+        created = [api.create("true") for _ in range(2)]
+        page = api.request("GET", "/processes").json()["data"]
+        assert [p["process_id"] for p in page["data"]] == created[:1]
+        assert page["pagination"] == {"limit": 1, "offset": 0, "total": 2}
+    shown = subprocess.run(
+        [sys.executable, os.path.join(HERE, "local_server.py"), "--list-page-size", "0"],
+        stderr=subprocess.PIPE,
+        timeout=10,
+    )
+    assert shown.returncode == 2 and b"list_page_size" in shown.stderr
+
+
 def test_cli_help_carries_the_warning():
     shown = subprocess.run(
         [sys.executable, os.path.join(HERE, "local_server.py"), "--help"],
