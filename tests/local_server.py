@@ -10,7 +10,8 @@ NDJSON output streams over chunked HTTP/1.1 with heartbeats, a bounded
 replay journal with whole-frame eviction, ``wait`` long-polls and
 process-group termination with a grace period. Tests can also inject faults
 (error statuses, dropped / ended / stalled / corrupted streams, eviction, a
-lost create response).
+lost create response), and turn on strict POST framing and a per-address
+rate limit (``LocalServer(strict=True, rate_limit=(N, seconds))``).
 
 Where protocol.md §11 leaves the service open, ``LocalServer(reading=...)``
 answers the conservative way (the default) or the alternative way (see
