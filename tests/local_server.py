@@ -10,7 +10,8 @@ NDJSON output streams over chunked HTTP/1.1 with heartbeats, a bounded
 replay journal with whole-frame eviction, ``wait`` long-polls and
 process-group termination with a grace period. Tests can also inject faults
 (error statuses, dropped / ended / stalled / corrupted streams, eviction, a
-lost create response).
+lost create response), and turn on strict POST framing and a per-address
+rate limit (``LocalServer(strict=True, rate_limit=(N, seconds))``).
 
 Where protocol.md §11 leaves the service open, ``LocalServer(reading=...)``
 answers the conservative way (the default) or the alternative way (see
@@ -41,6 +42,7 @@ import hmac
 import ipaddress
 import itertools
 import json
+import math
 import os
 import re
 import secrets
@@ -67,6 +69,8 @@ JSON_BODY_LIMIT = 256 * 1024  # the API's request limit (protocol §5.5, §8)
 FILE_BODY_LIMIT = 64 * 1024 * 1024
 POLL_INTERVAL = 0.02  # seconds between /proc scans while waiting for a tree
 KILL_TIMEOUT = 10.0  # seconds a SIGKILLed group gets to disappear
+WAIT_DEFAULT_MS = 30000  # a wait long-poll that names no timeout_ms
+LIST_LIMIT_MAX = 500  # the largest page of a paginated listing (the SDKs ask for 500)
 STOLEN_LOCATION = "http://127.0.0.2:1/stolen"
 
 # The two readings of protocol §11 (see LocalServer's docstring).
@@ -189,10 +193,11 @@ class RequestRecord(NamedTuple):
 class ApiError(Exception):
     """An answer other than success: a JSend fail (4xx) or error (5xx)."""
 
-    def __init__(self, status: int, data: object):
+    def __init__(self, status: int, data: object, headers: dict[str, str] | None = None):
         super().__init__(status, data)
         self.status = status
         self.data = data
+        self.headers = headers or {}
 
 
 def envelope(status: int, data: object) -> dict[str, Any]:
@@ -512,9 +517,14 @@ class Process:
                 pass
 
     def send_signal(self, signum: int) -> None:
+        """Signal the process group, as the vendor CLI documents for pipe
+        processes (the alternative reading: the leader alone)."""
         with self.cond:
             if self.returncode is None:
-                os.kill(self.pid, signum)
+                if self.alternative:
+                    os.kill(self.pid, signum)
+                else:  # the leader is not reaped yet: its group exists
+                    os.killpg(self.pid, signum)
             elif not self.alternative:
                 raise ApiError(409, {"process": "the leader has already exited"})
 
@@ -599,6 +609,34 @@ class Process:
             "newest_seq": self.newest_seq,
             "bytes": self.journal_bytes,
         }
+
+
+class SlidingWindow:
+    """At most ``limit`` admitted requests per client address in any ``seconds``.
+
+    Only admitted requests count: a refused one was not served, and counting
+    it would keep a client that asks again too early locked out for ever.
+    Thread-safe: the server handles each connection in a thread of its own.
+    """
+
+    def __init__(self, limit: int, seconds: float):
+        self.limit = limit
+        self.seconds = seconds
+        self._admitted: dict[str, collections.deque[float]] = {}
+        self._lock = threading.Lock()
+
+    def admit(self, address: str) -> int | None:
+        """None if the request is admitted (and counted), else the whole
+        seconds, at least 1, until the oldest admission leaves the window."""
+        now = time.monotonic()
+        with self._lock:
+            admitted = self._admitted.setdefault(address, collections.deque())
+            while admitted and admitted[0] <= now - self.seconds:
+                admitted.popleft()
+            if len(admitted) < self.limit:
+                admitted.append(now)
+                return None
+            return max(1, math.ceil(admitted[0] + self.seconds - now))
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -737,6 +775,15 @@ class _Handler(BaseHTTPRequestHandler):
             parts.append(self.rfile.read(size))
             self.rfile.readline(1024)
 
+    def discard_body(self) -> None:
+        """Read and drop the body of a request refused before it was read, so
+        that the next request on the connection starts where it should (a body
+        that cannot be read closes the connection instead)."""
+        try:
+            self.body = self.read_body(FILE_BODY_LIMIT)
+        except ApiError:
+            self.body = b""
+
     def json_body(self) -> dict[str, Any]:
         try:
             value = json.loads(self.body.decode("utf-8"))
@@ -838,6 +885,26 @@ def match_route(method: str, path: str) -> tuple[str, list[str]]:
     raise ApiError(404, {"path": "no such endpoint"})
 
 
+def check_post_framing(req: _Handler) -> None:
+    """Refuse a POST the way the vendor's control forwarder does (strict mode).
+
+    Every POST must frame its body, ``Content-Length`` (0 when there is
+    none) or chunked, else 411; and every POST must be JSON, ``Content-Type:
+    application/json`` (parameters such as ``; charset=utf-8`` allowed),
+    else 400. That holds for body-less POSTs (``stdin/close``) too: the
+    forwarder rejects POSTs whose type is not JSON, and the vendor CLI sends
+    ``application/json`` on every request. File upload is a PUT: unchecked.
+    """
+    if req.command != "POST":
+        return
+    chunked = req.headers.get("Transfer-Encoding", "").lower() == "chunked"
+    if req.headers.get("Content-Length") is None and not chunked:
+        raise ApiError(411, {"body": "Content-Length required"})
+    media_type = req.headers.get("Content-Type", "").split(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise ApiError(400, {"content_type": "must be application/json"})
+
+
 def endpoint_of(method: str, path: str) -> str | None:
     try:
         return match_route(method, path)[0]
@@ -858,6 +925,25 @@ def uint_param(query: dict[str, str], name: str, default: int | None = None) -> 
     if not UNSIGNED.match(value):
         raise ApiError(400, {name: "must be an integer >= 0"})
     return int(value)
+
+
+def page_of(items: list[Any], query: dict[str, str], default_limit: int) -> dict[str, Any]:
+    """One page of a listing in the paginated form of the vendor's other listings.
+
+    ``limit`` (default ``default_limit``, at least 1; more than
+    ``LIST_LIMIT_MAX`` is clamped to it) and ``offset`` (default 0) pick the
+    page; ``pagination`` echoes both, as used, and the ``total`` of the whole
+    listing, so a client follows pages while ``offset + len(page) < total``.
+    An offset past the end gives an empty page.
+    """
+    limit = min(uint_param(query, "limit", default_limit), LIST_LIMIT_MAX)
+    if limit < 1:
+        raise ApiError(400, {"limit": "must be at least 1"})
+    offset = uint_param(query, "offset", 0)
+    return {
+        "data": items[offset : offset + limit],
+        "pagination": {"limit": limit, "offset": offset, "total": len(items)},
+    }
 
 
 def absolute_path(query: dict[str, str]) -> str:
@@ -895,6 +981,24 @@ def environment_of(spec: dict[str, Any], sandbox: Sandbox) -> dict[str, str]:
     merged.update(sandbox.envs)
     merged.update(env)
     return merged
+
+
+def raise_expired(reading: str, oldest_available_seq: int, finished: bool) -> None:
+    """The 410 of a connect whose reader's next frame is gone, if this reading sends one.
+
+    The conservative reading always answers 410, naming the restart point.
+    The alternative reading answers 410 only once the output is final (the
+    exit frame is due), with a plain string that names no seq, as the vendor
+    CLI's reading of it suggests (it takes the restart point from GET); while
+    output is still produced it starts the stream and sends the
+    output_offset_expired frame instead.
+    """
+    if reading == CONSERVATIVE:
+        raise ApiError(
+            410, {"error": "output_offset_expired", "oldest_available_seq": oldest_available_seq}
+        )
+    if finished:
+        raise ApiError(410, "output offset expired")
 
 
 def start_error(exc: BaseException) -> ApiError:
@@ -1039,11 +1143,14 @@ class LocalServer:
       seconds with nothing to send it ends cleanly without an exit frame
       (§11.2, proxy recycling);
     - **eviction** (§11.3): a connect whose ``after`` is behind the journal
-      gets a 200 stream whose first frame (after the heartbeat) is the
-      ``output_offset_expired`` error frame instead of a 410; a live reader
+      of a process still producing output gets a 200 stream whose first
+      frame (after the heartbeat) is the ``output_offset_expired`` error
+      frame instead of a 410; once the output is final (the exit frame is
+      due) it gets a **410 whose ``data`` is the plain string** ``"output
+      offset expired"``, without ``oldest_available_seq``; a live reader
       that falls behind has its connection cut without any frame, and meets
-      the error frame when it reconnects (a reader that has been sent no
-      data frame yet gets the error frame at once);
+      the error frame or the 410 when it reconnects (a reader that has been
+      sent no data frame yet gets the error frame at once);
     - the exit frame waits for the **whole tree** (process group empty), not
       only for the leader and its pipes (§11.5);
     - each output pipe's EOF is journalled as an **empty data frame**
@@ -1064,8 +1171,33 @@ class LocalServer:
       (§11.12) (``processes()`` and ``process()`` still show it to tests);
     - ``stdin/close`` is idempotent (200 when already closed or after exit)
       and ``signal`` after the leader exited is a 200 no-op (§11.10);
+    - ``signal`` reaches the **leader alone**, not its process group: a
+      background child that the leader started survives a SIGTERM (§11.10);
     - a file upload does **not create missing parent directories** (404)
-      (§11.16).
+      (§11.16);
+    - the process listing is **paginated** like the vendor's other
+      listings: ``{"data": [...], "pagination": {"limit", "offset",
+      "total"}}``, taking ``limit`` (default ``list_page_size``, at most
+      ``LIST_LIMIT_MAX``) and ``offset`` (default 0) (§5.3).
+
+    ``list_page_size`` is the default page size of that paginated listing
+    (100), small in tests so that a few processes fill several pages.
+
+    ``strict=True`` frames POSTs as the vendor's control forwarder does
+    (either reading): 411 to a POST that names no ``Content-Length`` (and is
+    not chunked), 400 to a POST that is not ``application/json``, body-less
+    ones included (see ``check_post_framing``). It is checked after the
+    route, before the API key.
+
+    ``rate_limit=(N, seconds)`` admits at most N requests from one client
+    address (the peer IP) in any sliding window of that many seconds, as the
+    service's per-IP limit does (protocol §3). Every request counts at its
+    arrival, whatever its path (a connect stream once); only admitted ones
+    count (see ``SlidingWindow``). Others get **429** with ``Retry-After``
+    (whole seconds until a place frees, at least 1) and a JSend fail, before
+    anything else is looked at: no process is created, no fault is consumed.
+    They are recorded in ``requests`` like every answer. ``None`` (the
+    default): no limit.
     """
 
     def __init__(
@@ -1079,10 +1211,19 @@ class LocalServer:
         frame_limit: int = FRAME_LIMIT,
         reading: str = CONSERVATIVE,
         chunked: bool = True,
+        list_page_size: int = 100,
+        strict: bool = False,
+        rate_limit: tuple[int, float] | None = None,
         verbose: bool = False,
     ):
         if reading not in READINGS:
             raise ValueError("reading must be one of: %s" % ", ".join(READINGS))
+        if not 1 <= list_page_size <= LIST_LIMIT_MAX:
+            raise ValueError("list_page_size must be from 1 to %d" % LIST_LIMIT_MAX)
+        if rate_limit is not None:
+            count, seconds = rate_limit
+            if not (isinstance(count, int) and count >= 1 and 0 < seconds < math.inf):
+                raise ValueError("rate_limit must be (requests >= 1, seconds > 0)")
         if heartbeat_interval <= 0:
             raise ValueError("heartbeat_interval must be positive")
         if journal_limit < 1:
@@ -1101,6 +1242,9 @@ class LocalServer:
         # chunked=False answers `connect` as a proxy that removes the chunking
         # would: no Transfer-Encoding, the body ends when the connection closes.
         self.chunked = chunked
+        self.list_page_size = list_page_size
+        self.strict = strict
+        self._rate_window = None if rate_limit is None else SlidingWindow(*rate_limit)
         self.verbose = verbose
         self.url = ""
         self.requests: list[RequestRecord] = []
@@ -1306,7 +1450,7 @@ class LocalServer:
         try:
             self._dispatch(req)
         except ApiError as exc:
-            req.send_json(exc.status, envelope(exc.status, exc.data))
+            req.send_json(exc.status, envelope(exc.status, exc.data), exc.headers)
         except Exception:  # a bug here must not kill the connection silently
             if self.verbose:
                 traceback.print_exc()
@@ -1316,12 +1460,15 @@ class LocalServer:
                 req.abort()
 
     def _dispatch(self, req: _Handler) -> None:
+        self._admit(req)
         try:
             endpoint, ids = match_route(req.command, req.raw_path)
         except ApiError:
             req.body = req.read_body(JSON_BODY_LIMIT)  # keep the connection in sync
             raise
         req.body = req.read_body(FILE_BODY_LIMIT if endpoint == "files_put" else JSON_BODY_LIMIT)
+        if self.strict:
+            check_post_framing(req)
         if endpoint == "healthz":
             req.send_json(200, envelope(200, {"up": True}))
             return
@@ -1334,6 +1481,21 @@ class LocalServer:
         if result is not None:
             status = 201 if endpoint == "create" and self.reading == ALTERNATIVE else 200
             req.send_json(status, envelope(status, result))
+
+    def _admit(self, req: _Handler) -> None:
+        """Refuse with 429, doing nothing else, a client over its rate limit."""
+        if self._rate_window is None:
+            return
+        wait = self._rate_window.admit(req.client_address[0])
+        if wait is None:
+            return
+        req.discard_body()
+        limit, seconds = self._rate_window.limit, self._rate_window.seconds
+        raise ApiError(
+            429,
+            {"rate_limit": "more than %d requests in %g s from this address" % (limit, seconds)},
+            {"Retry-After": str(wait)},
+        )
 
     def _authenticate(self, req: _Handler) -> None:
         key = req.headers.get("X-Api-Key", "")
@@ -1433,29 +1595,31 @@ class LocalServer:
         return proc.record()
 
     def _ep_list(self, req: _Handler, sandbox_id: str) -> dict[str, Any]:
+        """Every retained process, in creation order: unpaginated as
+        ``{"processes": [...]}`` (conservative, which ignores ``limit`` and
+        ``offset``), or one page of them (alternative, see ``page_of``)."""
         self._sandbox(sandbox_id)
         records = self.processes(sandbox_id)
-        if self.reading == ALTERNATIVE:  # deleted processes are forgotten
-            records = [r for r in records if not self._get_process(r["process_id"]).deleted]
-        return {"processes": records}
+        if self.reading == CONSERVATIVE:
+            return {"processes": records}
+        # Deleted processes are forgotten.
+        records = [r for r in records if not self._get_process(r["process_id"]).deleted]
+        return page_of(records, req.query, self.list_page_size)
 
     def _ep_get(self, req: _Handler, sandbox_id: str, process_id: str) -> dict[str, Any]:
         return self._process(sandbox_id, process_id).record()
 
     def _ep_connect(self, req: _Handler, sandbox_id: str, process_id: str) -> None:
         proc = self._process(sandbox_id, process_id)
-        after = uint_param(req.query, "after")
+        # The vendor CLI leaves `after` out when it is 0: the service defaults it.
+        after = uint_param(req.query, "after", 0)
         with proc.cond:
             evicted_through = proc.evicted_through
+            finished = proc.output_finished
         if self._take_fault("connect", ("replay",)) is not None:
             after = evicted_through  # replay from the oldest retained frame
-        elif after < evicted_through and self.reading == CONSERVATIVE:
-            # The reader's next frame is gone. (The alternative reading starts
-            # the stream and sends the output_offset_expired frame instead.)
-            raise ApiError(
-                410,
-                {"error": "output_offset_expired", "oldest_available_seq": evicted_through + 1},
-            )
+        elif after < evicted_through:
+            raise_expired(self.reading, evicted_through + 1, finished)
         OutputStream(self, req, proc, after, self._take_fault("connect", STREAM_FAULTS)).run()
 
     def _ep_input(self, req: _Handler, sandbox_id: str, process_id: str) -> dict[str, Any]:
@@ -1482,11 +1646,17 @@ class LocalServer:
         return {"ok": True}
 
     def _ep_wait(self, req: _Handler, sandbox_id: str, process_id: str) -> dict[str, Any]:
+        """Long-poll for the exit of the leader or of the whole tree.
+
+        SDKs that send neither parameter (PY's ``wait(pid)``, Java, Rust) or an
+        empty scope (Go's zero value) get the defaults: scope ``leader`` and
+        a ``WAIT_DEFAULT_MS`` (30 000 ms) long-poll, the duration clients use.
+        """
         proc = self._process(sandbox_id, process_id)
-        scope = req.query.get("scope")
+        scope = req.query.get("scope") or "leader"
         if scope not in ("leader", "tree"):
             raise ApiError(400, {"scope": "must be leader or tree"})
-        timeout = uint_param(req.query, "timeout_ms", 30000) / 1000.0
+        timeout = uint_param(req.query, "timeout_ms", WAIT_DEFAULT_MS) / 1000.0
         if self.reading == ALTERNATIVE:
             timeout = min(timeout, ALT_WAIT_CAP)
         condition = proc.leader_exited if scope == "leader" else proc.tree_exited
@@ -1584,6 +1754,18 @@ class LocalServer:
 # Command line
 
 
+def rate_limit_option(value: str) -> tuple[int, float]:
+    """``N/SECONDS`` of ``--rate-limit``, e.g. ``300/60``."""
+    count, _, seconds = value.partition("/")
+    try:
+        parsed = int(count), float(seconds)
+    except ValueError:
+        parsed = (0, 0.0)
+    if parsed[0] < 1 or not 0 < parsed[1] < math.inf:
+        raise argparse.ArgumentTypeError("expected N/SECONDS, e.g. 300/60, not %r" % value)
+    return parsed
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="local_server.py",
@@ -1614,6 +1796,26 @@ def main(argv: list[str] | None = None) -> int:
         help="how to answer where protocol.md §11 leaves the service open (default %s)"
         % CONSERVATIVE,
     )
+    parser.add_argument(
+        "--list-page-size",
+        type=int,
+        default=100,
+        metavar="N",
+        help="default page size of the alternative reading's paginated process listing "
+        "(default 100, at most %d)" % LIST_LIMIT_MAX,
+    )
+    parser.add_argument(
+        "--strict",
+        action="store_true",
+        help="answer 411 to a POST without Content-Length and 400 to a POST that is not "
+        "application/json, as the vendor's control forwarder does",
+    )
+    parser.add_argument(
+        "--rate-limit",
+        type=rate_limit_option,
+        metavar="N/SECONDS",
+        help="answer 429 to a client address over N requests in any SECONDS (default: no limit)",
+    )
     parser.add_argument("--verbose", action="store_true", help="log requests to stderr")
     options = parser.parse_args(argv)
     try:
@@ -1623,6 +1825,9 @@ def main(argv: list[str] | None = None) -> int:
             port=options.port,
             heartbeat_interval=options.heartbeat,
             reading=options.reading,
+            list_page_size=options.list_page_size,
+            strict=options.strict,
+            rate_limit=options.rate_limit,
             verbose=options.verbose,
         )
     except ValueError as exc:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import contextlib
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import stat
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import requests
@@ -21,6 +23,7 @@ import requests
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import local_server  # noqa: E402
 from local_server import LocalServer  # noqa: E402
 
 PROCESS_ID = re.compile(r"proc_[A-Za-z0-9_-]{22}")
@@ -46,7 +49,7 @@ class Api:
         response = self.request(
             "POST", "/processes", json=dict(spec, cmd=argv[0], args=list(argv[1:]))
         )
-        assert response.status_code == 200, response.text
+        assert response.status_code in (200, 201), response.text  # 201: alternative reading
         return response.json()["data"]["process_id"]
 
     def sh(self, script: str) -> str:
@@ -121,6 +124,41 @@ def raw_connect(server: LocalServer, process_id: str, after: int = 0) -> tuple:
             return head.split(b"\r\n")[0], chunks, False, rest
         chunks.append(rest[:size])
         body = rest[size + 2 :]
+
+
+def raw_request(
+    server: LocalServer,
+    method: str,
+    path: str,
+    head: str = "",
+    body: bytes = b"",
+    *,
+    source: str = "127.0.0.1",
+):
+    """One request on a bare socket, framed exactly as given: (status, JSON body or None).
+
+    `head` holds extra header lines, each ending in CRLF; nothing is added but
+    Host, the API key and Connection: close. `source` is the client's address.
+    """
+    host, port = server.url[len("http://") :].rsplit(":", 1)
+    request = "%s /v1/sandboxes/sb_local%s HTTP/1.1\r\nHost: %s\r\nX-Api-Key: %s\r\n%s" % (
+        method,
+        path,
+        host,
+        server.api_key,
+        head,
+    )
+    received = b""
+    with socket.create_connection((host, int(port)), 10, (source, 0)) as sock:
+        sock.sendall(request.encode("ascii") + b"Connection: close\r\n\r\n" + body)
+        while True:
+            part = sock.recv(65536)
+            if not part:
+                break
+            received += part
+    status_line, _, rest = received.partition(b"\r\n")
+    content = rest.partition(b"\r\n\r\n")[2]
+    return int(status_line.split()[1]), json.loads(content) if content else None
 
 
 def finished_three_frames(api: Api) -> str:
@@ -220,6 +258,58 @@ def test_process_record_shape(server, api):
         server.process("proc_unknown")
 
 
+def listing(api: Api, **params) -> dict:
+    response = api.request("GET", "/processes", params=params)
+    assert response.status_code == 200, response.text
+    return response.json()["data"]
+
+
+def test_the_alternative_listing_is_paginated():
+    with LocalServer(reading="alternative", list_page_size=2) as server:
+        api = Api(server)
+        assert listing(api) == {"data": [], "pagination": {"limit": 2, "offset": 0, "total": 0}}
+        created = [api.create("sleep", "100") for _ in range(5)]
+        first = listing(api)
+        assert first["pagination"] == {"limit": 2, "offset": 0, "total": 5}
+        # Follow pages as a client does: while offset + len(page) < total.
+        seen, offset = [], 0
+        while True:
+            page = listing(api, offset=offset)
+            seen += [p["process_id"] for p in page["data"]]
+            if offset + len(page["data"]) >= page["pagination"]["total"]:
+                break
+            offset += len(page["data"])
+        assert seen == created  # creation order, each once
+        assert [r.query["offset"] for r in server.requests_to("list")[2:]] == ["0", "2", "4"]
+        assert [p["process_id"] for p in listing(api, limit=3, offset=1)["data"]] == created[1:4]
+        assert listing(api, limit=1000)["pagination"]["limit"] == 500  # clamped
+        assert listing(api, offset=9) == {
+            "data": [],
+            "pagination": {"limit": 2, "offset": 9, "total": 5},
+        }
+        for params in ({"limit": 0}, {"limit": "x"}, {"offset": -1}):
+            response = api.request("GET", "/processes", params=params)
+            assert response.status_code == 400 and response.json()["status"] == "fail", params
+        api.request("DELETE", "/processes/%s" % created[0], params={"grace_ms": 0})
+        after_delete = listing(api, limit=10)  # a deleted process is forgotten
+        assert [p["process_id"] for p in after_delete["data"]] == created[1:]
+        assert after_delete["pagination"]["total"] == 4
+    with pytest.raises(ValueError):
+        LocalServer(list_page_size=0)
+    with pytest.raises(ValueError):
+        LocalServer(list_page_size=501)
+
+
+def test_the_conservative_listing_is_not_paginated():
+    with LocalServer(list_page_size=1) as server:
+        api = Api(server)
+        created = [api.create("sleep", "100") for _ in range(3)]
+        for params in ({}, {"limit": 1, "offset": 1}):  # both ignored
+            data = listing(api, **params)
+            assert list(data) == ["processes"]
+            assert [p["process_id"] for p in data["processes"]] == created
+
+
 # -- output streams --------------------------------------------------------------
 
 
@@ -266,7 +356,18 @@ def test_after_replays_only_newer_frames(server, api):
     for bad in ("-1", "x", "1.5", ""):
         response = api.request("GET", "/processes/%s/connect" % process_id, params={"after": bad})
         assert response.status_code == 400, bad
-    assert api.request("GET", "/processes/%s/connect" % process_id).status_code == 400
+
+
+def test_connect_without_after_serves_from_the_start(server, api):
+    process_id = api.sh("printf 1; sleep 0.3; printf 2")
+    live = api.request("GET", "/processes/%s/connect" % process_id, stream=True)
+    assert live.status_code == 200
+    frames = read_frames(live)  # attached while running: replay, then live frames
+    assert payloads(frames) == [(1, "stdout", b"1"), (2, "stdout", b"2")]
+    assert frames[-1] == {"type": "exit", "exit_code": 0}
+    finished = api.request("GET", "/processes/%s/connect" % process_id, stream=True)
+    assert read_frames(finished) == frames  # after exit: the whole journal again
+    assert [r.query for r in server.requests_to("connect")] == [{}, {}]
 
 
 def test_several_readers_see_the_same_live_output(server, api):
@@ -293,6 +394,32 @@ def test_evicted_output_answers_410(server, api):
             "data": {"error": "output_offset_expired", "oldest_available_seq": 4},
         }
     assert api.frames(process_id, after=3) == [{"type": "exit", "exit_code": 0}]
+
+
+def test_the_alternative_410_is_a_plain_string_once_the_output_is_final():
+    with LocalServer(reading="alternative") as server:
+        api = Api(server)
+        running = api.sh("printf 1; printf 2 >&2; sleep 100")
+        deadline = time.monotonic() + 10
+        while server.process(running)["output"]["newest_seq"] < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        server.evict(running)
+        response = api.connect(running, after=1)  # output still produced: an error frame
+        assert response.status_code == 200
+        assert read_frames(response) == [
+            {"type": "heartbeat"},
+            {"type": "error", "error": "output_offset_expired", "oldest_available_seq": 3},
+        ]
+        finished = api.sh("printf 1; printf 2 >&2")
+        api.wait(finished)
+        server.evict(finished)
+        newest = server.process(finished)["output"]["newest_seq"]  # 4: two EOF frames
+        for after in (0, newest - 1):
+            gone = api.connect(finished, after)
+            assert gone.status_code == 410
+            assert gone.json() == {"status": "fail", "data": "output offset expired"}
+        assert [f["type"] for f in api.frames(finished, after=newest)] == ["heartbeat", "exit"]
 
 
 def test_reader_behind_eviction_gets_an_error_frame():
@@ -323,9 +450,28 @@ def test_wait_for_leader_and_for_tree(server, api):
     assert server.tree_alive(process_id)
     assert api.wait(process_id, scope="tree")["tree_exited"] is True
     assert not server.tree_alive(process_id)
-    for params in ({}, {"scope": "all"}, {"scope": "tree", "timeout_ms": "soon"}):
+    for params in ({"scope": "all"}, {"scope": "tree", "timeout_ms": "soon"}):
         response = api.request("GET", "/processes/%s/wait" % process_id, params=params)
         assert response.status_code == 400, params
+
+
+def test_wait_without_scope_waits_for_the_leader(server, api):
+    process_id = api.sh("sleep 0.2; sleep 1 >/dev/null 2>&1 & exit 0")
+    for params in ({}, {"scope": ""}):  # left out (PY, Java, Rust) or empty (Go)
+        response = api.request("GET", "/processes/%s/wait" % process_id, params=params)
+        assert response.status_code == 200, params
+        record = response.json()["data"]
+        assert record["leader_exited"] is True and record["tree_exited"] is False
+    assert server.wait_tree_gone(process_id)
+
+
+def test_wait_without_timeout_is_a_bounded_long_poll(server, api, monkeypatch):
+    monkeypatch.setattr(local_server, "WAIT_DEFAULT_MS", 300)  # instead of 30 000
+    process_id = api.create("sleep", "100")
+    started = time.monotonic()
+    response = api.request("GET", "/processes/%s/wait" % process_id)
+    assert response.status_code == 408 and response.json()["status"] == "fail"
+    assert 0.3 <= time.monotonic() - started < 5
 
 
 def test_delete_kills_a_tree_that_ignores_sigterm(server, api):
@@ -390,7 +536,7 @@ def test_input_is_refused_after_exit_and_when_too_big(server, api):
     assert late.status_code == 409
 
 
-def test_signal_is_delivered_to_the_leader(server, api):
+def test_signal_is_delivered(server, api):
     process_id = api.create("sleep", "100")
     path = "/processes/%s/signal" % process_id
     for name in ("SIGSTOP", "TERM", None):
@@ -399,6 +545,161 @@ def test_signal_is_delivered_to_the_leader(server, api):
     assert ok.json() == {"status": "success", "data": {"ok": True}}
     assert api.wait(process_id, scope="leader")["signal"] == "SIGUSR1"
     assert api.request("POST", path, json={"signal": "SIGTERM"}).status_code == 409
+
+
+CHILD_IN_BACKGROUND = "sleep 100 & echo $!; wait"  # prints the background child's pid
+
+
+def started_with_child(api: Api) -> tuple:
+    """(process id, pid of its background child) of CHILD_IN_BACKGROUND, once started."""
+    process_id = api.sh(CHILD_IN_BACKGROUND)
+    response = api.connect(process_id)
+    for chunk in response.raw.read_chunked(decode_content=False):
+        frame = json.loads(chunk)
+        if frame["type"] == "data":  # not the alternative reading's first heartbeat
+            response.close()
+            return process_id, int(base64.b64decode(frame["data_base64"]))
+    raise AssertionError("the process printed nothing")
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as stat_file:
+            return stat_file.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except FileNotFoundError:
+        return False
+
+
+def test_signal_reaches_the_process_group(server, api):
+    process_id, child = started_with_child(api)
+    assert alive(child)
+    ok = api.request("POST", "/processes/%s/signal" % process_id, json={"signal": "SIGTERM"})
+    assert ok.status_code == 200
+    record = api.wait(process_id, scope="tree")  # the untrapped child died with its leader
+    assert (record["signal"], record["tree_exited"]) == ("SIGTERM", True)
+    assert not alive(child)
+
+
+def test_signal_reaches_the_leader_alone_under_the_alternative_reading():
+    with LocalServer(reading="alternative") as server:
+        api = Api(server)
+        process_id, child = started_with_child(api)
+        path = "/processes/%s/signal" % process_id
+        assert api.request("POST", path, json={"signal": "SIGTERM"}).status_code == 200
+        leader = api.wait(process_id, scope="leader")
+        assert (leader["exit_code"], leader["signal"]) == (-1, "terminated")
+        assert alive(child) and server.tree_alive(process_id)
+        assert api.request("DELETE", "/processes/%s" % process_id).status_code == 200
+        assert not alive(child)
+
+
+# -- strict mode ------------------------------------------------------------------
+
+
+def test_strict_mode_wants_framed_json_posts():
+    with LocalServer(strict=True) as server:
+        api = Api(server)
+        for content_type in ("application/json", "Application/JSON; charset=utf-8"):
+            created = api.request(
+                "POST", "/processes", data=b'{"cmd": "cat"}', headers={"Content-Type": content_type}
+            )
+            assert created.status_code == 200, content_type
+            process_id = created.json()["data"]["process_id"]
+        create = json.dumps({"cmd": "true"}).encode()
+        for head in ("", "Content-Type: text/plain\r\n", "Content-Type: application/jsonx\r\n"):
+            framed = head + "Content-Length: %d\r\n" % len(create)
+            status, answer = raw_request(server, "POST", "/processes", framed, create)
+            assert (status, answer["status"]) == (400, "fail"), head
+            assert "content_type" in answer["data"]
+        chunked = "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n"
+        body = b"%X\r\n%s\r\n0\r\n\r\n" % (len(create), create)
+        assert raw_request(server, "POST", "/processes", chunked, body)[0] == 200
+        assert len(server.processes()) == 3  # the refused ones started nothing
+
+        close = "/processes/%s/stdin/close" % process_id
+        json_type = "Content-Type: application/json\r\n"
+        status, answer = raw_request(server, "POST", close, json_type)  # no Content-Length
+        assert (status, answer["status"]) == (411, "fail") and "body" in answer["data"]
+        status, _ = raw_request(server, "POST", close, "Content-Length: 0\r\n")  # not JSON
+        assert status == 400
+        assert raw_request(server, "POST", close, json_type + "Content-Length: 0\r\n")[0] == 200
+        assert [r.status for r in server.requests_to("stdin_close")] == [411, 400, 200]
+
+        upload = api.request(  # a PUT of raw bytes: unaffected
+            "PUT",
+            "/files",
+            params={"path": os.path.join(server.process(process_id)["cwd"], "f")},
+            data=b"x",
+            headers={"Content-Type": "application/octet-stream"},
+        )
+        assert upload.status_code == 200
+        assert api.request("GET", "/processes/%s" % process_id).status_code == 200
+
+
+def test_without_strict_mode_posts_need_no_framing_headers(server):
+    process_id = Api(server).create("cat")
+    close = "/processes/%s/stdin/close" % process_id
+    assert raw_request(server, "POST", close)[0] == 200  # neither Content-Length nor type
+    create = b'{"cmd": "true"}'
+    head = "Content-Type: text/plain\r\nContent-Length: %d\r\n" % len(create)
+    assert raw_request(server, "POST", "/processes", head, create)[0] == 200
+
+
+# -- rate limit -------------------------------------------------------------------
+
+
+def test_rate_limit_refuses_without_acting_and_says_when_to_come_back():
+    with LocalServer(rate_limit=(3, 2.0)) as server:
+        api = Api(server)
+        started = time.monotonic()
+        assert [api.request("GET", "/processes").status_code for _ in range(3)] == [200] * 3
+        admitted_by = time.monotonic()
+        refused = api.request("POST", "/processes", json={"cmd": "sleep", "args": ["5"]})
+        assert refused.status_code == 429
+        assert refused.headers["Retry-After"] == "2"  # the first admission leaves in 2 s
+        assert refused.json()["status"] == "fail" and "rate_limit" in refused.json()["data"]
+        assert server.processes() == []  # not created
+        assert requests.get(server.url + "/healthz", timeout=5).status_code == 429  # any path
+        time.sleep(max(0.0, started + 1.2 - time.monotonic()))
+        assert api.request("GET", "/processes").headers["Retry-After"] == "1"  # 0.8 s, rounded up
+        time.sleep(max(0.0, admitted_by + 2.05 - time.monotonic()))
+        assert api.create("true")  # a place is free again: the keep-alive connection works
+        statuses = [r.status for r in server.requests]
+        assert statuses == [200, 200, 200, 429, 429, 429, 200]
+        assert len(server.requests_to("create")) == 2  # the refused one is recorded too
+        api_ports = {r.client_port for r in server.requests if r.path.endswith("/processes")}
+        assert len(api_ports) == 1  # a refused POST's body was read: keep-alive holds
+
+
+def test_rate_limit_counts_only_admitted_requests():
+    with LocalServer(rate_limit=(2, 0.6)) as server:
+        api = Api(server)
+        started = time.monotonic()
+        assert [api.request("GET", "/processes").status_code for _ in range(2)] == [200, 200]
+        admitted_by = time.monotonic()
+        while time.monotonic() - started < 0.5:  # refused, and not counted
+            assert api.request("GET", "/processes").status_code == 429
+            time.sleep(0.02)
+        time.sleep(max(0.0, admitted_by + 0.65 - time.monotonic()))
+        assert [api.request("GET", "/processes").status_code for _ in range(3)] == [200, 200, 429]
+
+
+def test_rate_limit_is_per_client_address_and_thread_safe():
+    with LocalServer(rate_limit=(5, 60.0)) as server:
+        server.fail("list", 503, count=100)  # a refused request must not consume faults
+
+        def ask(_):
+            return raw_request(server, "GET", "/processes")[0]
+
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            statuses = list(pool.map(ask, range(40)))
+        assert sorted(statuses) == [429] * 35 + [503] * 5
+        other = [raw_request(server, "GET", "/processes", source="127.0.0.2")[0] for _ in range(6)]
+        assert other == [503] * 5 + [429]
+        assert sum(r.status == 429 for r in server.requests) == 36
+    for bad in ((0, 1.0), (1, 0), (1.5, 1.0), (1, float("inf"))):
+        with pytest.raises(ValueError):
+            LocalServer(rate_limit=bad)
 
 
 # -- files and exec ---------------------------------------------------------------
@@ -613,6 +914,64 @@ def test_cli_prints_its_url_first_and_stops_on_a_signal(signum):
             cli.wait()
         cli.stdout.close()
         cli.stderr.close()
+
+
+@contextlib.contextmanager
+def cli_server(*args: str):
+    """The command-line server started with `args`, as an Api on its sandbox."""
+    cli = subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "local_server.py"), "--port", "0", *args],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert select.select([cli.stdout], [], [], 10)[0], "no URL within 10 s"
+        url = cli.stdout.readline().decode().strip()
+        yield Api(types.SimpleNamespace(url=url, api_key="local-dev-key"))  # type: ignore[arg-type]
+    finally:
+        cli.send_signal(signal.SIGTERM)
+        try:
+            cli.wait(timeout=10)
+        finally:
+            if cli.poll() is None:
+                cli.kill()
+                cli.wait()
+            cli.stdout.close()
+
+
+def test_cli_strict_flag():
+    with cli_server("--strict") as api:
+        answer = api.request(
+            "POST", "/processes", data=b'{"cmd": "true"}', headers={"Content-Type": "text/plain"}
+        )
+        assert answer.status_code == 400 and "content_type" in answer.json()["data"]
+        assert api.request("POST", "/processes", json={"cmd": "true"}).status_code == 200
+
+
+def test_cli_rate_limit_flag():
+    with cli_server("--rate-limit", "2/60") as api:
+        statuses = [api.request("GET", "/processes").status_code for _ in range(3)]
+        assert statuses == [200, 200, 429]
+    for bad in ("2", "x/60", "0/60", "2/0", "2/-1"):
+        shown = subprocess.run(
+            [sys.executable, os.path.join(HERE, "local_server.py"), "--rate-limit", bad],
+            stderr=subprocess.PIPE,
+            timeout=10,
+        )
+        assert shown.returncode == 2 and b"N/SECONDS" in shown.stderr, bad
+
+
+def test_cli_reading_and_list_page_size_flags():
+    with cli_server("--reading", "alternative", "--list-page-size", "1") as api:
+        created = [api.create("true") for _ in range(2)]
+        page = api.request("GET", "/processes").json()["data"]
+        assert [p["process_id"] for p in page["data"]] == created[:1]
+        assert page["pagination"] == {"limit": 1, "offset": 0, "total": 2}
+    shown = subprocess.run(
+        [sys.executable, os.path.join(HERE, "local_server.py"), "--list-page-size", "0"],
+        stderr=subprocess.PIPE,
+        timeout=10,
+    )
+    assert shown.returncode == 2 and b"list_page_size" in shown.stderr
 
 
 def test_cli_help_carries_the_warning():

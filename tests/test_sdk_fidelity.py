@@ -19,6 +19,7 @@ cut stream, Go-style signal words).
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -81,6 +82,24 @@ def joined(events, stream):
     return b"".join(event.data for event in events if event.stream == stream)
 
 
+def listed(sdk, sandbox, server):
+    """Process ids of the listing, as the SDK reads them.
+
+    ``processes.list()`` of SDK 0.1.3 reads only the unpaginated form
+    (``data.processes``): on the alternative reading's paginated form it finds
+    nothing. That form is the one of the SDK's other listings (templates,
+    networks, disks), so the SDK's own page-following reader of those proves
+    it decodable.
+    """
+    if server.reading == "conservative":
+        return [p.process_id for p in sandbox.processes.list()]
+    assert sandbox.processes.list() == []
+    fetch_all = sdk.services._fetch_all
+    path = sandbox.processes._path()
+    pages = fetch_all(sandbox._transport, path, sdk.ManagedProcess, sdk.PaginationOptions())
+    return [p.process_id for p in pages]
+
+
 def signal_spelling(server, name, go_word):
     """(exit_code, signal) of a death by `name` as this reading spells it."""
     return (None, name) if server.reading == "conservative" else (-1, go_word)
@@ -133,7 +152,7 @@ def test_create_input_close_connect_list_get_and_wait(sdk, sandbox, server):
     tail, again = follow(sdk, sandbox, process_id, after=newest - 1)
     assert [e.sequence for e in tail] == [newest] and again.exit_code == 0
 
-    assert process_id in [p.process_id for p in processes.list()]
+    assert process_id in listed(sdk, sandbox, server)
     record = processes.get(process_id)
     assert record.process_id == process_id
     assert record.state == sdk.ManagedProcessState.EXITED
@@ -146,6 +165,35 @@ def test_create_input_close_connect_list_get_and_wait(sdk, sandbox, server):
         sdk.ManagedProcessWaitOptions(scope=sdk.ManagedProcessWaitScope.TREE, wait_timeout=5.0),
     )
     assert waited.tree_exited and waited.exit_code == 0
+
+
+def test_the_listing_holds_every_process_in_creation_order(sdk, sandbox, server, monkeypatch):
+    monkeypatch.setattr(local_server, "LIST_LIMIT_MAX", 2)  # the SDK asks for 500 a page
+    create = sdk.ManagedProcessCreateRequest(command="sleep", arguments=["30"])
+    created = [sandbox.processes.create(create).process_id for _ in range(5)]
+    assert listed(sdk, sandbox, server) == created
+    pages = [r.query for r in server.requests_to("list")]
+    if server.reading == "alternative":  # list() once, then three pages of two
+        assert [q.get("offset") for q in pages] == [None, "0", "2", "4"]
+        assert {q.get("limit") for q in pages[1:]} == {"500"}
+
+
+def test_the_sdks_defaults_are_served(sdk, sandbox, server):
+    processes = sandbox.processes
+    process_id = processes.create(
+        sdk.ManagedProcessCreateRequest(
+            command="sh", arguments=["-c", "echo hi; sleep 1 >/dev/null 2>&1 &"]
+        )
+    ).process_id
+    record = processes.wait(process_id)  # no scope, no timeout: the leader, 30 s at most
+    assert record.leader_exited and not record.tree_exited and record.exit_code == 0
+    assert server.requests_to("wait")[-1].query == {}
+    with processes.connect(process_id) as stream:  # no options
+        data = [e for e in stream if e.type == sdk.ManagedProcessConnectEventType.DATA]
+    assert data[0].data == b"hi\n" and data[0].sequence == 1
+    # The SDK always sends `after` (0 by default); the server would default it too.
+    assert server.requests_to("connect")[-1].query == {"after": "0"}
+    assert server.wait_tree_gone(process_id)
 
 
 def test_signal_then_wait_for_the_tree(sdk, sandbox, server):
@@ -168,6 +216,43 @@ def test_signal_then_wait_for_the_tree(sdk, sandbox, server):
     events, exit_event = follow(sdk, sandbox, process_id)
     assert b"".join(e.data for e in events) == b""
     assert (exit_event.exit_code, exit_event.signal) == expected
+
+
+def alive(pid):
+    """Whether a pid is a live (not zombie) process: reparented zombies may never be reaped."""
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as stat_file:
+            return stat_file.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except FileNotFoundError:
+        return False
+
+
+def test_a_sigterm_reaches_the_background_child_too(sdk, sandbox, server):
+    processes = sandbox.processes
+    process_id = processes.create(
+        sdk.ManagedProcessCreateRequest(command="sh", arguments=["-c", "sleep 30 & echo $!; wait"])
+    ).process_id
+    with processes.connect(process_id) as stream:  # the SDK's default `after`
+        child = next(
+            int(e.data) for e in stream if e.type == sdk.ManagedProcessConnectEventType.DATA
+        )
+    assert alive(child)
+
+    processes.signal(process_id, sdk.ManagedProcessSignal.TERMINATE)
+    if server.reading == "conservative":  # the process group: the child is not spared
+        record = processes.wait(
+            process_id,
+            sdk.ManagedProcessWaitOptions(scope=sdk.ManagedProcessWaitScope.TREE, wait_timeout=5.0),
+        )
+        assert record.tree_exited and record.signal == "SIGTERM"
+        assert not alive(child)
+    else:  # the leader alone: its child lives on until DELETE
+        record = processes.wait(process_id)  # the default scope is the leader
+        assert record.leader_exited and not record.tree_exited
+        assert (record.exit_code, record.signal) == (-1, "terminated")
+        assert alive(child)
+        assert processes.delete(process_id).tree_exited
+        assert not alive(child)
 
 
 def test_delete_terminates_the_tree_with_sigterm_first(sdk, sandbox, server):
@@ -195,10 +280,10 @@ def test_delete_terminates_the_tree_with_sigterm_first(sdk, sandbox, server):
             with pytest.raises(sdk.APIError) as caught:
                 call(process_id)
             assert caught.value.status_code == 404
-        assert process_id not in [p.process_id for p in processes.list()]
+        assert process_id not in listed(sdk, sandbox, server)
 
 
-def test_eviction_is_a_410_or_an_error_event(sdk, sandbox, server):
+def test_eviction_of_finished_output_is_a_410(sdk, sandbox, server):
     processes = sandbox.processes
     process_id = processes.create(
         sdk.ManagedProcessCreateRequest(command="sh", arguments=["-c", "echo a; echo b"])
@@ -208,19 +293,64 @@ def test_eviction_is_a_410_or_an_error_event(sdk, sandbox, server):
     )
     newest = processes.get(process_id).output.newest_sequence
     server.evict(process_id)
-    options = sdk.ManagedProcessConnectOptions(after_sequence=0)
+    with pytest.raises(sdk.APIError) as caught:
+        processes.connect(process_id)  # the SDK's default `after` (0)
+    assert caught.value.status_code == 410
+    if server.reading == "conservative":  # a string map naming the restart point
+        assert "output_offset_expired" in str(caught.value)
+        assert "oldest_available_seq: %d" % (newest + 1) in str(caught.value)
+    else:  # a plain string, no restart point
+        assert "output offset expired" in str(caught.value)
+        assert "oldest_available_seq" not in str(caught.value)
+
+
+def test_eviction_of_live_output_is_a_410_or_an_error_event(sdk, sandbox, server):
+    processes = sandbox.processes
+    process_id = processes.create(
+        sdk.ManagedProcessCreateRequest(command="sh", arguments=["-c", "echo a; sleep 30"])
+    ).process_id
+    deadline = time.monotonic() + 10
+    while processes.get(process_id).output.newest_sequence < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    server.evict(process_id)
     if server.reading == "conservative":
         with pytest.raises(sdk.APIError) as caught:
-            processes.connect(process_id, options)
+            processes.connect(process_id)
         assert caught.value.status_code == 410
-        assert "output_offset_expired" in str(caught.value)
     else:
-        with processes.connect(process_id, options) as stream:
+        with processes.connect(process_id) as stream:
             events = [e for e in stream if e.type != sdk.ManagedProcessConnectEventType.HEARTBEAT]
         (error,) = events
         assert error.type == sdk.ManagedProcessConnectEventType.ERROR
         assert error.error_message == "output_offset_expired"
-        assert error.oldest_available_sequence == newest + 1
+        assert error.oldest_available_sequence == 2
+    processes.delete(process_id)
+
+
+def test_strict_mode_refuses_only_the_sdks_body_less_post(sdk, server, monkeypatch):
+    with LocalServer(strict=True, reading=server.reading) as strict:
+        monkeypatch.setenv("CREATEOS_SANDBOX_BASE_URL", strict.url)
+        monkeypatch.setenv("CREATEOS_API_KEY", strict.api_key)
+        with sdk.Client() as client:
+            processes = client.get_sandbox(SANDBOX).processes
+            process_id = processes.create(
+                sdk.ManagedProcessCreateRequest(command="sleep", arguments=["30"])
+            ).process_id
+            processes.input(process_id, "x")
+            # httpx sends Content-Length: 0 and no Content-Type on a POST without
+            # a body, which strict mode refuses as the vendor forwarder would.
+            with pytest.raises(sdk.APIError) as caught:
+                processes.close_standard_input(process_id)
+            assert caught.value.status_code == 400 and "application/json" in str(caught.value)
+            processes.signal(process_id, sdk.ManagedProcessSignal.KILL)
+            assert processes.wait(process_id).leader_exited
+            sandbox = client.get_sandbox(SANDBOX)
+            path = os.path.join(strict.process(process_id)["cwd"], "blob")
+            sandbox.files.upload(path, b"raw")  # a PUT: not a JSON POST
+        assert [r.status for r in strict.requests_to("stdin_close")] == [400]
+        posts = [r.status for r in strict.requests if r.method == "POST"]
+        assert posts[0] in (200, 201) and posts[1:] == [200, 400, 200]  # create, input, …
 
 
 def test_files_upload_then_download_the_same_bytes(sdk, sandbox, server, tmp_path):
@@ -305,16 +435,23 @@ def test_a_reader_left_behind_by_the_journal_gets_output_evicted(reading):
             if not seen:  # meanwhile the flood outruns the socket buffers and the journal
                 seen.append(text)
                 time.sleep(1.3)
+                (process_id,) = [p["process_id"] for p in server.processes()]
+                assert server.wait_tree_gone(process_id)  # and the output is final
 
         script = "echo first; sleep 0.3; head -c 30000000 /dev/zero"
         with make_client(server) as client, pytest.raises(cx.OutputEvictedError) as caught:
             client.execute(SANDBOX, script, shell=True, on_output=fall_behind)
         connects = [r.status for r in server.requests_to("connect")]
     assert seen == ["first\n"] and caught.value.result.stdout.startswith("first\n")
-    assert caught.value.oldest_available_seq > 2
-    # Conservative: an error frame on the live stream. Alternative: the stream
-    # is cut, and the reconnect starts with the error frame.
-    assert connects == ([200] if reading == "conservative" else [200, 200])
+    # Conservative: an error frame on the live stream, naming the restart point.
+    # Alternative: the stream is cut, and the reconnect meets a 410 whose plain
+    # string names no seq (the output is final by then).
+    if reading == "conservative":
+        assert connects == [200] and caught.value.oldest_available_seq > 2
+    else:
+        assert connects == [200, 410]
+        oldest = caught.value.oldest_available_seq
+        assert oldest is None or oldest > 2
 
 
 # -- createos_exec against a Go-style signal spelling -----------------------------------
