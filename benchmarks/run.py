@@ -454,8 +454,8 @@ def run_memory_probe(server: StreamServer, shape: Shape, warmup: Shape) -> Optio
         "url": server.url,
         "shape": shape.name,
         "warmup": warmup.name,
-        "chars": expected.chars,
-        "tail": expected.tail,
+        "chars": expected.chars["stdout"],
+        "tail": expected.tails["stdout"],
     }
     done = subprocess.run(
         [sys.executable, os.path.join(HERE, "memory_probe.py"), json.dumps(spec)],

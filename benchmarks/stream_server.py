@@ -53,6 +53,7 @@ _LINE_TEXT = (
 _BLOCK_TEXT = (_LINE_TEXT * 8 + "\n").encode("utf-8")
 _CONTINUATION_BYTES = bytes(range(0x80, 0xC0))
 _EXIT_LINE = b'{"type":"exit","exit_code":0}\n'
+STREAMS = ("stdout", "stderr")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +62,7 @@ class Shape:
 
     `chunk_bytes` 0 sends each frame as one HTTP chunk (as CreateOS does);
     otherwise the NDJSON text is cut into HTTP chunks of that size.
+    The payload is all stdout.
     """
 
     name: str
@@ -75,13 +77,15 @@ class Shape:
 
 @dataclasses.dataclass(frozen=True)
 class Expected:
-    """What a reader of a shape must end up with."""
+    """What a reader of a shape must end up with; per stream, by stream name."""
 
-    payload_bytes: int
-    chars: int
-    tail: str  # the last TAIL_CHARS characters of the text
-    frames: int
+    payload_bytes: int  # both streams
+    frames: int  # data frames
+    heartbeats: int
     body_bytes: int  # size of the chunked body, framing included
+    stream_bytes: Dict[str, int]
+    chars: Dict[str, int]
+    tails: Dict[str, str]  # the last TAIL_CHARS characters of each stream ("" if none)
 
 
 # --------------------------------------------------------------------------
@@ -116,25 +120,41 @@ def _whole_last_character(data: bytes) -> bytes:
     return data
 
 
-def expected_of(shape: Shape, data: bytes, body_bytes: int) -> Expected:
-    chars = len(data.translate(None, _CONTINUATION_BYTES))  # one lead byte per character
-    tail = data[-4 * TAIL_CHARS :].decode("utf-8", "ignore")[-TAIL_CHARS:]
-    return Expected(len(data), chars, tail, shape.frames, body_bytes)
+def stream_data(shape: Shape) -> Dict[str, bytes]:
+    """The payload of each stream of `shape`: all on stdout."""
+    return {"stdout": payload(shape.payload_bytes), "stderr": b""}
 
 
-def frame_lines(data: bytes, frame_bytes: int, first_seq: int = 1) -> Iterable[bytes]:
-    """The NDJSON data frames of `data` from `first_seq` on, newline included."""
-    view = memoryview(data)
-    for offset in range((first_seq - 1) * frame_bytes, len(data), frame_bytes):
-        encoded = binascii.b2a_base64(view[offset : offset + frame_bytes], newline=False)
-        seq = offset // frame_bytes + 1
+def expected_of(shape: Shape, data: Dict[str, bytes], body_bytes: int) -> Expected:
+    chars, tails = {}, {}
+    for name, text in data.items():
+        chars[name] = len(text.translate(None, _CONTINUATION_BYTES))  # one lead byte each
+        tails[name] = text[-4 * TAIL_CHARS :].decode("utf-8", "ignore")[-TAIL_CHARS:]
+    return Expected(
+        payload_bytes=sum(len(text) for text in data.values()),
+        frames=shape.frames,
+        heartbeats=0,
+        body_bytes=body_bytes,
+        stream_bytes={name: len(text) for name, text in data.items()},
+        chars=chars,
+        tails=tails,
+    )
+
+
+def frame_lines(shape: Shape, data: Dict[str, bytes], first_seq: int = 1) -> Iterable[bytes]:
+    """The NDJSON data frames from `first_seq` on, newline included."""
+    view = memoryview(data["stdout"])
+    size = shape.frame_bytes
+    for offset in range((first_seq - 1) * size, len(view), size):
+        encoded = binascii.b2a_base64(view[offset : offset + size], newline=False)
+        seq = offset // size + 1
         yield b'{"type":"data","seq":%d,"stream":"stdout","data_base64":"%s"}\n' % (seq, encoded)
 
 
-def chunked_body(shape: Shape, data: bytes, first_seq: int = 1) -> bytearray:
+def chunked_body(shape: Shape, data: Dict[str, bytes], first_seq: int = 1) -> bytearray:
     """The whole chunked HTTP body of a connect: data frames, exit frame, last chunk."""
     body = bytearray()
-    lines = frame_lines(data, shape.frame_bytes, first_seq)
+    lines = frame_lines(shape, data, first_seq)
     if shape.chunk_bytes == 0:
         for line in lines:
             body += b"%X\r\n" % len(line)
@@ -203,7 +223,7 @@ class _App:
         self._counter = 0
         self._lock = threading.Lock()
         for shape in shapes:
-            data = payload(shape.payload_bytes)
+            data = stream_data(shape)
             body = chunked_body(shape, data)
             self.bodies[shape.name] = body
             self.expected[shape.name] = expected_of(shape, data, len(body))
@@ -293,7 +313,7 @@ class _App:
         if after == 0:
             body = self.bodies[shape.name]
         else:  # a resume: rare here, so generated on demand
-            body = chunked_body(shape, payload(shape.payload_bytes), min(after, shape.frames) + 1)
+            body = chunked_body(shape, stream_data(shape), min(after, shape.frames) + 1)
         sock.sendall(
             b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\n"
             b"Cache-Control: no-store\r\nTransfer-Encoding: chunked\r\n\r\n"
