@@ -25,6 +25,7 @@ SHAPES = (
     "64 KiB frames, one HTTP chunk per frame",
     "100-byte frames, one HTTP chunk per frame",
     "100-byte frames in 64 KiB HTTP chunks",
+    "100-byte frames in 64 KiB chunks, stdout and stderr interleaved, heartbeats, multi-byte text",
 )
 READERS = (
     "server alone (drain, no parsing)",
@@ -73,7 +74,8 @@ def test_the_tiny_benchmark_reports_every_section_and_reader():
             assert report.count(reader + " ") == len(SHAPES)
             continue
         assert len(rows_with_a_number(report, reader)) == len(SHAPES), reader
-    assert len(re.findall(r"^  ratios: execute/per-line %sx" % NUMBER, report, re.M)) == 3
+    assert len(re.findall(r"^  ratios: execute/per-line %sx" % NUMBER, report, re.M)) == len(SHAPES)
+    assert re.search(r"\] execute, mixed .* \(within 15 %%\): %sx" % NUMBER, report)
     assert len(re.findall(r"of output: idle %s MiB, peak %s MiB" % (NUMBER, NUMBER), report)) == 2
     assert len(re.findall(r"characters: +%s ns/char" % NUMBER, report)) == 3
     assert re.search(r"naive .* %s ns/char" % NUMBER, report)
