@@ -3,7 +3,8 @@
 - ``drain``: the server alone: reads the response to EOF and counts bytes.
 - ``read_per_line``: the decode ceiling: a raw socket, hand-made HTTP/1.1
   de-chunking, and per line only the unavoidable work: one ``json.loads``,
-  strict base64, incremental UTF-8 decoding.
+  strict base64, incremental UTF-8 decoding (one decoder per stream;
+  heartbeats are counted and skipped).
 - ``read_batched``: the same, but one ``json.loads`` per block of complete
   lines (``[line,line,…]``).
 - ``ExecuteReader``: ``createos_exec.Client.execute`` end to end, with an
@@ -13,7 +14,9 @@
   incremental UTF-8 decoder.
 
 Every reader returns a ``Received`` that ``verify`` compares with the
-stream's ``Expected``: a reader that skips work cannot pass.
+stream's ``Expected``, stdout and stderr each on its own (bytes, characters,
+last characters): a reader that skips work, or mixes up the streams, cannot
+pass. The raw readers and the SDK also check that ``seq`` grows by one.
 """
 
 from __future__ import annotations
@@ -23,9 +26,9 @@ import codecs
 import json
 import socket
 import sys
-from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, NamedTuple, Optional, Tuple
 
-from stream_server import API_KEY, SANDBOX, TAIL_CHARS, Expected
+from stream_server import API_KEY, SANDBOX, STREAMS, TAIL_CHARS, Expected
 
 RECV_BYTES = 256 * 1024
 DIRECT_CHUNK_BYTES = 16 * 1024  # a chunk at least this big that outgrows the buffer
@@ -38,23 +41,32 @@ class VerificationError(Exception):
 
 
 class Received(NamedTuple):
-    payload_bytes: Optional[int]  # None: the reader does not see bytes (execute)
-    chars: int
-    tail: str  # the last characters the reader decoded
+    """What a reader got, per stream name (stdout, stderr)."""
+
+    stream_bytes: Optional[Dict[str, int]]  # None: the reader does not see bytes (execute)
+    chars: Dict[str, int]
+    tails: Dict[str, str]  # the last characters the reader decoded of each stream
     exit_code: Optional[int]
+    heartbeats: Optional[int] = None  # None: the reader does not see them
 
 
 def verify(reader: str, got: Received, expected: Expected) -> None:
     problems = []
-    if got.payload_bytes is not None and got.payload_bytes != expected.payload_bytes:
-        problems.append(
-            "%d payload bytes, expected %d" % (got.payload_bytes, expected.payload_bytes)
-        )
-    if got.chars != expected.chars:
-        problems.append("%d characters, expected %d" % (got.chars, expected.chars))
-    tail = got.tail[-TAIL_CHARS:]
-    if not tail or not expected.tail.endswith(tail):
-        problems.append("the last characters differ from the stream's")
+    for name in STREAMS:
+        if got.stream_bytes is not None and got.stream_bytes[name] != expected.stream_bytes[name]:
+            problems.append(
+                "%d %s payload bytes, expected %d"
+                % (got.stream_bytes[name], name, expected.stream_bytes[name])
+            )
+        if got.chars[name] != expected.chars[name]:
+            problems.append(
+                "%d %s characters, expected %d" % (got.chars[name], name, expected.chars[name])
+            )
+        tail, expected_tail = got.tails[name][-TAIL_CHARS:], expected.tails[name]
+        if bool(tail) != bool(expected_tail) or not expected_tail.endswith(tail):
+            problems.append("the last characters of %s differ from the stream's" % name)
+    if got.heartbeats is not None and got.heartbeats != expected.heartbeats:
+        problems.append("%d heartbeats, expected %d" % (got.heartbeats, expected.heartbeats))
     if got.exit_code != 0:
         problems.append("exit code %r" % (got.exit_code,))
     if problems:
@@ -111,7 +123,7 @@ def drain(address: Tuple[str, int], path: str, expected: Expected) -> Received:
     if total != expected.body_bytes or not last.endswith(b"0\r\n\r\n"):
         raise VerificationError("drain: %d body bytes, expected %d" % (total, expected.body_bytes))
     # Nothing was decoded: report the stream's own figures, the bytes were counted.
-    return Received(expected.payload_bytes, expected.chars, expected.tail, 0)
+    return Received(expected.stream_bytes, expected.chars, expected.tails, 0, expected.heartbeats)
 
 
 def dechunked(sock: socket.socket, initial: bytes) -> Iterator[bytes]:
@@ -231,13 +243,16 @@ def read_ndjson(
     address: Tuple[str, int], path: str, reader: str, parse: Callable[[str], Iterable[Any]]
 ) -> Received:
     """Read the stream, `parse` each run of complete lines (newlines included), then
-    do the unavoidable work per frame: strict base64, incremental UTF-8 decoding."""
+    do the unavoidable work per frame: strict base64, incremental UTF-8 decoding
+    with one decoder per stream. The two streams keep their figures in locals
+    of their own: this loop is the ceiling, a lookup per frame would lower it."""
     sock, initial = open_stream(address, path)
     with sock:
         a2b = binascii.a2b_base64
-        decode = codecs.getincrementaldecoder("utf-8")("replace").decode
-        seq = payload_bytes = chars = 0
-        last = ""
+        decode_out = codecs.getincrementaldecoder("utf-8")("replace").decode
+        decode_err = codecs.getincrementaldecoder("utf-8")("replace").decode
+        seq = out_bytes = out_chars = err_bytes = err_chars = heartbeats = 0
+        out_last = err_last = ""
         exit_code = None
         pending = ""  # a line cut by the end of a recv
         for text in ndjson_text(dechunked(sock, initial)):
@@ -263,18 +278,35 @@ def read_ndjson(
                         raw = a2b(frame["data_base64"], strict_mode=True)  # novermin
                     else:
                         raw = a2b(frame["data_base64"])
-                    payload_bytes += len(raw)
-                    output = decode(raw)
-                    chars += len(output)
-                    last = output or last
+                    stream = frame["stream"]
+                    if stream == "stdout":
+                        out_bytes += len(raw)
+                        output = decode_out(raw)
+                        out_chars += len(output)
+                        out_last = output or out_last
+                    elif stream == "stderr":
+                        err_bytes += len(raw)
+                        output = decode_err(raw)
+                        err_chars += len(output)
+                        err_last = output or err_last
+                    else:
+                        raise VerificationError("%s: unknown stream %r" % (reader, stream))
+                elif kind == "heartbeat":
+                    heartbeats += 1
                 elif kind == "exit":
                     exit_code = frame.get("exit_code")
-                elif kind != "heartbeat":
+                else:
                     raise VerificationError("%s: unexpected frame %r" % (reader, kind))
         if pending:
             raise VerificationError("%s: the body ended inside a line" % reader)
-        text = decode(b"", True)
-        return Received(payload_bytes, chars + len(text), last + text, exit_code)
+        out_rest, err_rest = decode_out(b"", True), decode_err(b"", True)
+        return Received(
+            {"stdout": out_bytes, "stderr": err_bytes},
+            {"stdout": out_chars + len(out_rest), "stderr": err_chars + len(err_rest)},
+            {"stdout": out_last + out_rest, "stderr": err_last + err_rest},
+            exit_code,
+            heartbeats,
+        )
 
 
 # --------------------------------------------------------------------------
@@ -290,19 +322,36 @@ class ExecuteReader:
         self.client = createos_exec.Client(url, API_KEY)
 
     def read(self, shape_name: str) -> Received:
-        chars = 0
+        out_chars = err_chars = 0
+        strangers = []
 
         def count(stream: str, text: str) -> None:
-            nonlocal chars
-            chars += len(text)
+            nonlocal out_chars, err_chars
+            if stream == "stdout":
+                out_chars += len(text)
+            elif stream == "stderr":
+                err_chars += len(text)
+            else:
+                strangers.append(stream)
 
         result = self.client.execute(SANDBOX, shape_name, on_output=count)
-        if len(result.stdout) != min(chars, MAX_OUTPUT_CHARS) or result.reconnects:
+        kept = {"stdout": result.stdout, "stderr": result.stderr, "output": result.output}
+        counted = {"stdout": out_chars, "stderr": err_chars, "output": out_chars + err_chars}
+        for name, text in kept.items():
+            if len(text) != min(counted[name], MAX_OUTPUT_CHARS):
+                raise VerificationError(
+                    "execute: %s holds %d characters of %d" % (name, len(text), counted[name])
+                )
+        if strangers or result.reconnects:
             raise VerificationError(
-                "execute: stdout holds %d characters of %d (%d reconnects)"
-                % (len(result.stdout), chars, result.reconnects)
+                "execute: output of streams %r, %d reconnects" % (strangers, result.reconnects)
             )
-        return Received(None, chars, result.stdout[-TAIL_CHARS:], result.exit_code)
+        return Received(
+            None,
+            {"stdout": out_chars, "stderr": err_chars},
+            {"stdout": result.stdout[-TAIL_CHARS:], "stderr": result.stderr[-TAIL_CHARS:]},
+            result.exit_code,
+        )
 
     def close(self) -> None:
         self.client.close()
@@ -331,25 +380,44 @@ class SdkReader:
         created = processes.create(sdk.ManagedProcessCreateRequest(command=shape_name))
         data_kind = sdk.ManagedProcessConnectEventType.DATA
         exit_kind = sdk.ManagedProcessConnectEventType.EXIT
-        decode = codecs.getincrementaldecoder("utf-8")("replace").decode
-        seq = payload_bytes = chars = 0
-        last = ""
+        heartbeat_kind = sdk.ManagedProcessConnectEventType.HEARTBEAT
+        stdout, stderr = sdk.ManagedProcessStream.STDOUT, sdk.ManagedProcessStream.STDERR
+        decode_out = codecs.getincrementaldecoder("utf-8")("replace").decode
+        decode_err = codecs.getincrementaldecoder("utf-8")("replace").decode
+        seq = out_bytes = out_chars = err_bytes = err_chars = heartbeats = 0
+        out_last = err_last = ""
         exit_code = None
         options = sdk.ManagedProcessConnectOptions(after_sequence=0)
-        with processes.connect(created.process_id, options) as stream:
-            for event in stream:  # to the end of the body: the connection is reused
+        with processes.connect(created.process_id, options) as events:
+            for event in events:  # to the end of the body: the connection is reused
                 if event.type == data_kind:
                     seq += 1
                     if event.sequence != seq:
                         raise VerificationError("SDK: seq %r, expected %d" % (event.sequence, seq))
-                    payload_bytes += len(event.data)
-                    text = decode(event.data)
-                    chars += len(text)
-                    last = text or last
+                    if event.stream is stdout:
+                        out_bytes += len(event.data)
+                        text = decode_out(event.data)
+                        out_chars += len(text)
+                        out_last = text or out_last
+                    elif event.stream is stderr:
+                        err_bytes += len(event.data)
+                        text = decode_err(event.data)
+                        err_chars += len(text)
+                        err_last = text or err_last
+                    else:
+                        raise VerificationError("SDK: unknown stream %r" % (event.stream,))
+                elif event.type == heartbeat_kind:
+                    heartbeats += 1
                 elif event.type == exit_kind:
                     exit_code = event.exit_code
-        text = decode(b"", True)
-        return Received(payload_bytes, chars + len(text), last + text, exit_code)
+        out_rest, err_rest = decode_out(b"", True), decode_err(b"", True)
+        return Received(
+            {"stdout": out_bytes, "stderr": err_bytes},
+            {"stdout": out_chars + len(out_rest), "stderr": err_chars + len(err_rest)},
+            {"stdout": out_last + out_rest, "stderr": err_last + err_rest},
+            exit_code,
+            heartbeats,
+        )
 
     def close(self) -> None:
         self.client.close()

@@ -13,16 +13,26 @@ What is measured
 ----------------
 throughput  A synthetic CreateOS server (stream_server.py, a process of its
             own) serves the same pre-generated output stream to every reader,
-            for three shapes: 64 KiB frames (256 MiB); 100-byte frames, one
+            for four shapes: 64 KiB frames (256 MiB); 100-byte frames, one
             HTTP chunk per frame (32 MiB); the same 100-byte frames in 64 KiB
-            HTTP chunks. Readers (readers.py), interleaved (each repetition
-            runs every reader once): the server alone (drain to EOF, no
-            parsing), the per-line decode ceiling (raw socket, hand-made
-            de-chunking, one json.loads per line, strict base64, incremental
-            UTF-8), the batched ceiling (one json.loads per block of lines),
-            createos_exec's Client.execute() end to end, and the official
-            SDK's processes.connect(). Every reader's output is verified.
-            MB/s = 10^6 bytes of decoded payload per second.
+            HTTP chunks; and a mixed stream of 100-byte frames in 64 KiB
+            HTTP chunks (32 MiB in all), with stdout and stderr interleaved
+            in runs of 1 to 8 frames (seeded, alternating), a heartbeat line
+            after every 300th data frame, and text with 2-, 3- and 4-byte
+            characters ("é", "€", "😀") split across the frames of each
+            stream. All but the mixed one are stdout only. Readers
+            (readers.py), interleaved (each repetition runs every reader
+            once): the server alone (drain to EOF, no parsing), the per-line
+            decode ceiling (raw socket, hand-made de-chunking, one json.loads
+            per line, strict base64, incremental UTF-8, one decoder per
+            stream, heartbeats skipped), the batched ceiling (one json.loads
+            per block of lines), createos_exec's Client.execute() end to end,
+            and the official SDK's processes.connect(). Every reader's output
+            is verified, each stream on its own. MB/s = 10^6 bytes of decoded
+            payload (both streams) per second. Besides execute() against
+            the other readers on each shape, a target compares execute()
+            with itself: on the mixed shape it should keep at least 85 % of
+            its MB/s on the stdout-only 100-byte frames in 64 KiB chunks.
 memory      Peak RSS of a child process (memory_probe.py) while execute()
             streams 64 MiB and 1 GiB of output with the default
             max_output_chars, against the same process idle.
@@ -73,12 +83,20 @@ SECTIONS = ("throughput", "memory", "tail", "latency")
 SHAPE_64K = "frames-64KiB"
 SHAPE_100B = "frames-100B-chunk-each"
 SHAPE_100B_CHUNKED = "frames-100B-chunks-64KiB"
+SHAPE_MIXED = "frames-100B-mixed-chunks-64KiB"
 SHAPE_LABELS = {
     SHAPE_64K: "64 KiB frames, one HTTP chunk per frame",
     SHAPE_100B: "100-byte frames, one HTTP chunk per frame",
     SHAPE_100B_CHUNKED: "100-byte frames in 64 KiB HTTP chunks",
+    SHAPE_MIXED: (
+        "100-byte frames in 64 KiB chunks, stdout and stderr interleaved, heartbeats, "
+        "multi-byte text"
+    ),
 }
-WARMUP_SHAPE = Shape("warmup", 256 * KiB, 100, 64 * KiB)
+WARMUP_SHAPES = (
+    Shape("warmup", 256 * KiB, 100, 64 * KiB),
+    Shape("warmup-mixed", 256 * KiB, 100, 64 * KiB, mixed=True),
+)
 LOCAL_SANDBOX = "sb_local"  # the sandbox tests/local_server.py starts with
 
 SERVER_ALONE = "server alone (drain, no parsing)"
@@ -218,6 +236,7 @@ def throughput_shapes(scale: float) -> List[Shape]:
         Shape(SHAPE_64K, scaled(256 * MiB, scale, 64 * KiB), 64 * KiB),
         Shape(SHAPE_100B, scaled(32 * MiB, scale, 100), 100),
         Shape(SHAPE_100B_CHUNKED, scaled(32 * MiB, scale, 100), 100, 64 * KiB),
+        Shape(SHAPE_MIXED, scaled(32 * MiB, scale, 100), 100, 64 * KiB, mixed=True),
     ]
 
 
@@ -247,7 +266,7 @@ def run_throughput(report: Report, repeat: int, scale: float) -> None:
     )
     progress("generating the streams in the server process")
     medians: Dict[str, Dict[str, Optional[float]]] = {}
-    with StreamServer([WARMUP_SHAPE] + shapes) as server:
+    with StreamServer(list(WARMUP_SHAPES) + shapes) as server:
         execute = readers.ExecuteReader(server.url)
         sdk_module = readers.load_sdk()
         sdk = readers.SdkReader(sdk_module, server.url) if sdk_module is not None else None
@@ -264,14 +283,17 @@ def run_throughput(report: Report, repeat: int, scale: float) -> None:
 
 
 def warm_up(report: Report, reader_of: Dict[str, Any], server: StreamServer) -> None:
-    """One untimed read per reader: connections open, code paths warm."""
+    """Untimed reads per reader: connections open, code paths (stderr too) warm."""
     for name, read in reader_of.items():
         if read is None:
             continue
-        try:
-            readers.verify(name, read(WARMUP_SHAPE.name), server.expected[WARMUP_SHAPE.name])
-        except Exception as exc:  # noqa: BLE001 -- reported, and the row will fail too
-            report.failure("warm-up of %s: %s: %s" % (name, type(exc).__name__, exc))
+        for shape in WARMUP_SHAPES:
+            try:
+                readers.verify(name, read(shape.name), server.expected[shape.name])
+            except Exception as exc:  # noqa: BLE001 -- reported, and the row will fail too
+                report.failure(
+                    "warm-up of %s on %s: %s: %s" % (name, shape.name, type(exc).__name__, exc)
+                )
 
 
 def measure_shape(
@@ -301,11 +323,19 @@ def measure_shape(
                 continue
             speeds[name].append(expected.payload_bytes / elapsed / 1e6)
     report.line()
+    mix = ""
+    if expected.stream_bytes["stderr"]:
+        mix = " (stdout %s, stderr %s, %d heartbeats)" % (
+            size_label(expected.stream_bytes["stdout"]),
+            size_label(expected.stream_bytes["stderr"]),
+            expected.heartbeats,
+        )
     report.line(
-        "%s: %s of payload, %d frames, %.1f MB chunked body"
+        "%s: %s of payload%s, %d frames, %.1f MB chunked body"
         % (
             SHAPE_LABELS[shape.name],
             size_label(shape.payload_bytes),
+            mix,
             expected.frames,
             expected.body_bytes / 1e6,
         )
@@ -329,6 +359,17 @@ def measure_shape(
 
 def ratio(medians: Dict[str, Optional[float]], top: str, bottom: str) -> Optional[float]:
     numerator, denominator = medians.get(top), medians.get(bottom)
+    if numerator is None or denominator is None:
+        return None
+    return numerator / denominator
+
+
+def shape_ratio(
+    medians: Dict[str, Dict[str, Optional[float]]], reader: str, shape_name: str, reference: str
+) -> Optional[float]:
+    """`reader`'s median on `shape_name` over its median on `reference` (None if unknown)."""
+    numerator = medians.get(shape_name, {}).get(reader)
+    denominator = medians.get(reference, {}).get(reader)
     if numerator is None or denominator is None:
         return None
     return numerator / denominator
@@ -360,6 +401,24 @@ THROUGHPUT_TARGETS = (
     ("execute / SDK, 100-byte frames one chunk each", SHAPE_100B, SDK, 3.0),
     ("execute / SDK, 100-byte frames in 64 KiB chunks", SHAPE_100B_CHUNKED, SDK, 3.5),
     ("execute / SDK, 64 KiB frames", SHAPE_64K, SDK, 1.15),
+    (
+        "execute / SDK, 100-byte frames in 64 KiB chunks, stdout and stderr mixed",
+        SHAPE_MIXED,
+        SDK,
+        3.5,
+    ),
+)
+# One reader on two shapes: (text, reader, shape, reference shape, bound) for
+# reader's MB/s on shape / its MB/s on the reference shape.
+SHAPE_TARGETS = (
+    (
+        "execute, mixed stdout/stderr with heartbeats and multi-byte text / stdout only, "
+        "100-byte frames in 64 KiB chunks (within 15 %)",
+        EXECUTE,
+        SHAPE_MIXED,
+        SHAPE_100B_CHUNKED,
+        0.85,
+    ),
 )
 
 
@@ -368,6 +427,9 @@ def throughput_targets(report: Report, medians: Dict[str, Dict[str, Optional[flo
     report.line("Throughput targets (medians of this run):")
     for text, shape_name, bottom, bound in THROUGHPUT_TARGETS:
         report.target(Target(text, ratio(medians[shape_name], EXECUTE, bottom), bound))
+    for text, reader, shape_name, reference, bound in SHAPE_TARGETS:
+        value = shape_ratio(medians, reader, shape_name, reference)
+        report.target(Target(text, value, bound))
     server_margin = [ratio(by_reader, SERVER_ALONE, PER_LINE) for by_reader in medians.values()]
     known = [value for value in server_margin if value is not None]
     if known:
@@ -454,8 +516,8 @@ def run_memory_probe(server: StreamServer, shape: Shape, warmup: Shape) -> Optio
         "url": server.url,
         "shape": shape.name,
         "warmup": warmup.name,
-        "chars": expected.chars,
-        "tail": expected.tail,
+        "chars": expected.chars["stdout"],
+        "tail": expected.tails["stdout"],
     }
     done = subprocess.run(
         [sys.executable, os.path.join(HERE, "memory_probe.py"), json.dumps(spec)],

@@ -9,7 +9,13 @@ start-up; while a reader is timed the server only calls ``sendall`` with
 Each ``Shape`` is a stream: an amount of UTF-8 text (mostly ASCII, with 2- and
 3-byte characters, cut at fixed byte sizes so that characters are split
 across frames), the data-frame size, and the HTTP chunking (one chunk per
-frame, or fixed-size chunks that cut lines anywhere).
+frame, or fixed-size chunks that cut lines anywhere). A mixed shape
+interleaves stdout and stderr frames (alternating runs of 1 to 8 frames, from
+a seeded generator), sends a heartbeat line after every 300th data frame, and
+its two texts mix ASCII with 2-, 3- and 4-byte characters ("é", "€", "😀"),
+each stream cut into frames on its own: a character split by a frame boundary
+is finished by the next frame of the same stream, often after frames of the
+other one.
 
 Endpoints, for any sandbox id (the answers mimic ``tests/local_server.py``):
 
@@ -33,6 +39,7 @@ import dataclasses
 import datetime
 import json
 import os
+import random
 import re
 import socket
 import subprocess
@@ -51,8 +58,19 @@ _LINE_TEXT = (
     " 日本語のテキスト — “quoted” €12.50 text, ASCII mostly."
 )
 _BLOCK_TEXT = (_LINE_TEXT * 8 + "\n").encode("utf-8")
+# The texts of a mixed shape: ASCII with 2-, 3- and 4-byte characters, one per stream.
+_MIXED_TEXTS = {
+    "stdout": (" out: café au lait 2.50 €, été 😀 é€😀 résumé, ASCII mostly." * 4 + "\n"),
+    "stderr": (" err: warning 😀 prix élevé: 19.99 € per été, €😀é, still text." * 4 + "\n"),
+}
+_MIXED_BLOCKS = {name: text.encode("utf-8") for name, text in _MIXED_TEXTS.items()}
 _CONTINUATION_BYTES = bytes(range(0x80, 0xC0))
 _EXIT_LINE = b'{"type":"exit","exit_code":0}\n'
+_HEARTBEAT_LINE = b'{"type":"heartbeat"}\n'
+STREAMS = ("stdout", "stderr")
+MIXED_SEED = 20240601  # the interleaving of a mixed shape is the same on every run
+MIXED_RUN = (1, 8)  # frames per run of one stream in a mixed shape, at least and at most
+HEARTBEAT_EVERY = 300  # data frames between heartbeats in a mixed shape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,13 +78,17 @@ class Shape:
     """One output stream: `payload_bytes` of text in frames of `frame_bytes`.
 
     `chunk_bytes` 0 sends each frame as one HTTP chunk (as CreateOS does);
-    otherwise the NDJSON text is cut into HTTP chunks of that size.
+    otherwise the NDJSON text is cut into HTTP chunks of that size. `mixed`:
+    the payload is shared by stdout and stderr, interleaved in runs of
+    MIXED_RUN frames, with a heartbeat after every HEARTBEAT_EVERY data
+    frames and 4-byte characters in the text; otherwise it is all stdout.
     """
 
     name: str
     payload_bytes: int
     frame_bytes: int
     chunk_bytes: int = 0
+    mixed: bool = False
 
     @property
     def frames(self) -> int:
@@ -75,26 +97,28 @@ class Shape:
 
 @dataclasses.dataclass(frozen=True)
 class Expected:
-    """What a reader of a shape must end up with."""
+    """What a reader of a shape must end up with; per stream, by stream name."""
 
-    payload_bytes: int
-    chars: int
-    tail: str  # the last TAIL_CHARS characters of the text
-    frames: int
+    payload_bytes: int  # both streams
+    frames: int  # data frames
+    heartbeats: int
     body_bytes: int  # size of the chunked body, framing included
+    stream_bytes: Dict[str, int]
+    chars: Dict[str, int]
+    tails: Dict[str, str]  # the last TAIL_CHARS characters of each stream ("" if none)
 
 
 # --------------------------------------------------------------------------
 # Payload and body generation
 
 
-def payload(size: int) -> bytes:
-    """`size` bytes of numbered lines of text, cut at `size`; ends on a whole character."""
+def payload(size: int, text: bytes = _BLOCK_TEXT) -> bytes:
+    """`size` bytes of numbered lines of `text`, cut at `size`; ends on a whole character."""
     parts = []
     total = 0
     number = 0
     while total < size:
-        block = b"%09d" % number + _BLOCK_TEXT
+        block = b"%09d" % number + text
         parts.append(block)
         total += len(block)
         number += 1
@@ -116,25 +140,83 @@ def _whole_last_character(data: bytes) -> bytes:
     return data
 
 
-def expected_of(shape: Shape, data: bytes, body_bytes: int) -> Expected:
-    chars = len(data.translate(None, _CONTINUATION_BYTES))  # one lead byte per character
-    tail = data[-4 * TAIL_CHARS :].decode("utf-8", "ignore")[-TAIL_CHARS:]
-    return Expected(len(data), chars, tail, shape.frames, body_bytes)
+def stream_order(frames: int) -> bytes:
+    """The stream of each data frame of a mixed shape (0 stdout, 1 stderr), in order:
+    runs of MIXED_RUN frames, the streams alternating, the lengths seeded."""
+    rng = random.Random(MIXED_SEED)
+    order = bytearray()
+    stream = 0
+    while len(order) < frames:
+        order += bytes((stream,)) * rng.randint(*MIXED_RUN)
+        stream ^= 1
+    return bytes(order[:frames])
 
 
-def frame_lines(data: bytes, frame_bytes: int, first_seq: int = 1) -> Iterable[bytes]:
-    """The NDJSON data frames of `data` from `first_seq` on, newline included."""
-    view = memoryview(data)
-    for offset in range((first_seq - 1) * frame_bytes, len(data), frame_bytes):
-        encoded = binascii.b2a_base64(view[offset : offset + frame_bytes], newline=False)
-        seq = offset // frame_bytes + 1
-        yield b'{"type":"data","seq":%d,"stream":"stdout","data_base64":"%s"}\n' % (seq, encoded)
+def stream_data(shape: Shape) -> Dict[str, bytes]:
+    """The payload of each stream of `shape`: all on stdout, or shared as its frames are."""
+    if not shape.mixed:
+        return {"stdout": payload(shape.payload_bytes), "stderr": b""}
+    order = stream_order(shape.frames)
+    last = shape.payload_bytes - (shape.frames - 1) * shape.frame_bytes  # the last frame's size
+    sizes = [order.count(index) * shape.frame_bytes for index in (0, 1)]
+    sizes[order[-1]] -= shape.frame_bytes - last
+    return {name: payload(size, _MIXED_BLOCKS[name]) for name, size in zip(STREAMS, sizes)}
 
 
-def chunked_body(shape: Shape, data: bytes, first_seq: int = 1) -> bytearray:
+def expected_of(shape: Shape, data: Dict[str, bytes], body_bytes: int) -> Expected:
+    chars, tails = {}, {}
+    for name, text in data.items():
+        chars[name] = len(text.translate(None, _CONTINUATION_BYTES))  # one lead byte each
+        tails[name] = text[-4 * TAIL_CHARS :].decode("utf-8", "ignore")[-TAIL_CHARS:]
+    return Expected(
+        payload_bytes=sum(len(text) for text in data.values()),
+        frames=shape.frames,
+        heartbeats=shape.frames // HEARTBEAT_EVERY if shape.mixed else 0,
+        body_bytes=body_bytes,
+        stream_bytes={name: len(text) for name, text in data.items()},
+        chars=chars,
+        tails=tails,
+    )
+
+
+def frame_lines(shape: Shape, data: Dict[str, bytes], first_seq: int = 1) -> Iterable[bytes]:
+    """The NDJSON lines of the data frames from `first_seq` on (and of the heartbeats
+    among them), newline included."""
+    if not shape.mixed:
+        view = memoryview(data["stdout"])
+        size = shape.frame_bytes
+        for offset in range((first_seq - 1) * size, len(view), size):
+            encoded = binascii.b2a_base64(view[offset : offset + size], newline=False)
+            seq = offset // size + 1
+            yield b'{"type":"data","seq":%d,"stream":"stdout","data_base64":"%s"}\n' % (
+                seq,
+                encoded,
+            )
+        return
+    views = [memoryview(data[name]) for name in STREAMS]
+    names = [name.encode("ascii") for name in STREAMS]
+    offsets = [0, 0]
+    for seq, index in enumerate(stream_order(shape.frames), 1):
+        offset = offsets[index]
+        offsets[index] = offset + shape.frame_bytes
+        if seq < first_seq:
+            continue
+        encoded = binascii.b2a_base64(
+            views[index][offset : offset + shape.frame_bytes], newline=False
+        )
+        yield b'{"type":"data","seq":%d,"stream":"%s","data_base64":"%s"}\n' % (
+            seq,
+            names[index],
+            encoded,
+        )
+        if seq % HEARTBEAT_EVERY == 0:
+            yield _HEARTBEAT_LINE
+
+
+def chunked_body(shape: Shape, data: Dict[str, bytes], first_seq: int = 1) -> bytearray:
     """The whole chunked HTTP body of a connect: data frames, exit frame, last chunk."""
     body = bytearray()
-    lines = frame_lines(data, shape.frame_bytes, first_seq)
+    lines = frame_lines(shape, data, first_seq)
     if shape.chunk_bytes == 0:
         for line in lines:
             body += b"%X\r\n" % len(line)
@@ -203,7 +285,7 @@ class _App:
         self._counter = 0
         self._lock = threading.Lock()
         for shape in shapes:
-            data = payload(shape.payload_bytes)
+            data = stream_data(shape)
             body = chunked_body(shape, data)
             self.bodies[shape.name] = body
             self.expected[shape.name] = expected_of(shape, data, len(body))
@@ -293,7 +375,7 @@ class _App:
         if after == 0:
             body = self.bodies[shape.name]
         else:  # a resume: rare here, so generated on demand
-            body = chunked_body(shape, payload(shape.payload_bytes), min(after, shape.frames) + 1)
+            body = chunked_body(shape, stream_data(shape), min(after, shape.frames) + 1)
         sock.sendall(
             b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\n"
             b"Cache-Control: no-store\r\nTransfer-Encoding: chunked\r\n\r\n"

@@ -6,17 +6,26 @@ as met or MISSED; whether they are met is not a test result.
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import re
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import readers  # noqa: E402
+import stream_server  # noqa: E402
 
 SHAPES = (
     "64 KiB frames, one HTTP chunk per frame",
     "100-byte frames, one HTTP chunk per frame",
     "100-byte frames in 64 KiB HTTP chunks",
+    "100-byte frames in 64 KiB chunks, stdout and stderr interleaved, heartbeats, multi-byte text",
 )
 READERS = (
     "server alone (drain, no parsing)",
@@ -65,7 +74,8 @@ def test_the_tiny_benchmark_reports_every_section_and_reader():
             assert report.count(reader + " ") == len(SHAPES)
             continue
         assert len(rows_with_a_number(report, reader)) == len(SHAPES), reader
-    assert len(re.findall(r"^  ratios: execute/per-line %sx" % NUMBER, report, re.M)) == 3
+    assert len(re.findall(r"^  ratios: execute/per-line %sx" % NUMBER, report, re.M)) == len(SHAPES)
+    assert re.search(r"\] execute, mixed .* \(within 15 %%\): %sx" % NUMBER, report)
     assert len(re.findall(r"of output: idle %s MiB, peak %s MiB" % (NUMBER, NUMBER), report)) == 2
     assert len(re.findall(r"characters: +%s ns/char" % NUMBER, report)) == 3
     assert re.search(r"naive .* %s ns/char" % NUMBER, report)
@@ -74,3 +84,49 @@ def test_the_tiny_benchmark_reports_every_section_and_reader():
     assert re.search(r"resume after a connection reset .* median %s ms" % NUMBER, report)
     assert re.search(r"targets: [0-9]+ met, [0-9]+ missed", report)
     assert "FAILED" not in report
+
+
+def mixed_shape():
+    shape = stream_server.Shape("mixed", 100 * 1000, 100, 64 * 1024, mixed=True)
+    data = stream_server.stream_data(shape)
+    return shape, data, [json.loads(line) for line in stream_server.frame_lines(shape, data)]
+
+
+def test_the_mixed_shape_interleaves_streams_and_splits_characters_of_every_width():
+    shape, data, frames = mixed_shape()
+    data_frames = [frame for frame in frames if frame["type"] == "data"]
+    assert [frame["seq"] for frame in data_frames] == list(range(1, shape.frames + 1))
+    assert sum(len(payload) for payload in data.values()) == shape.payload_bytes
+    for name, payload in data.items():  # each stream's frames, in order, are its text
+        mine = [f["data_base64"] for f in data_frames if f["stream"] == name]
+        assert b"".join(base64.b64decode(text) for text in mine) == payload
+    order = "".join("o" if frame["stream"] == "stdout" else "e" for frame in data_frames)
+    runs = {len(run.group()) for run in re.finditer(r"o+|e+", order)}
+    assert runs == set(range(1, 9))  # runs of 1 to 8 frames of one stream
+    beats = [i for i, frame in enumerate(frames) if frame["type"] == "heartbeat"]
+    assert [frames[i - 1]["seq"] for i in beats] == list(range(300, shape.frames + 1, 300))
+    widths = set()
+    for frame in data_frames:  # the width of a character the frame's end cuts
+        raw = base64.b64decode(frame["data_base64"])
+        for back in range(1, 4):
+            lead = raw[-back]
+            if lead < 0x80 or lead >= 0xC0:  # not a continuation byte: a character starts
+                width = 1 if lead < 0x80 else 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
+                if width > back:
+                    widths.add(width)
+                break
+    assert widths == {2, 3, 4}
+
+
+def test_verify_tells_the_streams_apart():
+    shape, data, _ = mixed_shape()
+    expected = stream_server.expected_of(shape, data, 0)
+    right = readers.Received(
+        expected.stream_bytes, expected.chars, expected.tails, 0, expected.heartbeats
+    )
+    readers.verify("right", right, expected)
+    swapped = {"stdout": expected.tails["stderr"], "stderr": expected.tails["stdout"]}
+    with pytest.raises(readers.VerificationError, match="stdout differ"):
+        readers.verify("swapped", right._replace(tails=swapped), expected)
+    with pytest.raises(readers.VerificationError, match="heartbeats"):
+        readers.verify("deaf", right._replace(heartbeats=0), expected)
