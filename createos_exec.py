@@ -343,6 +343,8 @@ _PACING_POLL = 0.05  # seconds between looks at a full window
 _CANCEL_POLL = 0.1  # seconds between looks at the cancel event while a read blocks
 _EXIT_CHECK_MS = 5_000  # how long an exit frame without status is checked against `wait`
 _LIVENESS_POLL_MS = 1_000  # the `wait` that tells a quiet process from an exited one
+_LISTING_PAGE_SIZE = 500  # the most the service's paginated lists hold in a page
+_LISTING_PAGES = 20  # pages of the process listing read at most: 10,000 processes
 
 
 def _is_int(value: Any) -> bool:
@@ -585,6 +587,32 @@ class _Budget:
         return min(delay, left)
 
 
+# Headers the service reads before X-Api-Key (protocol.md 1): sent by
+# accident, one of them decides whose call it is.
+_OTHER_CREDENTIALS = ("Authorization", "X-Auth-Token", "X-Access-Token")
+
+
+class _OnlyTheKey(requests.auth.AuthBase):
+    """Every request's one credential: X-Api-Key.
+
+    As a request's own auth it keeps requests from reading ~/.netrc (which
+    would add Authorization: Basic), and it removes the other credential
+    headers from whatever the session adds.
+    """
+
+    def __init__(self, api_key: str) -> None:
+        self._api_key = api_key
+
+    def __call__(self, request: requests.PreparedRequest) -> requests.PreparedRequest:
+        for name in _OTHER_CREDENTIALS:
+            request.headers.pop(name, None)
+        request.headers["X-Api-Key"] = self._api_key
+        return request
+
+    def __repr__(self) -> str:
+        return "_OnlyTheKey(<key>)"
+
+
 class _Transport:
     """Requests to one API origin: pacing, the key header, no redirects, status
     triage, and retries under the client's policy. It holds the client's
@@ -607,7 +635,7 @@ class _Transport:
         self.stream_idle_timeout = stream_idle_timeout
         self.cleanup_timeout = cleanup_timeout
         self.retry = retry
-        self._headers = {"X-Api-Key": api_key}
+        self._auth = _OnlyTheKey(api_key)
         self._session = session
         self._limiter = limiter
 
@@ -648,8 +676,9 @@ class _Transport:
         except _Retryable as failure:
             return failure
 
-    def _headers_for(self, *, raw_body: bool, stream: bool) -> Dict[str, str]:
-        headers = dict(self._headers)
+    @staticmethod
+    def _headers_for(*, raw_body: bool, stream: bool) -> Dict[str, str]:
+        headers = {}
         if raw_body:
             headers["Content-Type"] = "application/octet-stream"
         if stream:
@@ -684,6 +713,7 @@ class _Transport:
                     json=json_body,
                     data=data,
                     headers=headers,
+                    auth=self._auth,
                     timeout=timeout,
                     stream=stream,
                     allow_redirects=False,  # requests would forward X-Api-Key to the new host
@@ -1596,25 +1626,36 @@ class _Launch:
     def _find_created(self) -> str:
         """Find the process by the marker in its arguments, or fail as unconfirmed."""
         try:
-            response = self._transport.call(
-                "GET",
-                _sandbox_path(self._sandbox_id, "/processes"),
-                operation="process listing",
-                deadline=time.monotonic() + self._transport.cleanup_timeout,
-            )
-            listing = _jsend_data(response, "process listing")
-            processes = listing.get("processes") if isinstance(listing, dict) else None
-            if not isinstance(processes, list):
-                raise ProtocolError("the process listing has no list of processes")
-            mine = [p for p in processes if self._has_marker(p)]
-            if mine:
-                process_id = _checked_process_id(mine[0].get("process_id"))
+            mine = next((record for record in self._listed() if self._has_marker(record)), None)
+            if mine is not None:
+                process_id = _checked_process_id(mine.get("process_id"))
                 logger.info("Found process %s by its marker; following it", process_id)
                 return process_id
         except CreateOSError as exc:
             raise CleanupError(creation_unconfirmed=True) from exc
         self.unstage()
         raise CleanupError(creation_unconfirmed=True)
+
+    def _listed(self) -> Iterator[Any]:
+        """The sandbox's processes, page after page (a bounded number of them)."""
+        deadline = time.monotonic() + self._transport.cleanup_timeout
+        offset = 0
+        params: Optional[Dict[str, int]] = None  # the first page as the service chooses it
+        for _ in range(_LISTING_PAGES):
+            response = self._transport.call(
+                "GET",
+                _sandbox_path(self._sandbox_id, "/processes"),
+                operation="process listing",
+                deadline=deadline,
+                params=params,
+            )
+            records, following = _listing_page(_jsend_data(response, "process listing"), offset)
+            yield from records
+            if following is None:
+                return
+            offset = following
+            params = {"limit": _LISTING_PAGE_SIZE, "offset": offset}
+        raise ProtocolError("the process listing has more pages than this client reads")
 
     def _has_marker(self, record: Any) -> bool:
         args = record.get("args") if isinstance(record, dict) else None
@@ -1645,6 +1686,31 @@ class _Launch:
             logger.warning("Could not remove the staged env/stdin file from the sandbox")
 
 
+def _listing_page(listing: Any, offset: int) -> Tuple[List[Any], Optional[int]]:
+    """The records of a page of the process listing, and the offset of the next page.
+
+    Either `{"processes": [...]}`, all at once, or the paginated form of the
+    vendor's other lists, `{"data": [...], "pagination": {"total": N, ...}}`;
+    anything else fails closed.
+    """
+    if not isinstance(listing, dict):
+        raise ProtocolError("the process listing is not an object")
+    if "pagination" not in listing and isinstance(listing.get("processes"), list):
+        return listing["processes"], None
+    records, page = listing.get("data"), listing.get("pagination")
+    if not isinstance(page, dict):
+        page = {}
+    total: Any = page.get("total")
+    if not isinstance(records, list) or not _is_int(total) or page.get("offset", offset) != offset:
+        raise ProtocolError("the process listing is in no form this client knows")
+    following = offset + len(records)
+    if following >= total:
+        return records, None
+    if not records:
+        raise ProtocolError("a page of the process listing is empty before its end")
+    return records, following
+
+
 def _checked_process_id(value: Any) -> str:
     if not isinstance(value, str) or not _ID.match(value):
         raise ProtocolError("a process record has an invalid process_id")
@@ -1656,6 +1722,29 @@ def _checked_process_id(value: Any) -> str:
 
 class _TimedOut(Exception):
     """The deadline a wait runs under expired."""
+
+
+class _Interrupts:
+    """What stops following a process before it ends: the cancel event and a deadline."""
+
+    def __init__(self, cancel: Optional[threading.Event], process_id: str) -> None:
+        self._cancel = cancel
+        self._process_id = process_id
+
+    def check(self, deadline: Optional[float]) -> None:
+        if self._cancel is not None and self._cancel.is_set():
+            raise CancelledError(process_id=self._process_id)
+        if deadline is not None and time.monotonic() >= deadline:
+            raise _TimedOut()
+
+    def pause(self, delay: float, deadline: Optional[float]) -> None:
+        """Sleep `delay` (within the deadline), woken early by the cancel event."""
+        delay = _within(delay, deadline)
+        if self._cancel is not None:
+            self._cancel.wait(delay)
+        else:
+            time.sleep(delay)
+        self.check(deadline)
 
 
 class _Ending(NamedTuple):
@@ -1701,6 +1790,11 @@ class _Run:
             options.encoding, options.errors, options.max_output_chars, options.on_output
         )
         self._reader = _Reader(self._output, cursor)
+        # 404 means gone only from the origin that has held the process: the
+        # one that created it, or that answered for it (another region's
+        # API answers 404 for a process it never had).
+        self._held_here = launch is not None
+        self._interrupts = _Interrupts(options.cancel, process_id)
         self.process_id = process_id
         self.reconnects = 0
         self.exit_recovered = False
@@ -1766,7 +1860,7 @@ class _Run:
         budget = _Budget(self._transport.retry)
         record: Optional[Dict[str, Any]] = None  # the exited process's, once known
         while True:
-            self._check_interrupts(deadline)
+            self._interrupts.check(deadline)
             cursor = self._reader.cursor
             until = None if record is None else _newest_seq(record)
             ended = self._connection(deadline, until)
@@ -1789,7 +1883,7 @@ class _Run:
                 self._reader.cursor,
                 delay,
             )
-            self._pause(delay, deadline)
+            self._interrupts.pause(delay, deadline)
             self.reconnects += 1
 
     def _connection(
@@ -1800,7 +1894,7 @@ class _Run:
         try:
             response = self._connect(deadline)
             with contextlib.closing(response), _unblocked_by(self._options.cancel, response):
-                check = functools.partial(self._check_interrupts, deadline)
+                check = functools.partial(self._interrupts.check, deadline)
                 return self._reader.read(_arriving(response), check, until)
         except _Retryable as failure:
             return failure
@@ -1820,6 +1914,7 @@ class _Run:
             stream=True,
             ok_statuses=(410,),
         )
+        self._held_here = True
         if response.status_code == 410:
             raise OutputEvictedError(_evicted_seq(response), process_id=self.process_id)
         return response
@@ -1838,22 +1933,6 @@ class _Run:
             raise problem
         self.exit_recovered = True
         return recovered
-
-    def _check_interrupts(self, deadline: Optional[float]) -> None:
-        cancel = self._options.cancel
-        if cancel is not None and cancel.is_set():
-            raise CancelledError(process_id=self.process_id)
-        if deadline is not None and time.monotonic() >= deadline:
-            raise _TimedOut()
-
-    def _pause(self, delay: float, deadline: Optional[float]) -> None:
-        delay = _within(delay, deadline)
-        cancel = self._options.cancel
-        if cancel is not None:
-            cancel.wait(delay)
-        else:
-            time.sleep(delay)
-        self._check_interrupts(deadline)
 
     # -- recover ---------------------------------------------------------------
 
@@ -1909,6 +1988,7 @@ class _Run:
             params={"scope": scope, "timeout_ms": poll_ms},
             ok_statuses=(408,),
         )
+        self._held_here = True
         if response.status_code == 408:
             response.close()
             return None
@@ -1927,7 +2007,9 @@ class _Run:
         process once it is deleted); whatever ends that reading, the DELETE
         is waited for (a second Ctrl-C ends that wait).
         """
-        termination = _Termination(self._transport, self._sandbox_id, self.process_id)
+        termination = _Termination(
+            self._transport, self._sandbox_id, self.process_id, gone_if_absent=self._held_here
+        )
         if ending.timed_out:
             ending = self._drain(ending)
         unconfirmed = termination.wait()
@@ -2058,10 +2140,13 @@ def _newest_seq(record: Dict[str, Any]) -> int:
 # -- contain: terminate the remote tree, confirmed -----------------------------
 
 
-def _terminate(transport: _Transport, sandbox_id: str, process_id: str) -> None:
+def _terminate(
+    transport: _Transport, sandbox_id: str, process_id: str, *, gone_if_absent: bool = True
+) -> None:
     """DELETE the tree with a grace period and a fresh deadline.
 
-    Raises CleanupError unless the answer is 404 (gone) or `tree_exited: true`.
+    Raises CleanupError unless the answer is `tree_exited: true`, or 404
+    (gone) where `gone_if_absent`: from the origin that has held the process.
     """
     grace = min(_TERMINATE_GRACE, transport.cleanup_timeout / 2)
     try:
@@ -2073,7 +2158,7 @@ def _terminate(transport: _Transport, sandbox_id: str, process_id: str) -> None:
             process_id=process_id,
             read_timeout=grace + transport.request_timeout,
             params={"grace_ms": int(grace * 1000)},
-            ok_statuses=(404,),
+            ok_statuses=(404,) if gone_if_absent else (),
         )
         if response.status_code == 404:
             response.close()
@@ -2090,17 +2175,17 @@ def _terminate(transport: _Transport, sandbox_id: str, process_id: str) -> None:
 class _Termination:
     """_terminate in a thread of its own, so that the grace period's output can be read."""
 
-    def __init__(self, transport: _Transport, sandbox_id: str, process_id: str) -> None:
+    def __init__(self, *terminate: Any, **options: Any) -> None:
         self._failure: Optional[BaseException] = None
         self._thread = threading.Thread(
-            target=self._run, args=(transport, sandbox_id, process_id), name="createos_exec-cleanup"
+            target=self._run, args=terminate, kwargs=options, name="createos_exec-cleanup"
         )
         self._thread.daemon = True
         self._thread.start()
 
-    def _run(self, transport: _Transport, sandbox_id: str, process_id: str) -> None:
+    def _run(self, *terminate: Any, **options: Any) -> None:
         try:
-            _terminate(transport, sandbox_id, process_id)
+            _terminate(*terminate, **options)
         except BaseException as exc:  # handed over by wait()
             self._failure = exc
 
