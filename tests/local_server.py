@@ -140,6 +140,8 @@ ENDPOINTS = (
     "exec",
     "sandbox",
 )
+# The headers that carry a credential: X-Api-Key, and those read before it.
+CREDENTIAL_HEADERS = ("X-Api-Key", "Authorization", "X-Auth-Token", "X-Access-Token")
 ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 SANDBOX_ID = re.compile(r"[A-Za-z0-9_-]{1,200}\Z")
 UNSIGNED = re.compile(r"[0-9]+\Z")
@@ -179,7 +181,8 @@ class RequestRecord(NamedTuple):
 
     ``query`` is a dict of query parameters (last value wins); ``status`` is
     the HTTP status answered, or 0 when the connection was dropped on purpose
-    (``drop_stream``, ``stall_stream``, ``lose_create_response``).
+    (``drop_stream``, ``stall_stream``, ``lose_create_response``);
+    ``credentials`` names the credential headers the request carried.
     """
 
     time: float
@@ -188,6 +191,7 @@ class RequestRecord(NamedTuple):
     query: dict[str, str]
     status: int
     client_port: int
+    credentials: tuple[str, ...] = ()
 
 
 class ApiError(Exception):
@@ -809,7 +813,13 @@ class _Handler(BaseHTTPRequestHandler):
     def _record(self, status: int) -> None:
         self.answered = status
         record = RequestRecord(
-            self.arrived, self.command, self.raw_path, self.query, status, self.client_address[1]
+            self.arrived,
+            self.command,
+            self.raw_path,
+            self.query,
+            status,
+            self.client_address[1],
+            tuple(name for name in CREDENTIAL_HEADERS if name in self.headers),
         )
         self.server.app.requests.append(record)
 
@@ -1498,6 +1508,10 @@ class LocalServer:
         )
 
     def _authenticate(self, req: _Handler) -> None:
+        # The service reads these before X-Api-Key (protocol §1): whichever
+        # comes first decides the caller, so a stray one is another identity.
+        if any(name in req.headers for name in CREDENTIAL_HEADERS[1:]):
+            raise ApiError(401, {"auth": "credentials other than X-Api-Key"})
         key = req.headers.get("X-Api-Key", "")
         if not hmac.compare_digest(key.encode("utf-8"), self.api_key.encode("utf-8")):
             raise ApiError(401, {"auth": "missing or invalid X-Api-Key"})
