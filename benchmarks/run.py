@@ -17,10 +17,11 @@ throughput  A synthetic CreateOS server (stream_server.py, a process of its
             HTTP chunk per frame (32 MiB); the same 100-byte frames in 64 KiB
             HTTP chunks; and a mixed stream of 100-byte frames in 64 KiB
             HTTP chunks (32 MiB in all), with stdout and stderr interleaved
-            in runs of 1 to 8 frames (seeded, alternating), a heartbeat line
-            after every 300th data frame, and text with 2-, 3- and 4-byte
-            characters ("é", "€", "😀") split across the frames of each
-            stream. All but the mixed one are stdout only. Readers
+            as in a build log (seeded: runs of 1 to 32 stdout frames, 1 to 4
+            stderr frames between them), a heartbeat line after every 500th
+            data frame, and the text of the other shapes (2- and 3-byte
+            characters among ASCII) split across the frames of each stream.
+            All but the mixed one are stdout only. Readers
             (readers.py), interleaved (each repetition runs every reader
             once): the server alone (drain to EOF, no parsing), the per-line
             decode ceiling (raw socket, hand-made de-chunking, one json.loads

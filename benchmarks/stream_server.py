@@ -58,10 +58,13 @@ _LINE_TEXT = (
     " 日本語のテキスト — “quoted” €12.50 text, ASCII mostly."
 )
 _BLOCK_TEXT = (_LINE_TEXT * 8 + "\n").encode("utf-8")
-# The texts of a mixed shape: ASCII with 2-, 3- and 4-byte characters, one per stream.
+# The texts of a mixed shape: the characters of the other shapes (2- and
+# 3-byte ones among ASCII), marked per stream, so that it differs from them
+# in its framing alone (interleaving, heartbeats). A 4-byte character would
+# make every decoded text twice as wide in memory (UCS-4).
 _MIXED_TEXTS = {
-    "stdout": (" out: café au lait 2.50 €, été 😀 é€😀 résumé, ASCII mostly." * 4 + "\n"),
-    "stderr": (" err: warning 😀 prix élevé: 19.99 € per été, €😀é, still text." * 4 + "\n"),
+    "stdout": " out:" + _LINE_TEXT * 8 + "\n",
+    "stderr": " err:" + _LINE_TEXT * 8 + "\n",
 }
 _MIXED_BLOCKS = {name: text.encode("utf-8") for name, text in _MIXED_TEXTS.items()}
 _CONTINUATION_BYTES = bytes(range(0x80, 0xC0))
@@ -69,8 +72,10 @@ _EXIT_LINE = b'{"type":"exit","exit_code":0}\n'
 _HEARTBEAT_LINE = b'{"type":"heartbeat"}\n'
 STREAMS = ("stdout", "stderr")
 MIXED_SEED = 20240601  # the interleaving of a mixed shape is the same on every run
-MIXED_RUN = (1, 8)  # frames per run of one stream in a mixed shape, at least and at most
-HEARTBEAT_EVERY = 300  # data frames between heartbeats in a mixed shape
+# Frames per run of one stream in a mixed shape, at least and at most: stdout
+# in runs with stderr between them, as a build log interleaves them.
+MIXED_RUNS = ((1, 32), (1, 4))  # stdout, stderr
+HEARTBEAT_EVERY = 500  # data frames between heartbeats in a mixed shape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,8 +85,8 @@ class Shape:
     `chunk_bytes` 0 sends each frame as one HTTP chunk (as CreateOS does);
     otherwise the NDJSON text is cut into HTTP chunks of that size. `mixed`:
     the payload is shared by stdout and stderr, interleaved in runs of
-    MIXED_RUN frames, with a heartbeat after every HEARTBEAT_EVERY data
-    frames and 4-byte characters in the text; otherwise it is all stdout.
+    MIXED_RUNS frames, with a heartbeat after every HEARTBEAT_EVERY data
+    frames; otherwise it is all stdout.
     """
 
     name: str
@@ -142,12 +147,12 @@ def _whole_last_character(data: bytes) -> bytes:
 
 def stream_order(frames: int) -> bytes:
     """The stream of each data frame of a mixed shape (0 stdout, 1 stderr), in order:
-    runs of MIXED_RUN frames, the streams alternating, the lengths seeded."""
+    runs of MIXED_RUNS frames, the streams alternating, the lengths seeded."""
     rng = random.Random(MIXED_SEED)
     order = bytearray()
     stream = 0
     while len(order) < frames:
-        order += bytes((stream,)) * rng.randint(*MIXED_RUN)
+        order += bytes((stream,)) * rng.randint(*MIXED_RUNS[stream])
         stream ^= 1
     return bytes(order[:frames])
 

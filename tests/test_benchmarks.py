@@ -92,7 +92,7 @@ def mixed_shape():
     return shape, data, [json.loads(line) for line in stream_server.frame_lines(shape, data)]
 
 
-def test_the_mixed_shape_interleaves_streams_and_splits_characters_of_every_width():
+def test_the_mixed_shape_interleaves_streams_and_splits_multi_byte_characters():
     shape, data, frames = mixed_shape()
     data_frames = [frame for frame in frames if frame["type"] == "data"]
     assert [frame["seq"] for frame in data_frames] == list(range(1, shape.frames + 1))
@@ -101,10 +101,12 @@ def test_the_mixed_shape_interleaves_streams_and_splits_characters_of_every_widt
         mine = [f["data_base64"] for f in data_frames if f["stream"] == name]
         assert b"".join(base64.b64decode(text) for text in mine) == payload
     order = "".join("o" if frame["stream"] == "stdout" else "e" for frame in data_frames)
-    runs = {len(run.group()) for run in re.finditer(r"o+|e+", order)}
-    assert runs == set(range(1, 9))  # runs of 1 to 8 frames of one stream
+    for stream, (fewest, most) in zip("oe", stream_server.MIXED_RUNS):
+        runs = {len(run.group()) for run in re.finditer(stream + "+", order)}
+        assert runs <= set(range(fewest, most + 1)) and len(runs) >= min(most, 4)
     beats = [i for i, frame in enumerate(frames) if frame["type"] == "heartbeat"]
-    assert [frames[i - 1]["seq"] for i in beats] == list(range(300, shape.frames + 1, 300))
+    every = stream_server.HEARTBEAT_EVERY
+    assert [frames[i - 1]["seq"] for i in beats] == list(range(every, shape.frames + 1, every))
     widths = set()
     for frame in data_frames:  # the width of a character the frame's end cuts
         raw = base64.b64decode(frame["data_base64"])
@@ -115,7 +117,7 @@ def test_the_mixed_shape_interleaves_streams_and_splits_characters_of_every_widt
                 if width > back:
                     widths.add(width)
                 break
-    assert widths == {2, 3, 4}
+    assert widths == {2, 3}  # the characters of the other shapes, cut at every width
 
 
 def test_verify_tells_the_streams_apart():
