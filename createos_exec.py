@@ -1861,7 +1861,7 @@ class _Run:
         record: Optional[Dict[str, Any]] = None  # the exited process's, once known
         while True:
             self._interrupts.check(deadline)
-            cursor = self._reader.cursor
+            cursor, beats = self._reader.cursor, self._reader.heartbeats
             until = None if record is None else _newest_seq(record)
             ended = self._connection(deadline, until)
             if ended is None:
@@ -1878,8 +1878,11 @@ class _Run:
                 budget = _Budget(self._transport.retry)
                 delay = 0.0
             logger.info(
-                "Output stream of %s broke; resuming after seq %d in %.2f s",
+                "Output stream of %s broke after %d new frames and %d heartbeats; "
+                "resuming after seq %d in %.2f s",
                 self.process_id,
+                self._reader.cursor - cursor,
+                self._reader.heartbeats - beats,
                 self._reader.cursor,
                 delay,
             )
