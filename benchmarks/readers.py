@@ -73,6 +73,24 @@ def verify(reader: str, got: Received, expected: Expected) -> None:
         raise VerificationError("%s: %s" % (reader, "; ".join(problems)))
 
 
+def received(
+    out: Tuple[int, int, str, Any], err: Tuple[int, int, str, Any], exit_code: Any, heartbeats: int
+) -> Received:
+    """What a reader counted of each stream (bytes, characters, last text, decoder),
+    with the characters its decoder still held at the end."""
+    counted = {}
+    for name, (size, chars, last, decode) in zip(STREAMS, (out, err)):
+        rest = decode(b"", True)
+        counted[name] = (size, chars + len(rest), last + rest)
+    return Received(
+        {name: c[0] for name, c in counted.items()},
+        {name: c[1] for name, c in counted.items()},
+        {name: c[2] for name, c in counted.items()},
+        exit_code,
+        heartbeats,
+    )
+
+
 # --------------------------------------------------------------------------
 # Raw sockets
 
@@ -299,14 +317,8 @@ def read_ndjson(
                     raise VerificationError("%s: unexpected frame %r" % (reader, kind))
         if pending:
             raise VerificationError("%s: the body ended inside a line" % reader)
-        out_rest, err_rest = decode_out(b"", True), decode_err(b"", True)
-        return Received(
-            {"stdout": out_bytes, "stderr": err_bytes},
-            {"stdout": out_chars + len(out_rest), "stderr": err_chars + len(err_rest)},
-            {"stdout": out_last + out_rest, "stderr": err_last + err_rest},
-            exit_code,
-            heartbeats,
-        )
+        out = (out_bytes, out_chars, out_last, decode_out)
+        return received(out, (err_bytes, err_chars, err_last, decode_err), exit_code, heartbeats)
 
 
 # --------------------------------------------------------------------------
@@ -410,14 +422,8 @@ class SdkReader:
                     heartbeats += 1
                 elif event.type == exit_kind:
                     exit_code = event.exit_code
-        out_rest, err_rest = decode_out(b"", True), decode_err(b"", True)
-        return Received(
-            {"stdout": out_bytes, "stderr": err_bytes},
-            {"stdout": out_chars + len(out_rest), "stderr": err_chars + len(err_rest)},
-            {"stdout": out_last + out_rest, "stderr": err_last + err_rest},
-            exit_code,
-            heartbeats,
-        )
+        out = (out_bytes, out_chars, out_last, decode_out)
+        return received(out, (err_bytes, err_chars, err_last, decode_err), exit_code, heartbeats)
 
     def close(self) -> None:
         self.client.close()
