@@ -1158,7 +1158,7 @@ def _signal_number(name: str) -> Optional[int]:
 # --------------------------------------------------------------------------
 
 
-_TAIL_PART = 65536  # characters; shorter texts are gathered into one part for the tails
+_TAIL_PART = 4096  # characters; shorter texts are gathered into one part for the tails
 
 
 class _Tail:
