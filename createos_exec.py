@@ -57,7 +57,6 @@ from typing import (
     Tuple,
     Type,
     Union,
-    cast,
 )
 
 import requests
@@ -762,7 +761,7 @@ _SERVICE_LINE = re.compile(
 )
 _LONG_DATA_HEAD = re.compile(_DATA_HEAD)
 _SHORT_LINE = 512  # characters; a block that starts with a longer line skips the pattern
-_Line = Tuple[str, str, str]  # seq digits, stream, base64 text; all empty for a heartbeat
+_Line = Tuple[str, ...]  # seq digits, stream, base64 text; all empty for a heartbeat
 
 
 class _Reader:
@@ -876,7 +875,7 @@ class _Reader:
         finally:
             self._take_data(data)
 
-    def _take_data(self, lines: Iterable[Tuple[Any, str, str]]) -> None:
+    def _take_data(self, lines: Iterable[Sequence[Any]]) -> None:
         """Accept data frames (seq, stream, base64) in order; an empty seq is a heartbeat.
 
         Every route ends here: _base64 is the one decoder, and this the one
@@ -942,7 +941,7 @@ def _service_lines(text: str) -> Optional[List[_Line]]:
         line = _SERVICE_LINE.match(text)
         if line is None or line.end() != first_end:
             return None
-        return [cast(_Line, line.groups(""))]  # as findall gives it: "" for no group
+        return [line.groups("")]  # as findall gives it: "" for no group
     if first_end > _SHORT_LINE:
         return None  # several lines, the first of them long: the JSON scanner is faster
     lines: List[_Line] = _SERVICE_LINE.findall(text)
@@ -1158,7 +1157,7 @@ def _signal_number(name: str) -> Optional[int]:
 # --------------------------------------------------------------------------
 
 
-_TAIL_PART = 4096  # characters; shorter texts are gathered into one part for the tails
+_TAIL_PART = 16384  # characters; shorter texts are gathered into one part for the tails
 
 
 class _Tail:
