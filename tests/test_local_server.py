@@ -198,6 +198,16 @@ def test_healthz_needs_no_key_and_the_api_does(server, api):
     assert listed.json() == {"status": "success", "data": {"processes": []}}
 
 
+@pytest.mark.parametrize("header", ["Authorization", "X-Auth-Token", "X-Access-Token"])
+def test_a_credential_read_before_the_key_is_another_identity(server, api, header):
+    # protocol.md §1: the service reads these before X-Api-Key.
+    response = api.request("GET", "/processes", headers={header: "someone else"})
+    assert response.status_code == 401 and response.json()["status"] == "fail"
+    (record,) = server.requests_to("list")
+    assert record.credentials == ("X-Api-Key", header)
+    assert api.request("GET", "/processes").status_code == 200
+
+
 def test_unknown_ids_and_bad_requests_are_refused(server, api):
     other = requests.get(
         server.url + "/v1/sandboxes/sb_nope/processes",
