@@ -198,7 +198,45 @@ class APIError(CreateOSError):
     def __init__(self, status: int, operation: str, *, process_id: Optional[str] = None) -> None:
         self.status = status
         self.operation = operation
-        super().__init__(f"CreateOS answered HTTP {status} to {operation}.", process_id=process_id)
+        advice = _advice(status, operation)
+        super().__init__(
+            f"CreateOS answered HTTP {status} to {operation}" + (f": {advice}." if advice else "."),
+            process_id=process_id,
+        )
+
+
+# What a refusal means and what to do about it, by status. The operations
+# that name a sandbox, not a process, give 404 a meaning of their own.
+_ADVICE = {
+    400: "the request was refused as invalid (an option this sandbox does not accept?)",
+    401: "the API key was refused; check CREATEOS_API_KEY",
+    402: "the account needs a payment method or more credit",
+    403: "the API key was refused for this (another account's sandbox, or a spent quota)",
+    404: (
+        "no such process in this sandbox (a wrong id, a sandbox in another region, "
+        "or a process the service no longer keeps)"
+    ),
+    408: "the service gave up waiting; try again",
+    409: "the sandbox is not running (paused or stopped?); resume it first",
+    422: "the request was refused as invalid (an option this sandbox does not accept?)",
+    429: (
+        "too many requests from this IP address; lower rate_limit if other programs "
+        "share the address"
+    ),
+}
+_SANDBOX_OPERATIONS = ("process creation", "staging of env and stdin", "process listing")
+_NO_SANDBOX = "no sandbox with this id here (a wrong id, or a sandbox in another region)"
+
+
+def _advice(status: int, operation: str) -> str:
+    """The sentence that says what a status means for an operation ("" when none fits)."""
+    if status == 404 and operation in _SANDBOX_OPERATIONS:
+        return _NO_SANDBOX
+    if 300 <= status < 400:
+        return "a redirect was refused (a proxy in between, or a wrong API URL?)"
+    if status >= 500:
+        return "CreateOS is in trouble; try again later"
+    return _ADVICE.get(status, "")
 
 
 class TransportError(CreateOSError):

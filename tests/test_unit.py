@@ -621,7 +621,23 @@ def test_logs_never_show_key_env_or_output(
 # --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("status", [400, 401, 402, 403, 404, 409, 422, 429])
+# What each refusal of process creation says to do: fixed sentences, no body text.
+CREATION_REFUSALS = {
+    400: "the request was refused as invalid (an option this sandbox does not accept?)",
+    401: "the API key was refused; check CREATEOS_API_KEY",
+    402: "the account needs a payment method or more credit",
+    403: "the API key was refused for this (another account's sandbox, or a spent quota)",
+    404: "no sandbox with this id here (a wrong id, or a sandbox in another region)",
+    409: "the sandbox is not running (paused or stopped?); resume it first",
+    422: "the request was refused as invalid (an option this sandbox does not accept?)",
+    429: (
+        "too many requests from this IP address; lower rate_limit if other programs "
+        "share the address"
+    ),
+}
+
+
+@pytest.mark.parametrize("status", list(CREATION_REFUSALS))
 def test_creation_4xx_is_api_error_without_retry(rsps: responses.RequestsMock, status: int) -> None:
     rsps.add(
         responses.POST,
@@ -636,7 +652,8 @@ def test_creation_4xx_is_api_error_without_retry(rsps: responses.RequestsMock, s
     assert err.status == status
     assert err.operation == "process creation"
     assert err.process_id is None
-    assert str(err) == f"CreateOS answered HTTP {status} to process creation."
+    advice = CREATION_REFUSALS[status]
+    assert str(err) == f"CreateOS answered HTTP {status} to process creation: {advice}."
     assert_clean(err, "SECRET-BODY")
     assert len(rsps.calls) == 1  # no retry, no listing, no connect
 
@@ -1525,6 +1542,31 @@ def test_error_attributes() -> None:
         raise err
 
 
+@pytest.mark.parametrize(
+    "status, operation, advice",
+    [
+        (404, "output connection", "no such process in this sandbox"),
+        (404, "staging of env and stdin", "no sandbox with this id here"),
+        (409, "signal delivery", "the sandbox is not running (paused or stopped?)"),
+        (500, "process cleanup", "CreateOS is in trouble; try again later"),
+        (503, "exit status wait", "CreateOS is in trouble; try again later"),
+        (302, "output connection", "a redirect was refused"),
+        (401, "process status", "the API key was refused; check CREATEOS_API_KEY"),
+    ],
+)
+def test_api_error_says_what_a_status_means(status: int, operation: str, advice: str) -> None:
+    message = str(cx.APIError(status, operation))
+    assert message.startswith(f"CreateOS answered HTTP {status} to {operation}: {advice}")
+    assert message.endswith(".")
+    assert str(cx.APIError(status, operation)) == message  # deterministic
+
+
+def test_api_error_without_advice_keeps_the_plain_sentence() -> None:
+    assert str(cx.APIError(418, "process creation")) == (
+        "CreateOS answered HTTP 418 to process creation."
+    )
+
+
 # --------------------------------------------------------------------------
 # ExecResult
 # --------------------------------------------------------------------------
@@ -2230,7 +2272,10 @@ def test_cli_api_error_is_125_with_one_line(
     assert _cli(SB, "--", "true") == 125
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert captured.err == "createos_exec: CreateOS answered HTTP 403 to process creation.\n"
+    assert captured.err == (
+        "createos_exec: CreateOS answered HTTP 403 to process creation: the API key was "
+        "refused for this (another account's sandbox, or a spent quota).\n"
+    )
     assert KEY not in captured.err and "SECRET-BODY" not in captured.err
 
 
