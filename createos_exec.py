@@ -1300,12 +1300,12 @@ def _plan(
     argv = _argv(command, shell)
     staged = _staged_bytes(env, stdin)
     staged_path = f"/tmp/.{marker}" if staged is not None else None
-    lines = []
+    lines = list(_WRAPPER_HEAD)
     if staged_path is None:
         lines.append("exec 0</dev/null")
     else:
         quoted = _quote(staged_path)
-        lines.append(f"exec 0<{quoted} || exit 125")
+        lines.append(f"{{ exec 0<{quoted}; }} 2>/dev/null || _cx_fail 125 '{_UNREADABLE}'")
         lines.append(f"rm -f -- {quoted}")
         var = "_" + marker.replace("-", "_")  # a name no caller's variable can have
         lines.append(
@@ -1313,12 +1313,30 @@ def _plan(
             f'do export "${var}"; done; unset {var}'
         )
     if cwd is not None:
-        lines.append(f"cd -- {_quote(_checked_text('cwd', cwd))} || exit 1")
+        quoted = _quote(_checked_text("cwd", cwd))
+        lines.append(
+            f"cd -- {quoted} 2>/dev/null || "
+            f'{{ _cx_why=$(cd -- {quoted} 2>&1); _cx_fail 1 "cd: "{quoted}": ${{_cx_why##*: }}"; }}'
+        )
     # The command travels as the wrapper's positional parameters, untouched by
     # any quoting, each its own exec string (Linux caps one at 128 KiB).
-    lines.append('exec bash -c -- "$1"' if shell else 'exec -- "$@"')
+    lines.append('exec bash -c -- "$1"' if shell else f'{_FIND_PROGRAM}\nexec -- "$@"')
     body = {"cmd": "bash", "args": ["-c", "\n".join(lines) + "\n", marker, *argv]}
     return _Plan(marker, body, staged_path, staged)
+
+
+# The wrapper's own failures read as a shell's would: they name the program
+# or the directory, never the marker (its $0, which BASH_ARGV0 renames where
+# bash is 5.0 or newer, for whatever bash reports itself).
+_WRAPPER_HEAD = [
+    "BASH_ARGV0=createos_exec",
+    '_cx_fail() { printf \'createos_exec: %s\\n\' "$2" >&2; exit "$1"; }',
+]
+_UNREADABLE = "cannot read the staged file of env and stdin"
+_FIND_PROGRAM = (
+    'case $1 in */*) [ -e "$1" ] || _cx_fail 127 "$1: No such file or directory";; '
+    '*) type -P -- "$1" >/dev/null || _cx_fail 127 "$1: command not found";; esac'
+)
 
 
 def _checked_text(what: str, value: Any) -> str:
