@@ -1478,6 +1478,7 @@ def _error_samples() -> List[BaseException]:
         cx.CommandError(_sample_result()),
         cx.CommandError(_sample_result(exit_code=None, timed_out=True)),
         cx.CommandError(_sample_result(exit_code=None, signal="SIGKILL")),
+        cx.WaitTimeout(["sleep", "9"], 0.5, process_id=PID),
     ]
 
 
@@ -1512,6 +1513,7 @@ def test_error_pickle_round_trip(error: BaseException) -> None:
         "cmd",
         "output",
         "stderr",
+        "timeout",
     ):
         assert getattr(copy, attr, None) == getattr(error, attr, None)
     assert len(error.args) == 1 and isinstance(error.args[0], str)
@@ -1540,6 +1542,20 @@ def test_error_attributes() -> None:
     assert cx.CommandError(_sample_result(exit_code=None, timed_out=True)).returncode is None
     with pytest.raises(subprocess.CalledProcessError):
         raise err
+
+
+def test_wait_timeout_is_also_subprocess_timeout_expired() -> None:
+    error = cx.WaitTimeout(["sleep", "9"], 0.5, process_id=PID)
+    assert isinstance(error, cx.CreateOSError) and isinstance(error, subprocess.TimeoutExpired)
+    assert (error.cmd, error.timeout, error.output, error.stdout, error.stderr) == (
+        ["sleep", "9"],
+        0.5,
+        None,
+        None,
+        None,
+    )
+    assert error.process_id == PID and error.result is None
+    assert str(error) == "The wait ended after 0.5 seconds; the command goes on running."
 
 
 @pytest.mark.parametrize(
