@@ -2493,11 +2493,11 @@ class _Termination:
 
 _EXAMPLES = """\
 examples:
-  python -m createos_exec sb_123 -- uname -a
-  python -m createos_exec --timeout 600 --env CI=1 sb_123 -- make test
-  python -m createos_exec --shell sb_123 -- 'cd /app && ls | wc -l'
-  echo hello | python -m createos_exec --stdin - sb_123 -- cat
-  python -m createos_exec --json sb_123 -- ls /    # one JSON object, for scripts
+  {prog} sb_123 -- uname -a
+  {prog} --timeout 600 --env CI=1 sb_123 -- make test
+  {prog} --shell sb_123 -- 'cd /app && ls | wc -l'
+  echo hello | {prog} --stdin - sb_123 -- cat
+  {prog} --json sb_123 -- ls /    # one JSON object, for scripts
 
 exit status: the remote exit code; 128+N when killed by signal N; 124 on
 timeout; 130 after Ctrl-C (the remote tree is terminated first); 125 for
@@ -2507,12 +2507,16 @@ The API key is read from $CREATEOS_API_KEY (or $CREATEOS_SANDBOX_API_KEY).
 
 
 def _parser() -> argparse.ArgumentParser:
+    # The console script of an installed package, or the module (a vendored copy has no script).
+    called = os.path.basename(sys.argv[0]) if sys.argv else ""
+    prog = "createos-exec" if called.startswith("createos-exec") else "python -m createos_exec"
     parser = argparse.ArgumentParser(
-        prog="python -m createos_exec",
+        prog=prog,
         description="Run one command in a CreateOS sandbox, streaming its output.",
-        epilog=_EXAMPLES,
+        epilog=_EXAMPLES.format(prog=prog),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("--api-url", help="default: $CREATEOS_API_URL or " + DEFAULT_API_URL)
     parser.add_argument("--cwd", help="working directory of the command")
     parser.add_argument(

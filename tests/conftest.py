@@ -133,9 +133,13 @@ def run_example(name):
     )
 
 
+def in_ci():
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
 def require(name):
     """Import a test-only dependency: skipped locally when missing, an error in CI."""
-    if os.environ.get("CI", "").strip().lower() in ("", "0", "false", "no"):
+    if not in_ci():
         return pytest.importorskip(name)
     return importlib.import_module(name)
 
