@@ -16,7 +16,7 @@ import nox
 SUPPORTED = ("3.8", "3.9", "3.10", "3.11", "3.12", "3.13")
 CURRENT = f"{sys.version_info[0]}.{sys.version_info[1]}"
 OTHERS = [version for version in SUPPORTED if version != CURRENT]
-SOURCES = ("createos_exec.py", "noxfile.py", "tests", "examples", "benchmarks")
+SOURCES = ("createos_exec.py", "setup.py", "noxfile.py", "tests", "examples", "benchmarks")
 CORE_TESTS = ("tests/test_unit.py", "tests/test_execute.py", "tests/test_cli.py")
 
 nox.options.sessions = ["lint", "tests", "compat"]
