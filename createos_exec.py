@@ -2191,7 +2191,9 @@ class _Follower:
 
     def send_signal(self, name: str) -> None:
         """Signal the process group; a leader that has exited (409) has nothing to signal."""
-        self._once("POST", "/signal", "signal delivery", json_body={"signal": name}).close()
+        self._once(
+            "POST", "/signal", "signal delivery", json_body={"signal": name}, ok_statuses=(409,)
+        ).close()
 
     def _once(self, method: str, rest: str, operation: str, **request: Any) -> requests.Response:
         transport = self._transport
@@ -2201,7 +2203,6 @@ class _Follower:
             operation=operation,
             timeout=(transport.request_timeout, transport.request_timeout),
             process_id=self.process_id,
-            ok_statuses=(409,) if method == "POST" else (),
             **request,
         )
         if isinstance(answer, _Retryable):

@@ -1444,6 +1444,64 @@ def test_failure_after_creation_removes_staged_file(rsps: responses.RequestsMock
 
 
 # --------------------------------------------------------------------------
+# RemoteProcess: poll() and send_signal() send one request, never retried
+# --------------------------------------------------------------------------
+
+
+def _started(rsps: responses.RequestsMock) -> cx.RemoteProcess:
+    add_created(rsps)
+    return make_client().start(SB, ["sleep", "9"])
+
+
+def test_poll_reads_the_record_once_and_raises_its_failures(rsps: responses.RequestsMock) -> None:
+    process = _started(rsps)
+    rsps.add(responses.GET, PROC, json=ok(record()))
+    rsps.add(responses.GET, PROC, status=503, json={"status": "error", "message": "SECRET-BODY"})
+    rsps.add(responses.GET, PROC, body=requests.exceptions.ConnectionError("reset"))
+    rsps.add(responses.GET, PROC, json=ok(["not", "a", "record"]))
+    rsps.add(responses.GET, PROC, json=ok(record(leader_exited=True, state="exited")))
+    rsps.add(responses.GET, PROC, json=ok(exited(0, signal="killed", exit_code=-1)))
+    assert process.poll() is None
+    with pytest.raises(cx.APIError) as unavailable:
+        process.poll()
+    assert (unavailable.value.status, unavailable.value.operation) == (503, "process status")
+    assert_clean(unavailable.value, "SECRET-BODY")
+    with pytest.raises(cx.TransportError) as unreachable:
+        process.poll()
+    assert unreachable.value.process_id == PID
+    with pytest.raises(cx.ProtocolError):
+        process.poll()
+    with pytest.raises(cx.ProtocolError):
+        process.poll()  # exited, but no status: never taken for "running"
+    assert process.poll() == -9
+    assert process.poll() == -9  # kept: no request
+    assert len(calls(rsps, "GET", PROC)) == 6
+
+
+def test_send_signal_is_sent_once_and_a_gone_leader_is_no_error(
+    rsps: responses.RequestsMock,
+) -> None:
+    process = _started(rsps)
+    rsps.add(responses.POST, f"{PROC}/signal", json=ok({"ok": True}))
+    rsps.add(responses.POST, f"{PROC}/signal", status=409, json={"status": "fail", "data": "x"})
+    rsps.add(responses.POST, f"{PROC}/signal", status=502, body="")
+    process.send_signal("SIGTERM")
+    process.send_signal(2)
+    with pytest.raises(cx.APIError) as caught:
+        process.send_signal("SIGHUP")
+    assert caught.value.status == 502  # never re-sent: a signal must not arrive twice
+    sent = calls(rsps, "POST", f"{PROC}/signal")
+    assert [body_of(c) for c in sent] == [
+        {"signal": "SIGTERM"},
+        {"signal": "SIGINT"},
+        {"signal": "SIGHUP"},
+    ]
+    for bad in ("sigint", "SIG", 0, True, None, 10**6):
+        with pytest.raises(cx.ConfigError):
+            process.send_signal(bad)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------
 # Error classes
 # --------------------------------------------------------------------------
 
