@@ -165,8 +165,8 @@ def test_wait_contains_an_invalid_stream_and_raises_again_later(client, server):
 
 
 def test_the_commands_own_timeout_counts_from_start_and_terminates_the_tree(client, server):
-    proc = client.start(SANDBOX, "echo started; sleep 30", shell=True, timeout=1)
-    time.sleep(1.5)  # the deadline passes before anyone waits
+    proc = client.start(SANDBOX, "echo started; sleep 30", shell=True, timeout=0.5)
+    time.sleep(0.8)  # the deadline passes before anyone waits
     began = time.monotonic()
     result = proc.wait()
     assert result.timed_out and result.exit_code is None
@@ -186,7 +186,7 @@ def test_check_true_raises_command_error_from_wait(client):
 
 
 def test_wait_timeout_only_stops_waiting(client, server):
-    proc = client.start(SANDBOX, "echo one; sleep 1; echo two; exit 4", shell=True)
+    proc = client.start(SANDBOX, "echo one; sleep 0.6; echo two; exit 4", shell=True)
     began = time.monotonic()
     with pytest.raises(subprocess.TimeoutExpired) as caught:
         proc.wait(timeout=0.3)
@@ -204,12 +204,12 @@ def test_wait_timeout_only_stops_waiting(client, server):
 
 def test_a_later_wait_resumes_at_the_cursor_nothing_lost_or_repeated(client, server):
     seen, on_output = collector()
-    script = "for i in $(seq 1 8); do echo line $i; echo err $i >&2; sleep 0.15; done"
+    script = "for i in $(seq 1 8); do echo line $i; echo err $i >&2; sleep 0.08; done"
     proc = client.start(SANDBOX, script, shell=True, on_output=on_output)
     stops = 0
     while True:
         try:
-            result = proc.wait(timeout=0.2)
+            result = proc.wait(timeout=0.1)
             break
         except cx.WaitTimeout:
             stops += 1
@@ -335,7 +335,7 @@ def test_leaving_the_block_after_the_process_ended_sends_nothing(client, server)
 
 
 def test_leaving_the_block_with_termination_unconfirmed_raises_cleanup_error(server):
-    with make_client(server, retry=cx.RetryPolicy(max_attempts=1), cleanup_timeout=1.0) as client:
+    with make_client(server, retry=cx.RetryPolicy(max_attempts=1), cleanup_timeout=0.5) as client:
         with pytest.raises(cx.CleanupError) as caught:
             with client.start(SANDBOX, ["sleep", "30"]) as proc:
                 server.fail("delete", 500, count=5)
