@@ -7,13 +7,17 @@
 
     with cx.Client() as client:          # $CREATEOS_API_URL, $CREATEOS_API_KEY
         client.execute("sb_123", "make test", shell=True, check=True, on_output=cx.echo)
+        with client.start("sb_123", ["python3", "-m", "http.server", "8000"]) as server:
+            client.execute("sb_123", ["curl", "-s", "localhost:8000"])   # the server runs on
+        print(server.wait().signal)      # leaving the block terminated it: SIGTERM
 
 A command runs as a CreateOS managed process. It is created exactly once; its
 output is read from a replayable NDJSON stream that is resumed from the last
 accepted sequence number whenever the connection breaks; when the stream cannot
 deliver the exit status, it is recovered out of band; and on any failure the
-remote process tree is terminated. `python -m createos_exec --help` is the
-command line.
+remote process tree is terminated. start() returns a RemoteProcess at once, the
+counterpart of subprocess.Popen; execute() is start(...).wait().
+`createos-exec --help` (or `python -m createos_exec --help`) is the command line.
 """
 
 from __future__ import annotations
@@ -76,12 +80,15 @@ __all__ = [
     "OutputEvictedError",
     "OutputIncompleteError",
     "ProtocolError",
+    "RemoteProcess",
     "RetryPolicy",
     "StreamEndedError",
     "TransportError",
+    "WaitTimeout",
     "echo",
     "execute",
     "main",
+    "start",
 ]
 
 logger = logging.getLogger("createos_exec")
@@ -128,10 +135,7 @@ class ExecResult:
     @property
     def returncode(self) -> Optional[int]:
         """subprocess convention: the exit code, or minus the signal number."""
-        if self.signal is not None:
-            number = _signal_number(self.signal)
-            return -number if number is not None else None
-        return self.exit_code
+        return _returncode(self.exit_code, self.signal)
 
     @property
     def ok(self) -> bool:
@@ -152,6 +156,13 @@ class ExecResult:
             f"output=<{len(self.output)} chars>, "
             f"process_id={self.process_id!r}, reconnects={self.reconnects!r})"
         )
+
+
+def _returncode(exit_code: Optional[int], signal: Optional[str]) -> Optional[int]:
+    if signal is not None:
+        number = _signal_number(signal)
+        return -number if number is not None else None
+    return exit_code
 
 
 def _restore_error(
@@ -197,7 +208,45 @@ class APIError(CreateOSError):
     def __init__(self, status: int, operation: str, *, process_id: Optional[str] = None) -> None:
         self.status = status
         self.operation = operation
-        super().__init__(f"CreateOS answered HTTP {status} to {operation}.", process_id=process_id)
+        advice = _advice(status, operation)
+        super().__init__(
+            f"CreateOS answered HTTP {status} to {operation}" + (f": {advice}." if advice else "."),
+            process_id=process_id,
+        )
+
+
+# What a refusal means and what to do about it, by status. The operations
+# that name a sandbox, not a process, give 404 a meaning of their own.
+_ADVICE = {
+    400: "the request was refused as invalid (an option this sandbox does not accept?)",
+    401: "the API key was refused; check CREATEOS_API_KEY",
+    402: "the account needs a payment method or more credit",
+    403: "the API key was refused for this (another account's sandbox, or a spent quota)",
+    404: (
+        "no such process in this sandbox (a wrong id, a sandbox in another region, "
+        "or a process the service no longer keeps)"
+    ),
+    408: "the service gave up waiting; try again",
+    409: "the sandbox is not running (paused or stopped?); resume it first",
+    422: "the request was refused as invalid (an option this sandbox does not accept?)",
+    429: (
+        "too many requests from this IP address; lower rate_limit if other programs "
+        "share the address"
+    ),
+}
+_SANDBOX_OPERATIONS = ("process creation", "staging of env and stdin", "process listing")
+_NO_SANDBOX = "no sandbox with this id here (a wrong id, or a sandbox in another region)"
+
+
+def _advice(status: int, operation: str) -> str:
+    """The sentence that says what a status means for an operation ("" when none fits)."""
+    if status == 404 and operation in _SANDBOX_OPERATIONS:
+        return _NO_SANDBOX
+    if 300 <= status < 400:
+        return "a redirect was refused (a proxy in between, or a wrong API URL?)"
+    if status >= 500:
+        return "CreateOS is in trouble; try again later"
+    return _ADVICE.get(status, "")
 
 
 class TransportError(CreateOSError):
@@ -304,6 +353,21 @@ class CommandError(CreateOSError, subprocess.CalledProcessError):
         self.cmd = result.args
         self.output = result.stdout
         self.stderr = result.stderr
+
+
+class WaitTimeout(CreateOSError, subprocess.TimeoutExpired):
+    """RemoteProcess.wait(timeout=) stopped waiting; the command goes on running."""
+
+    def __init__(self, args: Any, timeout: float, *, process_id: Optional[str] = None) -> None:
+        super().__init__(
+            f"The wait ended after {timeout:g} seconds; the command goes on running.",
+            process_id=process_id,
+        )
+        # The attributes of subprocess.TimeoutExpired, set by hand (see CommandError).
+        self.cmd = args
+        self.timeout = timeout
+        self.output = None
+        self.stderr = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1291,12 +1355,12 @@ def _plan(
     argv = _argv(command, shell)
     staged = _staged_bytes(env, stdin)
     staged_path = f"/tmp/.{marker}" if staged is not None else None
-    lines = []
+    lines = list(_WRAPPER_HEAD)
     if staged_path is None:
         lines.append("exec 0</dev/null")
     else:
         quoted = _quote(staged_path)
-        lines.append(f"exec 0<{quoted} || exit 125")
+        lines.append(f"{{ exec 0<{quoted}; }} 2>/dev/null || _cx_fail 125 '{_UNREADABLE}'")
         lines.append(f"rm -f -- {quoted}")
         var = "_" + marker.replace("-", "_")  # a name no caller's variable can have
         lines.append(
@@ -1304,12 +1368,30 @@ def _plan(
             f'do export "${var}"; done; unset {var}'
         )
     if cwd is not None:
-        lines.append(f"cd -- {_quote(_checked_text('cwd', cwd))} || exit 1")
+        quoted = _quote(_checked_text("cwd", cwd))
+        lines.append(
+            f"cd -- {quoted} 2>/dev/null || "
+            f'{{ _cx_why=$(cd -- {quoted} 2>&1); _cx_fail 1 "cd: "{quoted}": ${{_cx_why##*: }}"; }}'
+        )
     # The command travels as the wrapper's positional parameters, untouched by
     # any quoting, each its own exec string (Linux caps one at 128 KiB).
-    lines.append('exec bash -c -- "$1"' if shell else 'exec -- "$@"')
+    lines.append('exec bash -c -- "$1"' if shell else f'{_FIND_PROGRAM}\nexec -- "$@"')
     body = {"cmd": "bash", "args": ["-c", "\n".join(lines) + "\n", marker, *argv]}
     return _Plan(marker, body, staged_path, staged)
+
+
+# The wrapper's own failures read as a shell's would: they name the program
+# or the directory, never the marker (its $0, which BASH_ARGV0 renames where
+# bash is 5.0 or newer, for whatever bash reports itself).
+_WRAPPER_HEAD = [
+    "BASH_ARGV0=createos_exec",
+    '_cx_fail() { printf \'createos_exec: %s\\n\' "$2" >&2; exit "$1"; }',
+]
+_UNREADABLE = "cannot read the staged file of env and stdin"
+_FIND_PROGRAM = (
+    'case $1 in */*) [ -e "$1" ] || _cx_fail 127 "$1: No such file or directory";; '
+    '*) type -P -- "$1" >/dev/null || _cx_fail 127 "$1: command not found";; esac'
+)
 
 
 def _checked_text(what: str, value: Any) -> str:
@@ -1471,7 +1553,33 @@ class Client:
         encoding: str = "utf-8", errors: str = "replace",
         cancel: Optional[threading.Event] = None,
     ) -> ExecResult:  # fmt: skip
-        """Run `command` in the sandbox and return how it ended (see the module doc)."""
+        """Run `command` in the sandbox and return how it ended: start(...).wait()."""
+        arguments = dict(locals())
+        del arguments["self"]
+        return self.start(**arguments).wait()
+
+    def start(
+        self,
+        sandbox_id: str,
+        command: Command,
+        *,
+        shell: bool = False,
+        cwd: Optional[str] = None,
+        env: Optional[Dict[str, str]] = None,
+        stdin: Union[str, bytes, None] = None,
+        timeout: Optional[float] = None,
+        on_output: Optional[OutputCallback] = None,
+        check: bool = False,
+        max_output_chars: int = 4 * 1024 * 1024,
+        encoding: str = "utf-8",
+        errors: str = "replace",
+        cancel: Optional[threading.Event] = None,
+    ) -> RemoteProcess:
+        """Create the process (exactly once) and return at once, as subprocess.Popen does.
+
+        The options are execute()'s; `timeout` counts from now and, when it
+        expires, terminates the tree during the wait that sees it.
+        """
         started = time.monotonic()
         sandbox_id = _checked_id("sandbox", sandbox_id)
         options = _Options.of(locals())
@@ -1481,17 +1589,17 @@ class Client:
         launch = _Launch(self._transport, sandbox_id, plan)
         launch.stage()
         process_id, recovered = launch.create()
-        run = _Run(
+        follower = _Follower(
             self._transport,
             sandbox_id,
             process_id,
             options,
             args=command if isinstance(command, str) else list(command),
             started=started,
-            launch=launch,
             creation_recovered=recovered,
+            created_here=True,
         )
-        return run.run()
+        return RemoteProcess(_Run(self._transport, follower, options, launch=launch))
 
     def attach(
         self, sandbox_id: str, process_id: str, *,
@@ -1512,7 +1620,7 @@ class Client:
         if not _is_int(after) or after < 0:
             raise ConfigError("after must be an integer >= 0.")
         options = _Options.of(locals())
-        run = _Run(
+        follower = _Follower(
             self._transport,
             sandbox_id,
             process_id,
@@ -1521,7 +1629,7 @@ class Client:
             started=started,
             cursor=after,
         )
-        return run.run()
+        return RemoteProcess(_Run(self._transport, follower, options)).wait()
 
 
 def execute(
@@ -1536,6 +1644,184 @@ def execute(
         return client.execute(sandbox_id, command, **options)
     with Client() as own:
         return own.execute(sandbox_id, command, **options)
+
+
+def start(
+    sandbox_id: str,
+    command: Command,
+    *,
+    client: Optional[Client] = None,
+    **options: Any,
+) -> RemoteProcess:
+    """Client.start() with a client built from the environment (or the one given).
+
+    A client built here belongs to the process: it is closed once the run has
+    ended or its `with` block is left.
+    """
+    if client is not None:
+        return client.start(sandbox_id, command, **options)
+    own = Client()
+    try:
+        process = own.start(sandbox_id, command, **options)
+    except BaseException:
+        own.close()
+        raise
+    process._owner = own
+    return process
+
+
+class RemoteProcess:
+    """A command running in a sandbox, the counterpart of subprocess.Popen.
+
+    Made by start(). wait() follows the output stream with every guarantee of
+    execute() (execute() is start(...).wait()); poll(), terminate(), kill()
+    and send_signal() act on the remote tree; leaving a `with` block
+    terminates a tree that still runs. One thread follows the stream at a
+    time; terminate() and kill() from another thread end it for that one.
+    """
+
+    def __init__(self, run: _Run) -> None:
+        self.sandbox_id = run.follower.sandbox_id
+        self.process_id = run.follower.process_id
+        self.args = run.follower.args
+        self._run = run
+        self._following = threading.Lock()  # held by the thread that reads the stream
+        self._outcome: Union[ExecResult, BaseException, None] = None  # once the run has ended
+        self._status: Optional[_Exit] = None  # learned by poll()
+        self._owner: Optional[Client] = None  # the client of cx.start(), closed at the end
+
+    def __repr__(self) -> str:
+        return (
+            f"RemoteProcess(sandbox_id={self.sandbox_id!r}, process_id={self.process_id!r}, "
+            f"args={self.args!r})"
+        )
+
+    def poll(self) -> Optional[int]:
+        """None while the process runs, else its returncode (as ExecResult.returncode).
+
+        At most one request: none once the status is known.
+        """
+        status = self._known_status()
+        if status is None:
+            status = self._run.follower.leader_status()
+            if status is None:
+                return None
+            self._status = status
+        return _returncode(status.exit_code, status.signal)
+
+    def _known_status(self) -> Optional[_Exit]:
+        outcome = self._outcome
+        result = outcome if isinstance(outcome, ExecResult) else getattr(outcome, "result", None)
+        if isinstance(result, ExecResult) and (result.exit_code, result.signal) != (None, None):
+            return _Exit(result.exit_code, result.signal)
+        return self._status
+
+    def wait(self, timeout: Optional[float] = None) -> ExecResult:
+        """Follow the process to its end and return its result (see execute()).
+
+        A `timeout` only stops waiting, as Popen.wait's does: WaitTimeout (also
+        a subprocess.TimeoutExpired) is raised and the process goes on
+        running; a later wait() continues from the last output read. Once the
+        run has ended, every wait() gives its result (or raises its error).
+        """
+        if timeout is not None and (not _is_number(timeout) or not timeout >= 0):
+            raise ConfigError("The wait timeout must be a number of seconds >= 0, or None.")
+        until = None if timeout is None else time.monotonic() + timeout
+        if not self._following.acquire(timeout=-1 if timeout is None else timeout):
+            raise WaitTimeout(self.args, float(timeout or 0), process_id=self.process_id)
+        try:
+            if self._outcome is None and self._settle(self._run.follow, until) is None:
+                raise WaitTimeout(self.args, float(timeout or 0), process_id=self.process_id)
+        finally:
+            self._following.release()
+        return self._ended()
+
+    def _settle(
+        self, step: Callable[..., Optional[ExecResult]], *args: Any
+    ) -> Optional[ExecResult]:
+        """Take a step of the run; keep how it ended, once it has."""
+        try:
+            result = step(*args)
+        except BaseException as exc:
+            self._outcome = exc
+            self._close_owner()
+            raise
+        if result is not None:
+            self._outcome = result
+            self._close_owner()
+        return result
+
+    def _ended(self) -> ExecResult:
+        outcome = self._outcome
+        if isinstance(outcome, BaseException):
+            raise outcome
+        assert outcome is not None
+        if self._run.check and not outcome.ok:
+            raise CommandError(outcome)
+        return outcome
+
+    def terminate(self) -> None:
+        """Terminate the whole tree (SIGTERM, a grace period, SIGKILL) and confirm it.
+
+        The output printed meanwhile is read, so a later wait() gives the
+        result. CleanupError when the termination cannot be confirmed.
+        """
+        self._stop(None)
+
+    def kill(self) -> None:
+        """Kill the whole tree at once (no grace period) and confirm it."""
+        self._stop(0.0)
+
+    def _stop(self, grace: Optional[float]) -> None:
+        if self._outcome is not None:
+            return
+        if not self._following.acquire(blocking=False):
+            # Another thread reads the stream: it reads the end; confirm the termination here.
+            self._run.terminate_only(grace)
+            return
+        try:
+            if self._outcome is None:
+                self._settle(self._run.terminate, grace)
+        finally:
+            self._following.release()
+
+    def send_signal(self, signal: Union[str, int]) -> None:
+        """Send a signal (a name such as "SIGINT", or its number) to the process group.
+
+        Nothing is sent once the process has ended.
+        """
+        name = _signal_name(signal)
+        if self._outcome is None:
+            self._run.follower.send_signal(name)
+
+    def __enter__(self) -> "RemoteProcess":
+        return self
+
+    def __exit__(self, kind: Any, error: Optional[BaseException], traceback: Any) -> None:
+        """Terminate a tree that still runs, confirmed, whether the block raised or not."""
+        try:
+            self.terminate()
+        except CleanupError as cleanup:
+            if isinstance(error, KeyboardInterrupt):
+                return  # Ctrl-C is raised itself; the failed cleanup was logged
+            if error is None:
+                raise
+            raise cleanup from error
+        finally:
+            self._close_owner()
+
+    def _close_owner(self) -> None:
+        if self._owner is not None:
+            self._owner.close()
+
+
+def _signal_name(value: Any) -> str:
+    if _is_int(value):
+        with contextlib.suppress(ValueError):
+            return _signal.Signals(value).name
+    elif isinstance(value, str) and _SIGNAL_NAME.match(value):
+        return value
+    raise ConfigError('The signal must be a name such as "SIGINT", or a signal number.')
 
 
 def echo(stream: str, text: str) -> None:
@@ -1723,44 +2009,14 @@ class _TimedOut(Exception):
     """The deadline a wait runs under expired."""
 
 
-class _Interrupts:
-    """What stops following a process before it ends: the cancel event and a deadline."""
+class _Follower:
+    """The output stream of one process followed from the cursor: resumed after
+    every transport failure, its exit status recovered out of band.
 
-    def __init__(self, cancel: Optional[threading.Event], process_id: str) -> None:
-        self._cancel = cancel
-        self._process_id = process_id
-
-    def check(self, deadline: Optional[float]) -> None:
-        if self._cancel is not None and self._cancel.is_set():
-            raise CancelledError(process_id=self._process_id)
-        if deadline is not None and time.monotonic() >= deadline:
-            raise _TimedOut()
-
-    def pause(self, delay: float, deadline: Optional[float]) -> None:
-        """Sleep `delay` (within the deadline), woken early by the cancel event."""
-        delay = _within(delay, deadline)
-        if self._cancel is not None:
-            self._cancel.wait(delay)
-        else:
-            time.sleep(delay)
-        self.check(deadline)
-
-
-class _Ending(NamedTuple):
-    """How following a process ended, before containment: a status, the
-    deadline, or an error (a callback's and Ctrl-C included)."""
-
-    status: Optional[_Exit] = None
-    timed_out: bool = False
-    error: Optional[BaseException] = None
-
-
-class _Run:
-    """Following one process to its end: follow the stream, recover, contain.
-
-    The run's deadline is computed once, from `timeout`. Containment has a
-    deadline of its own (cleanup_timeout); every wait takes the deadline it
-    runs under as an argument.
+    What it holds outlives one wait: the cursor, the decoders and tails, the
+    failures without progress and an exited process's record, so that a wait
+    that stops early is continued by the next one with nothing lost or
+    repeated. Every wait takes the deadline it runs under as an argument.
     """
 
     def __init__(
@@ -1773,63 +2029,43 @@ class _Run:
         args: Any,
         started: float,
         cursor: int = 0,
-        launch: Optional[_Launch] = None,
         creation_recovered: bool = False,
+        created_here: bool = False,
     ) -> None:
         self._transport = transport
-        self._options = options
-        self._sandbox_id = sandbox_id
+        self._cancel = options.cancel
         self._path = _sandbox_path(sandbox_id, f"/processes/{process_id}")
-        self._launch = launch
-        self._args = args
-        self._started = started
-        self._first_seq = cursor
-        self._deadline = None if options.timeout is None else started + options.timeout
         self._output = _Output(
             options.encoding, options.errors, options.max_output_chars, options.on_output
         )
         self._reader = _Reader(self._output, cursor)
-        # 404 means gone only from the origin that has held the process: the
+        # 404 means gone only from an origin that has held the process: the
         # one that created it, or that answered for it (another region's
         # API answers 404 for a process it never had).
-        self._held_here = launch is not None
-        self._interrupts = _Interrupts(options.cancel, process_id)
+        self.held_here = created_here
+        self._budget = _Budget(transport.retry)
+        self._progress_mark = cursor  # the cursor when the budget last saw progress
+        self._record: Optional[Dict[str, Any]] = None  # the exited process's, once known
+        self.started = started
+        self.first_seq = cursor
+        self.sandbox_id = sandbox_id
         self.process_id = process_id
+        self.args = args
         self.reconnects = 0
         self.exit_recovered = False
         self.creation_recovered = creation_recovered
 
-    def run(self) -> ExecResult:
-        return self._end(self._follow_to_end())
+    @property
+    def cursor(self) -> int:
+        return self._reader.cursor
 
-    def _follow_to_end(self) -> _Ending:
-        try:
-            return _Ending(status=self._follow(self._deadline))
-        except _TimedOut:
-            return _Ending(timed_out=True)
-        except BaseException as exc:  # contained by _end, then raised again
-            return _Ending(error=exc)
-
-    def _end(self, ending: _Ending) -> ExecResult:
-        """The one way a run ends. Unless the process ended by itself, its tree
-        is terminated and that confirmed first; then the result, or the error
-        with the partial result attached."""
-        if ending.timed_out or ending.error is not None:
-            ending = self._contain(ending)
-        if ending.error is not None:
-            raise ending.error
-        result = self._result(ending.status, timed_out=ending.timed_out)
-        if self._options.check and not result.ok:
-            raise CommandError(result)
-        return result
-
-    def _result(
+    def result(
         self, status: Optional[_Exit], *, timed_out: bool = False, partial: bool = False
     ) -> ExecResult:
         self._output.finish(hand_out=not partial)
         out, err = self._output.tails["stdout"], self._output.tails["stderr"]
         return ExecResult(
-            args=self._args,
+            args=self.args,
             exit_code=None if timed_out or status is None else status.exit_code,
             signal=None if status is None else status.signal,
             timed_out=timed_out,
@@ -1843,38 +2079,38 @@ class _Run:
             reconnects=self.reconnects,
             exit_recovered=self.exit_recovered,
             creation_recovered=self.creation_recovered,
-            duration=time.monotonic() - self._started,
+            duration=time.monotonic() - self.started,
         )
 
     # -- follow ----------------------------------------------------------------
 
-    def _follow(self, deadline: Optional[float]) -> _Exit:
+    def follow(self, deadline: Optional[float]) -> _Exit:
         """Follow the stream to its end, resuming it after every transport failure.
 
         Only a new frame is progress. When the retry policy is spent without
         any, a short `wait` tells a quiet process (followed on, with a fresh
         budget) from one that has exited: its record is then the result, once
-        the output it says there is has been replayed.
+        the output it says there is has been replayed. A connection the
+        deadline cut is no failure: the deadline ends the following.
         """
-        budget = _Budget(self._transport.retry)
-        record: Optional[Dict[str, Any]] = None  # the exited process's, once known
         while True:
-            self._interrupts.check(deadline)
-            cursor, beats = self._reader.cursor, self._reader.heartbeats
-            until = None if record is None else _newest_seq(record)
-            ended = self._connection(deadline, until)
+            self.check_interrupts(deadline)
+            record, cursor, beats = self._record, self._reader.cursor, self._reader.heartbeats
+            ended = self._connection(deadline, None if record is None else _newest_seq(record))
             if ended is None:
                 return self._recovered(record)
             if isinstance(ended, _Exit):
                 return self._exit_from_frame(ended, deadline)
-            if self._reader.cursor != cursor:
-                budget.progress()
-            delay = budget.next_delay(ended.retry_after)
+            if self._reader.cursor != self._progress_mark:
+                self._progress_mark = self._reader.cursor
+                self._budget.progress()
+            self.check_interrupts(deadline)
+            delay = self._budget.next_delay(ended.retry_after)
             if delay is None:
-                record = self._when_spent(record, deadline, ended)
+                self._record = record = self._when_spent(record, deadline, ended)
                 if record is not None and self._caught_up(record):
                     return self._recovered(record)
-                budget = _Budget(self._transport.retry)
+                self._budget = _Budget(self._transport.retry)
                 delay = 0.0
             logger.info(
                 "Output stream of %s broke after %d new frames and %d heartbeats; "
@@ -1885,7 +2121,7 @@ class _Run:
                 self._reader.cursor,
                 delay,
             )
-            self._interrupts.pause(delay, deadline)
+            self._pause(delay, deadline)
             self.reconnects += 1
 
     def _connection(
@@ -1895,8 +2131,8 @@ class _Run:
         status, None once the output reached `until`, or the failure."""
         try:
             response = self._connect(deadline)
-            with contextlib.closing(response), _unblocked_by(self._options.cancel, response):
-                check = functools.partial(self._interrupts.check, deadline)
+            with contextlib.closing(response), _unblocked_by(self._cancel, response):
+                check = functools.partial(self.check_interrupts, deadline)
                 return self._reader.read(_arriving(response), check, until)
         except _Retryable as failure:
             return failure
@@ -1916,7 +2152,7 @@ class _Run:
             stream=True,
             ok_statuses=(410,),
         )
-        self._held_here = True
+        self.held_here = True
         if response.status_code == 410:
             raise OutputEvictedError(_evicted_seq(response), process_id=self.process_id)
         return response
@@ -1929,12 +2165,27 @@ class _Run:
         try:
             record = self._wait("leader", _EXIT_CHECK_MS, deadline)
         except CreateOSError as exc:
+            self.check_interrupts(deadline)  # the deadline cut the wait short
             raise problem from exc
         recovered = _exit_status(record) if record is not None else None
         if recovered is None:
             raise problem
         self.exit_recovered = True
         return recovered
+
+    def check_interrupts(self, deadline: Optional[float]) -> None:
+        if self._cancel is not None and self._cancel.is_set():
+            raise CancelledError(process_id=self.process_id)
+        if deadline is not None and time.monotonic() >= deadline:
+            raise _TimedOut()
+
+    def _pause(self, delay: float, deadline: Optional[float]) -> None:
+        delay = _within(delay, deadline)
+        if self._cancel is not None:
+            self._cancel.wait(delay)
+        else:
+            time.sleep(delay)
+        self.check_interrupts(deadline)
 
     # -- recover ---------------------------------------------------------------
 
@@ -1947,12 +2198,13 @@ class _Run:
             self.exit_recovered = True
             status = _exit_status(record)
             raise OutputIncompleteError(
-                process_id=self.process_id, result=self._result(status, partial=True)
+                process_id=self.process_id, result=self.result(status, partial=True)
             )
         logger.info("Output stream of %s keeps failing; asking whether it runs", self.process_id)
         try:
             record = self._wait("tree", _LIVENESS_POLL_MS, deadline)
         except (TransportError, APIError) as exc:
+            self.check_interrupts(deadline)  # the deadline cut the wait short
             raise StreamEndedError(process_id=self.process_id) from exc
         if record is None:
             logger.info("Process %s still runs; following it on", self.process_id)
@@ -1990,7 +2242,7 @@ class _Run:
             params={"scope": scope, "timeout_ms": poll_ms},
             ok_statuses=(408,),
         )
-        self._held_here = True
+        self.held_here = True
         if response.status_code == 408:
             response.close()
             return None
@@ -1999,58 +2251,39 @@ class _Run:
             raise ProtocolError("the wait answer is not an exited process record")
         return record
 
-    # -- contain ---------------------------------------------------------------
+    # -- act on the process: one request each, never retried -----------------------
 
-    def _contain(self, ending: _Ending) -> _Ending:
-        """Terminate the tree and confirm it, then say how the run ended.
+    def leader_status(self) -> Optional[_Exit]:
+        """The exit status in the process record, or None while its leader runs."""
+        record = _jsend_data(self._once("GET", "", "process status"), "process status")
+        if not isinstance(record, dict):
+            raise ProtocolError("the process record is not an object", process_id=self.process_id)
+        if record.get("leader_exited") is not True:
+            return None
+        status = _exit_status(record)
+        if status is None:
+            raise ProtocolError("the process record has no exit status", process_id=self.process_id)
+        return status
 
-        The DELETE starts first. After a timeout, the output of the grace
-        period is read while the DELETE waits it out (a service may forget a
-        process once it is deleted); whatever ends that reading, the DELETE
-        is waited for (a second Ctrl-C ends that wait).
-        """
-        termination = _Termination(
-            self._transport, self._sandbox_id, self.process_id, gone_if_absent=self._held_here
+    def send_signal(self, name: str) -> None:
+        """Signal the process group; a leader that has exited (409) has nothing to signal."""
+        self._once(
+            "POST", "/signal", "signal delivery", json_body={"signal": name}, ok_statuses=(409,)
+        ).close()
+
+    def _once(self, method: str, rest: str, operation: str, **request: Any) -> requests.Response:
+        transport = self._transport
+        answer = transport.attempt(
+            method,
+            self._path + rest,
+            operation=operation,
+            timeout=(transport.request_timeout, transport.request_timeout),
+            process_id=self.process_id,
+            **request,
         )
-        if ending.timed_out:
-            ending = self._drain(ending)
-        unconfirmed = termination.wait()
-        error = ending.error
-        if isinstance(error, CreateOSError):
-            error.process_id = error.process_id or self.process_id
-            if error.result is None and (ending.timed_out or self._reader.cursor > self._first_seq):
-                error.result = self._result(ending.status, timed_out=ending.timed_out, partial=True)
-        if isinstance(error, KeyboardInterrupt):
-            return ending  # Ctrl-C is raised itself; a failed cleanup was logged
-        if unconfirmed is not None:
-            if error is None:
-                unconfirmed.result = self._result(ending.status, timed_out=True, partial=True)
-            else:
-                unconfirmed.result = getattr(error, "result", None)
-                unconfirmed.__cause__ = error
-            return _Ending(error=unconfirmed)
-        if error is not None and self._launch is not None:
-            self._launch.unstage()
-        return ending
-
-    def _drain(self, ending: _Ending) -> _Ending:
-        """After the timeout: read what the process prints in its grace period.
-
-        A cancel, a callback's error or Ctrl-C ends the reading and becomes
-        how the run ended; trouble with the stream only ends the reading.
-        """
-        try:
-            status = self._follow(time.monotonic() + self._transport.cleanup_timeout)
-        except CancelledError as exc:
-            return ending._replace(error=exc)
-        except (_TimedOut, CreateOSError):
-            logger.warning(
-                "Output of %s printed after its timeout could not be read", self.process_id
-            )
-            return ending
-        except BaseException as exc:  # raised once the tree is confirmed gone
-            return ending._replace(error=exc)
-        return ending._replace(status=status)
+        if isinstance(answer, _Retryable):
+            raise answer.final(self.process_id) from answer.__cause__
+        return answer
 
 
 def _arriving(response: requests.Response) -> Iterator[bytes]:
@@ -2139,18 +2372,160 @@ def _newest_seq(record: Dict[str, Any]) -> int:
     return int(newest)
 
 
-# -- contain: terminate the remote tree, confirmed -----------------------------
+# -- contain: end the run, terminate the remote tree, confirmed ------------------
+
+
+class _Ending(NamedTuple):
+    """How following a process ended, before containment: a status, the
+    deadline, an error (a callback's and Ctrl-C included), or a termination
+    the caller asked for (terminate(), kill(), leaving a `with` block)."""
+
+    status: Optional[_Exit] = None
+    timed_out: bool = False
+    error: Optional[BaseException] = None
+    asked: bool = False
+    grace: Optional[float] = None  # of an asked termination; None: the usual grace period
+
+
+class _Run:
+    """One process followed to its end, and the one way that end is reached.
+
+    The run's deadline is computed once, from `timeout`; a wait may stop
+    earlier without ending the run. Containment has a deadline of its own
+    (cleanup_timeout).
+    """
+
+    def __init__(
+        self,
+        transport: _Transport,
+        follower: _Follower,
+        options: _Options,
+        *,
+        launch: Optional[_Launch] = None,
+    ) -> None:
+        self.follower = follower
+        self.check = options.check
+        self._transport = transport
+        self._launch = launch
+        timeout = options.timeout
+        self._deadline = None if timeout is None else follower.started + timeout
+
+    def follow(self, until: Optional[float]) -> Optional[ExecResult]:
+        """Follow the process to its end; None when `until` (a wait's own limit)
+        passed first: the process goes on running, and the run with it."""
+        deadline = self._deadline
+        if until is not None and (deadline is None or until < deadline):
+            deadline = until
+        ending = self._follow_to_end(deadline)
+        left = _remaining(self._deadline)
+        if ending.timed_out and (left is None or left > 0):
+            return None
+        return self._end(ending)
+
+    def terminate(self, grace: Optional[float]) -> ExecResult:
+        """End the run by terminating its tree, reading what it prints meanwhile."""
+        return self._end(_Ending(asked=True, grace=grace))
+
+    def terminate_only(self, grace: Optional[float]) -> None:
+        """Terminate the tree, confirmed, while another thread follows the stream."""
+        follower = self.follower
+        _terminate(self._transport, follower.sandbox_id, follower.process_id, grace=grace)
+
+    def _follow_to_end(self, deadline: Optional[float]) -> _Ending:
+        try:
+            return _Ending(status=self.follower.follow(deadline))
+        except _TimedOut:
+            return _Ending(timed_out=True)
+        except BaseException as exc:  # contained by _end, then raised again
+            return _Ending(error=exc)
+
+    def _end(self, ending: _Ending) -> ExecResult:
+        """The one way a run ends. Unless the process ended by itself, its tree
+        is terminated and that confirmed first; then the result, or the error
+        with the partial result attached."""
+        if ending.timed_out or ending.error is not None or ending.asked:
+            ending = self._contain(ending)
+        if ending.error is not None:
+            raise ending.error
+        return self.follower.result(ending.status, timed_out=ending.timed_out)
+
+    def _contain(self, ending: _Ending) -> _Ending:
+        """Terminate the tree and confirm it, then say how the run ended.
+
+        The DELETE starts first. After a timeout or an asked termination, the
+        output of the grace period is read while the DELETE waits it out (a
+        service may forget a process once it is deleted); whatever ends that
+        reading, the DELETE is waited for (a second Ctrl-C ends that wait).
+        """
+        follower = self.follower
+        termination = _Termination(
+            self._transport,
+            follower.sandbox_id,
+            follower.process_id,
+            grace=ending.grace,
+            gone_if_absent=follower.held_here,
+        )
+        if ending.timed_out or ending.asked:
+            ending = self._drain(ending)
+        unconfirmed = termination.wait()
+        error = ending.error
+        if isinstance(error, CreateOSError):
+            error.process_id = error.process_id or follower.process_id
+            if error.result is None and (ending.timed_out or follower.cursor > follower.first_seq):
+                error.result = follower.result(
+                    ending.status, timed_out=ending.timed_out, partial=True
+                )
+        if isinstance(error, KeyboardInterrupt):
+            return ending  # Ctrl-C is raised itself; a failed cleanup was logged
+        if unconfirmed is not None:
+            if error is None:
+                unconfirmed.result = follower.result(
+                    ending.status, timed_out=ending.timed_out, partial=True
+                )
+            else:
+                unconfirmed.result = getattr(error, "result", None)
+                unconfirmed.__cause__ = error
+            return _Ending(error=unconfirmed)
+        if error is not None and self._launch is not None:
+            self._launch.unstage()
+        return ending
+
+    def _drain(self, ending: _Ending) -> _Ending:
+        """While the tree is terminated: read what the process prints in its grace period.
+
+        A cancel, a callback's error or Ctrl-C ends the reading and becomes
+        how the run ended; trouble with the stream only ends the reading.
+        """
+        try:
+            status = self.follower.follow(time.monotonic() + self._transport.cleanup_timeout)
+        except CancelledError as exc:
+            return ending._replace(error=exc)
+        except (_TimedOut, CreateOSError):
+            logger.warning(
+                "Output of %s printed during its termination could not be read",
+                self.follower.process_id,
+            )
+            return ending
+        except BaseException as exc:  # raised once the tree is confirmed gone
+            return ending._replace(error=exc)
+        return ending._replace(status=status)
 
 
 def _terminate(
-    transport: _Transport, sandbox_id: str, process_id: str, *, gone_if_absent: bool = True
+    transport: _Transport,
+    sandbox_id: str,
+    process_id: str,
+    *,
+    grace: Optional[float] = None,
+    gone_if_absent: bool = True,
 ) -> None:
-    """DELETE the tree with a grace period and a fresh deadline.
+    """DELETE the tree with a grace period (None: the usual one) and a fresh deadline.
 
     Raises CleanupError unless the answer is `tree_exited: true`, or 404
     (gone) where `gone_if_absent`: from the origin that has held the process.
     """
-    grace = min(_TERMINATE_GRACE, transport.cleanup_timeout / 2)
+    if grace is None:
+        grace = min(_TERMINATE_GRACE, transport.cleanup_timeout / 2)
     try:
         response = transport.call(
             "DELETE",
@@ -2205,11 +2580,11 @@ class _Termination:
 
 _EXAMPLES = """\
 examples:
-  python -m createos_exec sb_123 -- uname -a
-  python -m createos_exec --timeout 600 --env CI=1 sb_123 -- make test
-  python -m createos_exec --shell sb_123 -- 'cd /app && ls | wc -l'
-  echo hello | python -m createos_exec --stdin - sb_123 -- cat
-  python -m createos_exec --json sb_123 -- ls /    # one JSON object, for scripts
+  {prog} sb_123 -- uname -a
+  {prog} --timeout 600 --env CI=1 sb_123 -- make test
+  {prog} --shell sb_123 -- 'cd /app && ls | wc -l'
+  echo hello | {prog} --stdin - sb_123 -- cat
+  {prog} --json sb_123 -- ls /    # one JSON object, for scripts
 
 exit status: the remote exit code; 128+N when killed by signal N; 124 on
 timeout; 130 after Ctrl-C (the remote tree is terminated first); 125 for
@@ -2219,12 +2594,16 @@ The API key is read from $CREATEOS_API_KEY (or $CREATEOS_SANDBOX_API_KEY).
 
 
 def _parser() -> argparse.ArgumentParser:
+    # The console script of an installed package, or the module (a vendored copy has no script).
+    called = os.path.basename(sys.argv[0]) if sys.argv else ""
+    prog = "createos-exec" if called.startswith("createos-exec") else "python -m createos_exec"
     parser = argparse.ArgumentParser(
-        prog="python -m createos_exec",
+        prog=prog,
         description="Run one command in a CreateOS sandbox, streaming its output.",
-        epilog=_EXAMPLES,
+        epilog=_EXAMPLES.format(prog=prog),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("--api-url", help="default: $CREATEOS_API_URL or " + DEFAULT_API_URL)
     parser.add_argument("--cwd", help="working directory of the command")
     parser.add_argument(

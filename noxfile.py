@@ -1,8 +1,9 @@
 """The test command: `python -m nox` (what CI runs).
 
 Sessions: `lint` (ruff, mypy --strict, vermin for the 3.8 floor), `tests`
-(the whole suite with branch coverage on the current interpreter) and
-`compat` (the core of the suite on every other supported Python). Add `-r`
+(the whole suite with branch coverage on the current interpreter, the
+packaging test with users' mypy included) and `compat` (the core of the
+suite, RemoteProcess included, on every other supported Python). Add `-r`
 to reuse the virtual environments between runs, `-s tests` for one session.
 """
 
@@ -16,8 +17,13 @@ import nox
 SUPPORTED = ("3.8", "3.9", "3.10", "3.11", "3.12", "3.13")
 CURRENT = f"{sys.version_info[0]}.{sys.version_info[1]}"
 OTHERS = [version for version in SUPPORTED if version != CURRENT]
-SOURCES = ("createos_exec.py", "noxfile.py", "tests", "examples", "benchmarks")
-CORE_TESTS = ("tests/test_unit.py", "tests/test_execute.py", "tests/test_cli.py")
+SOURCES = ("createos_exec.py", "setup.py", "noxfile.py", "tests", "examples", "benchmarks")
+CORE_TESTS = (
+    "tests/test_unit.py",
+    "tests/test_execute.py",
+    "tests/test_cli.py",
+    "tests/test_process.py",
+)
 
 nox.options.sessions = ["lint", "tests", "compat"]
 

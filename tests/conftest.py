@@ -28,7 +28,7 @@ FAST_RETRY = cx.RetryPolicy(max_attempts=6, budget=10.0, initial_backoff=0.01, m
 # LocalServer): each test that uses `server` (or `client`) runs twice, with ids
 # [conservative] and [alternative]. Other modules keep the conservative
 # reading only: doubling them all would cost CI more than it finds.
-BOTH_READINGS = ("test_execute", "test_resilience", "test_sdk_fidelity")
+BOTH_READINGS = ("test_execute", "test_resilience", "test_sdk_fidelity", "test_process")
 
 
 def pytest_generate_tests(metafunc):
@@ -133,9 +133,13 @@ def run_example(name):
     )
 
 
+def in_ci():
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
 def require(name):
     """Import a test-only dependency: skipped locally when missing, an error in CI."""
-    if os.environ.get("CI", "").strip().lower() in ("", "0", "false", "no"):
+    if not in_ci():
         return pytest.importorskip(name)
     return importlib.import_module(name)
 

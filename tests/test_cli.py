@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 
 import pytest
-from conftest import SANDBOX, cli_argv, cli_env
+from conftest import SANDBOX, cli_argv, cli_env, in_ci
+
+import createos_exec as cx
 
 
 def run_cli(server, *args, stdin=None, **extra):
@@ -89,6 +93,38 @@ def test_help_shows_examples_and_exit_codes(server):
     done = run_cli(server, "--help")
     assert done.returncode == 0
     assert b"examples:" in done.stdout and b"124" in done.stdout
+    assert b"python -m createos_exec sb_123 -- uname -a" in done.stdout
+
+
+def test_version_prints_the_modules_version(server):
+    done = run_cli(server, "--version")
+    assert done.returncode == 0
+    assert done.stdout.decode() == f"python -m createos_exec {cx.__version__}\n"
+
+
+def console_script():
+    """The `createos-exec` script installed beside this Python (pip install -e . puts it there)."""
+    script = shutil.which("createos-exec", path=os.path.dirname(sys.executable))
+    if script is None:
+        if in_ci():
+            pytest.fail("the package was installed without its createos-exec script")
+        pytest.skip("createos-exec is not installed beside this Python")
+    return script
+
+
+def test_the_console_script_is_the_same_command_line(server):
+    script = console_script()
+    version = subprocess.run([script, "--version"], capture_output=True, timeout=60)
+    assert version.stdout.decode() == f"createos-exec {cx.__version__}\n"
+    done = subprocess.run(
+        [script, SANDBOX, "--", "sh", "-c", "echo out; echo err >&2; exit 3"],
+        env=cli_env(server),
+        capture_output=True,
+        timeout=60,
+    )
+    assert (done.returncode, done.stdout, done.stderr) == (3, b"out\n", b"err\n")
+    usage = subprocess.run([script, "--help"], capture_output=True, timeout=60)
+    assert b"createos-exec --timeout 600" in usage.stdout
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
@@ -166,4 +202,22 @@ def test_json_reports_errors_as_one_object(server):
     assert done.returncode == 125
     error = json.loads(done.stdout)["error"]
     assert error["type"] == "APIError"
-    assert error["message"] == "CreateOS answered HTTP 404 to process creation."
+    assert error["message"] == (
+        "CreateOS answered HTTP 404 to process creation: no sandbox with this id here "
+        "(a wrong id, or a sandbox in another region)."
+    )
+
+
+def test_errors_say_what_to_do_in_the_librarys_own_sentences(server):
+    done = run_cli(server, SANDBOX, "--", "true", CREATEOS_API_KEY="not-the-key")
+    assert done.returncode == 125 and done.stdout == b""
+    assert done.stderr == (
+        b"createos_exec: CreateOS answered HTTP 401 to process creation: "
+        b"the API key was refused; check CREATEOS_API_KEY.\n"
+    )
+    assert b"not-the-key" not in done.stderr
+    missing = run_cli(server, "sb_elsewhere", "--", "true")
+    assert missing.stderr == (
+        b"createos_exec: CreateOS answered HTTP 404 to process creation: "
+        b"no sandbox with this id here (a wrong id, or a sandbox in another region).\n"
+    )

@@ -1,8 +1,12 @@
-"""The README's quick-start command works as written."""
+"""The README's examples work as written."""
 
 from __future__ import annotations
 
-from conftest import run_example
+import os
+import re
+import textwrap
+
+from conftest import ROOT, run_example
 
 
 def test_quickstart_runs_and_shows_a_resumed_stream():
@@ -16,3 +20,24 @@ def test_quickstart_runs_and_shows_a_resumed_stream():
     assert lines == [f"  out| line {i}" for i in range(1, 7)]
     assert "reconnects=1" in out
     assert "timed_out=True" in out
+
+
+def test_background_example_starts_a_server_uses_it_and_leaves_it():
+    done = run_example("background.py")
+    assert done.returncode == 0, done.stderr.decode()
+    lines = done.stdout.decode().splitlines()
+    assert len(lines) == 4, lines
+    assert re.fullmatch(r"server started: proc_[A-Za-z0-9_-]+ poll\(\) -> None", lines[0])
+    assert lines[1] == "fetched: hello from the sandbox"
+    assert lines[2] == "server ended by SIGTERM poll() -> -15"
+    assert re.fullmatch(r'its log: 127\.0\.0\.1 - - \[.+\] "GET / HTTP/1\.1" 200 -', lines[3])
+
+
+def test_the_readme_shows_the_background_example_that_runs():
+    with open(os.path.join(ROOT, "examples", "background.py"), encoding="utf-8") as handle:
+        example = handle.read()
+    shown = example.split("# -- README: background processes --\n")[1].split("    # -- end --")[0]
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as handle:
+        readme = handle.read()
+    section = readme.split("\n## Background processes\n")[1].split("\n## ")[0]
+    assert textwrap.dedent(shown).strip() in section

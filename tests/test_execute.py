@@ -63,10 +63,43 @@ def test_stdin_none_is_eof(client):
     assert result.exit_code == 0 and result.stdout == ""
 
 
-def test_missing_cwd_fails_the_command(client):
+def marker_of(server, process_id):
+    """The random part of the marker the process was created with."""
+    (record,) = [p for p in server.processes() if p["process_id"] == process_id]
+    return record["args"][2][len("createos_exec-") :]
+
+
+def test_missing_cwd_fails_the_command(client, server):
     result = client.execute(SANDBOX, ["true"], cwd="/no/such/dir")
     assert result.exit_code == 1
-    assert "no/such/dir" in result.stderr
+    assert result.stderr == "createos_exec: cd: /no/such/dir: No such file or directory\n"
+    assert marker_of(server, result.process_id) not in result.stderr
+    shell = client.execute(SANDBOX, "true", shell=True, cwd="/etc/passwd")
+    assert (shell.exit_code, shell.stderr) == (
+        1,
+        "createos_exec: cd: /etc/passwd: Not a directory\n",
+    )
+
+
+def test_a_missing_program_is_named_never_the_marker(client, server):
+    result = client.execute(SANDBOX, ["no-such-program-x", "--flag"])
+    assert result.exit_code == 127
+    assert result.stderr == "createos_exec: no-such-program-x: command not found\n"
+    assert marker_of(server, result.process_id) not in result.stderr
+    path = client.execute(SANDBOX, ["./no/such/program"], env={"A": "1"}, stdin="x")
+    assert path.exit_code == 127
+    assert path.stderr == "createos_exec: ./no/such/program: No such file or directory\n"
+    in_script = client.execute(SANDBOX, "no-such-program-x", shell=True)
+    assert in_script.exit_code == 127
+    assert in_script.stderr == "bash: line 1: no-such-program-x: command not found\n"
+
+
+def test_an_unreadable_staged_file_is_125_never_the_marker(client, server):
+    server.fail("files_put", 200)  # answered as written, but nothing was written
+    result = client.execute(SANDBOX, ["cat"], stdin="never read")
+    assert result.exit_code == 125
+    assert result.stderr == "createos_exec: cannot read the staged file of env and stdin\n"
+    assert marker_of(server, result.process_id) not in result.stderr
 
 
 def test_on_output_live_in_order_never_twice(client, server):

@@ -528,7 +528,7 @@ def test_created_process_runs_the_command_behind_a_marker(rsps: responses.Reques
     script = body["args"][1]
     assert script.endswith('exec -- "$@"\n')  # the argv follows, untouched by quoting
     assert body["args"][3:] == ["printf", "%s", "it's $HOME"]
-    assert "cd -- '/srv/app dir' || exit 1" in script
+    assert "cd -- '/srv/app dir' 2>/dev/null || " in script
     assert "exec 0</dev/null" in script  # no stdin: EOF at once
     assert "env" not in body and "pty" not in body
 
@@ -621,7 +621,23 @@ def test_logs_never_show_key_env_or_output(
 # --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("status", [400, 401, 402, 403, 404, 409, 422, 429])
+# What each refusal of process creation says to do: fixed sentences, no body text.
+CREATION_REFUSALS = {
+    400: "the request was refused as invalid (an option this sandbox does not accept?)",
+    401: "the API key was refused; check CREATEOS_API_KEY",
+    402: "the account needs a payment method or more credit",
+    403: "the API key was refused for this (another account's sandbox, or a spent quota)",
+    404: "no sandbox with this id here (a wrong id, or a sandbox in another region)",
+    409: "the sandbox is not running (paused or stopped?); resume it first",
+    422: "the request was refused as invalid (an option this sandbox does not accept?)",
+    429: (
+        "too many requests from this IP address; lower rate_limit if other programs "
+        "share the address"
+    ),
+}
+
+
+@pytest.mark.parametrize("status", list(CREATION_REFUSALS))
 def test_creation_4xx_is_api_error_without_retry(rsps: responses.RequestsMock, status: int) -> None:
     rsps.add(
         responses.POST,
@@ -636,7 +652,8 @@ def test_creation_4xx_is_api_error_without_retry(rsps: responses.RequestsMock, s
     assert err.status == status
     assert err.operation == "process creation"
     assert err.process_id is None
-    assert str(err) == f"CreateOS answered HTTP {status} to process creation."
+    advice = CREATION_REFUSALS[status]
+    assert str(err) == f"CreateOS answered HTTP {status} to process creation: {advice}."
     assert_clean(err, "SECRET-BODY")
     assert len(rsps.calls) == 1  # no retry, no listing, no connect
 
@@ -1427,6 +1444,64 @@ def test_failure_after_creation_removes_staged_file(rsps: responses.RequestsMock
 
 
 # --------------------------------------------------------------------------
+# RemoteProcess: poll() and send_signal() send one request, never retried
+# --------------------------------------------------------------------------
+
+
+def _started(rsps: responses.RequestsMock) -> cx.RemoteProcess:
+    add_created(rsps)
+    return make_client().start(SB, ["sleep", "9"])
+
+
+def test_poll_reads_the_record_once_and_raises_its_failures(rsps: responses.RequestsMock) -> None:
+    process = _started(rsps)
+    rsps.add(responses.GET, PROC, json=ok(record()))
+    rsps.add(responses.GET, PROC, status=503, json={"status": "error", "message": "SECRET-BODY"})
+    rsps.add(responses.GET, PROC, body=requests.exceptions.ConnectionError("reset"))
+    rsps.add(responses.GET, PROC, json=ok(["not", "a", "record"]))
+    rsps.add(responses.GET, PROC, json=ok(record(leader_exited=True, state="exited")))
+    rsps.add(responses.GET, PROC, json=ok(exited(0, signal="killed", exit_code=-1)))
+    assert process.poll() is None
+    with pytest.raises(cx.APIError) as unavailable:
+        process.poll()
+    assert (unavailable.value.status, unavailable.value.operation) == (503, "process status")
+    assert_clean(unavailable.value, "SECRET-BODY")
+    with pytest.raises(cx.TransportError) as unreachable:
+        process.poll()
+    assert unreachable.value.process_id == PID
+    with pytest.raises(cx.ProtocolError):
+        process.poll()
+    with pytest.raises(cx.ProtocolError):
+        process.poll()  # exited, but no status: never taken for "running"
+    assert process.poll() == -9
+    assert process.poll() == -9  # kept: no request
+    assert len(calls(rsps, "GET", PROC)) == 6
+
+
+def test_send_signal_is_sent_once_and_a_gone_leader_is_no_error(
+    rsps: responses.RequestsMock,
+) -> None:
+    process = _started(rsps)
+    rsps.add(responses.POST, f"{PROC}/signal", json=ok({"ok": True}))
+    rsps.add(responses.POST, f"{PROC}/signal", status=409, json={"status": "fail", "data": "x"})
+    rsps.add(responses.POST, f"{PROC}/signal", status=502, body="")
+    process.send_signal("SIGTERM")
+    process.send_signal(2)
+    with pytest.raises(cx.APIError) as caught:
+        process.send_signal("SIGHUP")
+    assert caught.value.status == 502  # never re-sent: a signal must not arrive twice
+    sent = calls(rsps, "POST", f"{PROC}/signal")
+    assert [body_of(c) for c in sent] == [
+        {"signal": "SIGTERM"},
+        {"signal": "SIGINT"},
+        {"signal": "SIGHUP"},
+    ]
+    for bad in ("sigint", "SIG", 0, True, None, 10**6):
+        with pytest.raises(cx.ConfigError):
+            process.send_signal(bad)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------
 # Error classes
 # --------------------------------------------------------------------------
 
@@ -1461,6 +1536,7 @@ def _error_samples() -> List[BaseException]:
         cx.CommandError(_sample_result()),
         cx.CommandError(_sample_result(exit_code=None, timed_out=True)),
         cx.CommandError(_sample_result(exit_code=None, signal="SIGKILL")),
+        cx.WaitTimeout(["sleep", "9"], 0.5, process_id=PID),
     ]
 
 
@@ -1495,6 +1571,7 @@ def test_error_pickle_round_trip(error: BaseException) -> None:
         "cmd",
         "output",
         "stderr",
+        "timeout",
     ):
         assert getattr(copy, attr, None) == getattr(error, attr, None)
     assert len(error.args) == 1 and isinstance(error.args[0], str)
@@ -1523,6 +1600,45 @@ def test_error_attributes() -> None:
     assert cx.CommandError(_sample_result(exit_code=None, timed_out=True)).returncode is None
     with pytest.raises(subprocess.CalledProcessError):
         raise err
+
+
+def test_wait_timeout_is_also_subprocess_timeout_expired() -> None:
+    error = cx.WaitTimeout(["sleep", "9"], 0.5, process_id=PID)
+    assert isinstance(error, cx.CreateOSError) and isinstance(error, subprocess.TimeoutExpired)
+    assert (error.cmd, error.timeout, error.output, error.stdout, error.stderr) == (
+        ["sleep", "9"],
+        0.5,
+        None,
+        None,
+        None,
+    )
+    assert error.process_id == PID and error.result is None
+    assert str(error) == "The wait ended after 0.5 seconds; the command goes on running."
+
+
+@pytest.mark.parametrize(
+    "status, operation, advice",
+    [
+        (404, "output connection", "no such process in this sandbox"),
+        (404, "staging of env and stdin", "no sandbox with this id here"),
+        (409, "signal delivery", "the sandbox is not running (paused or stopped?)"),
+        (500, "process cleanup", "CreateOS is in trouble; try again later"),
+        (503, "exit status wait", "CreateOS is in trouble; try again later"),
+        (302, "output connection", "a redirect was refused"),
+        (401, "process status", "the API key was refused; check CREATEOS_API_KEY"),
+    ],
+)
+def test_api_error_says_what_a_status_means(status: int, operation: str, advice: str) -> None:
+    message = str(cx.APIError(status, operation))
+    assert message.startswith(f"CreateOS answered HTTP {status} to {operation}: {advice}")
+    assert message.endswith(".")
+    assert str(cx.APIError(status, operation)) == message  # deterministic
+
+
+def test_api_error_without_advice_keeps_the_plain_sentence() -> None:
+    assert str(cx.APIError(418, "process creation")) == (
+        "CreateOS answered HTTP 418 to process creation."
+    )
 
 
 # --------------------------------------------------------------------------
@@ -2230,7 +2346,10 @@ def test_cli_api_error_is_125_with_one_line(
     assert _cli(SB, "--", "true") == 125
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert captured.err == "createos_exec: CreateOS answered HTTP 403 to process creation.\n"
+    assert captured.err == (
+        "createos_exec: CreateOS answered HTTP 403 to process creation: the API key was "
+        "refused for this (another account's sandbox, or a spent quota).\n"
+    )
     assert KEY not in captured.err and "SECRET-BODY" not in captured.err
 
 
@@ -2310,7 +2429,7 @@ def test_cli_env_shell_cwd_and_stdin_file(
     assert code == 0
     assert calls(rsps, "PUT", FILES)[0].request.body == b"A=b=c\0EMPTY=\0\0payload\n"
     args = body_of(calls(rsps, "POST", PROCS)[0])["args"]
-    assert "cd -- '/work' || exit 1" in args[1]
+    assert "cd -- '/work' 2>/dev/null || " in args[1]
     assert args[1].endswith('exec bash -c -- "$1"\n') and args[3:] == ["cat | wc -c"]
 
 

@@ -1,9 +1,12 @@
-"""The module works when copied alone beside a script, with only `requests` installed.
+"""The module works when copied alone beside a script, and when installed by pip.
 
 Legacy codebases vendor `createos_exec.py`: no package metadata, no test
-helpers, no other dependency. This test builds exactly that situation — an
+helpers, no other dependency. One test builds exactly that situation — an
 empty directory, a fresh virtual environment holding `requests` only — and
-runs a command against the local server from a script there.
+runs a command against the local server from a script there. Another
+installs the package into a fresh virtual environment, as a user would, and
+checks what the installed distribution gives: the types for the user's mypy
+and the createos-exec command.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import shutil
 import subprocess
 import sys
 
-from conftest import ROOT
+from conftest import ROOT, require
 
 import createos_exec as cx
 
@@ -108,3 +111,100 @@ def test_a_copy_of_the_module_alone_runs_a_command_in_a_fresh_venv(server, tmp_p
         re.sub(r"[-_.]+", "-", package["name"]).lower() for package in json.loads(listing.stdout)
     }
     assert installed - INSTALLER_PACKAGES == EXPECTED_PACKAGES
+
+
+# What a user's own code looks like: correct, and returning a str as an int.
+USER_CODE_CORRECT = """\
+from __future__ import annotations
+
+from typing import Optional
+
+import createos_exec as cx
+
+
+def greeting(sandbox_id: str) -> str:
+    return cx.execute(sandbox_id, ["echo", "hi"], timeout=60).stdout
+
+
+def served(client: cx.Client) -> Optional[int]:
+    with client.start("sb_123", ["python3", "-m", "http.server", "8000"]) as server:
+        client.execute("sb_123", ["curl", "-s", "localhost:8000"], check=True)
+        return server.poll()
+
+
+def waited(process: cx.RemoteProcess) -> cx.ExecResult:
+    try:
+        return process.wait(timeout=1.5)
+    except cx.WaitTimeout as stopped:
+        print(stopped.timeout, stopped.process_id)
+        raise
+"""
+USER_CODE_WRONG = """\
+import createos_exec as cx
+
+
+def greeting(sandbox_id: str) -> int:
+    return cx.execute(sandbox_id, ["echo", "hi"]).stdout
+"""
+DISTRIBUTION = (
+    "createos_exec.py",
+    "setup.py",
+    "setup.cfg",
+    "pyproject.toml",
+    "README.md",
+    "LICENSE",
+)
+
+
+def _site_packages(python):
+    done = _run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], timeout=60
+    )
+    return done.stdout.strip()
+
+
+def test_the_installed_package_types_users_code_and_has_its_command(tmp_path):
+    mypy = require("mypy")
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in DISTRIBUTION:
+        shutil.copy(os.path.join(ROOT, name), source / name)
+    venv = tmp_path / "venv"
+    env = _clean_env()
+    _run([sys.executable, "-m", "venv", str(venv)], timeout=60, env=env)
+    python = _venv_python(venv)
+    _run([python, "-m", "pip", "install", "--quiet", str(source)], timeout=300, env=env)
+
+    site = _site_packages(python)
+    with open(MODULE, encoding="utf-8") as handle:
+        module = handle.read()
+    for installed in ("createos_exec.py", os.path.join("createos_exec-stubs", "__init__.pyi")):
+        with open(os.path.join(site, installed), encoding="utf-8") as handle:
+            assert handle.read() == module, installed  # the one file, as it is vendored
+
+    (tmp_path / "correct.py").write_text(USER_CODE_CORRECT, encoding="utf-8")
+    (tmp_path / "wrong.py").write_text(USER_CODE_WRONG, encoding="utf-8")
+    check = [
+        sys.executable, "-m", "mypy", "--strict", "--python-executable", python,
+        "--cache-dir", str(tmp_path / "mypy-cache"), "--config-file", os.devnull,
+    ]  # fmt: skip
+    correct = subprocess.run(
+        check + ["correct.py"], cwd=str(tmp_path), capture_output=True, text=True, timeout=300
+    )
+    assert correct.returncode == 0, (mypy.__file__, correct.stdout)
+    wrong = subprocess.run(
+        check + ["wrong.py"], cwd=str(tmp_path), capture_output=True, text=True, timeout=300
+    )
+    assert wrong.returncode == 1
+    assert wrong.stdout.splitlines()[0] == (
+        'wrong.py:5: error: Incompatible return value type (got "str", expected "int")  '
+        "[return-value]"
+    )
+    assert "import-untyped" not in wrong.stdout and "createos_exec" not in wrong.stdout
+
+    script = os.path.join(os.path.dirname(python), "createos-exec")
+    version = _run([script, "--version"], timeout=60, env=env)
+    assert version.stdout == f"createos-exec {cx.__version__}\n"
+    assert _run([python, "-m", "createos_exec", "--version"], timeout=60, env=env).stdout == (
+        f"python -m createos_exec {cx.__version__}\n"
+    )

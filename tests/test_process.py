@@ -1,0 +1,367 @@
+"""start() and RemoteProcess, the counterpart of subprocess.Popen.
+
+From the user's side: a real local server, real sockets, real processes. Each
+promise of start() has a test here; the module runs under both readings of
+the local server (see conftest.BOTH_READINGS).
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from conftest import SANDBOX, make_client
+
+import createos_exec as cx
+
+PYTHON = sys.executable
+
+
+def python(code):
+    """argv of a Python program that prints unbuffered."""
+    return [PYTHON, "-u", "-c", code]
+
+
+# A program that says it is up, then waits; on SIGTERM it says bye and exits 7.
+TRAPS_TERM = python(
+    "import signal, sys, time\n"
+    "def bye(*_): print('bye'); sys.exit(7)\n"
+    "signal.signal(signal.SIGTERM, bye)\n"
+    "print('up')\n"
+    "time.sleep(60)\n"
+)
+IGNORES_TERM = python(
+    "import signal, time\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "print('up')\n"
+    "time.sleep(60)\n"
+)
+
+
+def wait_until_printed(proc, seen, text, limit=10.0):
+    """Follow `proc` in short waits until `text` was printed (seen: the on_output list)."""
+    deadline = time.monotonic() + limit
+    while text not in "".join(piece for _, piece in seen):
+        assert time.monotonic() < deadline, "the process never printed " + repr(text)
+        with pytest.raises(cx.WaitTimeout):
+            proc.wait(timeout=0.2)
+
+
+def collector():
+    seen = []
+    return seen, lambda stream, text: seen.append((stream, text))
+
+
+def deletes(server, process_id):
+    return [r for r in server.requests_to("delete") if r.path.endswith("/" + process_id)]
+
+
+# -- start(): created once, returned at once ------------------------------------
+
+
+def test_start_returns_once_the_process_is_created(client, server):
+    began = time.monotonic()
+    proc = client.start(SANDBOX, ["sleep", "30"])
+    try:
+        assert time.monotonic() - began < 5
+        assert proc.sandbox_id == SANDBOX
+        assert proc.process_id.startswith("proc_")
+        assert proc.args == ["sleep", "30"]
+        assert server.tree_alive(proc.process_id)
+        assert len(server.requests_to("create")) == 1
+        assert server.requests_to("connect") == []  # nothing is read before wait()
+        assert repr(proc) == (
+            f"RemoteProcess(sandbox_id='sb_local', process_id={proc.process_id!r}, "
+            "args=['sleep', '30'])"
+        )
+    finally:
+        proc.kill()
+
+
+def test_start_stages_secrets_and_adopts_a_creation_whose_answer_was_lost(client, server):
+    if server.reading == "alternative":
+        pytest.skip("the paginated listing of the alternative reading: see test_resilience")
+    server.lose_create_response()
+    proc = client.start(
+        SANDBOX, ["sh", "-c", 'printf "%s|" "$TOKEN"; cat'], env={"TOKEN": "t0k3n"}, stdin="in"
+    )
+    (record,) = server.processes()
+    assert record["process_id"] == proc.process_id  # found again by its marker
+    assert "t0k3n" not in repr(record) and "in" not in record["args"]  # staged, never listed
+    result = proc.wait()
+    assert (result.exit_code, result.stdout) == (0, "t0k3n|in")
+    assert result.creation_recovered is True
+    assert len(server.requests_to("create")) == 1  # never re-sent
+
+
+def test_module_level_start_builds_a_client_from_the_environment(server, monkeypatch):
+    monkeypatch.setenv("CREATEOS_API_URL", server.url)
+    monkeypatch.setenv("CREATEOS_API_KEY", server.api_key)
+    with cx.start(SANDBOX, ["echo", "from", "the environment"]) as proc:
+        result = proc.wait()
+    assert (result.exit_code, result.stdout) == (0, "from the environment\n")
+    with make_client(server) as client:
+        assert cx.start(SANDBOX, ["true"], client=client).wait().exit_code == 0
+
+
+# -- poll() ------------------------------------------------------------------------
+
+
+def test_poll_is_none_while_it_runs_then_its_returncode_one_request_at_most(client, server):
+    proc = client.start(SANDBOX, "sleep 0.5; exit 3", shell=True)
+    before = len(server.requests)
+    assert proc.poll() is None
+    assert len(server.requests) == before + 1
+    codes = []
+    deadline = time.monotonic() + 10
+    while not codes or codes[-1] is None:
+        assert time.monotonic() < deadline
+        before = len(server.requests)
+        codes.append(proc.poll())
+        assert len(server.requests) == before + 1  # one request per call
+        time.sleep(0.05)
+    assert codes[-1] == 3 and set(codes[:-1]) <= {None}
+    assert proc.wait().exit_code == 3
+    before = len(server.requests)
+    assert proc.poll() == 3
+    assert len(server.requests) == before  # known: no request at all
+
+
+def test_poll_gives_minus_the_signal_number(client):
+    proc = client.start(SANDBOX, "kill -KILL $$", shell=True)
+    assert proc.wait().signal == "SIGKILL"
+    assert proc.poll() == -signal.SIGKILL
+
+
+# -- wait(): every guarantee of execute() ------------------------------------------
+
+
+def test_wait_resumes_a_broken_stream(client, server):
+    server.drop_stream(after_frames=2)
+    proc = client.start(SANDBOX, "for i in 1 2 3 4 5; do echo $i; sleep 0.05; done", shell=True)
+    result = proc.wait()
+    assert result.stdout == "1\n2\n3\n4\n5\n"
+    assert result.reconnects == 1
+    assert proc.wait() is result  # once ended, every wait() gives the same result
+
+
+def test_wait_contains_an_invalid_stream_and_raises_again_later(client, server):
+    server.corrupt_stream(b"not json\n", after_frames=1)
+    proc = client.start(SANDBOX, "echo first; sleep 0.2; echo second; sleep 30", shell=True)
+    with pytest.raises(cx.ProtocolError) as caught:
+        proc.wait()
+    assert caught.value.process_id == proc.process_id
+    assert not server.tree_alive(proc.process_id)  # contained before the error came
+    assert len(deletes(server, proc.process_id)) == 1
+    with pytest.raises(cx.ProtocolError) as again:
+        proc.wait()
+    assert again.value is caught.value
+    proc.terminate()  # already ended: nothing more is sent
+    assert len(deletes(server, proc.process_id)) == 1
+
+
+def test_the_commands_own_timeout_counts_from_start_and_terminates_the_tree(client, server):
+    proc = client.start(SANDBOX, "echo started; sleep 30", shell=True, timeout=0.5)
+    time.sleep(0.8)  # the deadline passes before anyone waits
+    began = time.monotonic()
+    result = proc.wait()
+    assert result.timed_out and result.exit_code is None
+    assert result.stdout == "started\n"
+    assert time.monotonic() - began < 5
+    assert not server.tree_alive(proc.process_id)
+
+
+def test_check_true_raises_command_error_from_wait(client):
+    proc = client.start(SANDBOX, "exit 5", shell=True, check=True)
+    with pytest.raises(cx.CommandError) as caught:
+        proc.wait()
+    assert caught.value.returncode == 5
+
+
+# -- wait(timeout=): only stops waiting ------------------------------------------
+
+
+def test_wait_timeout_only_stops_waiting(client, server):
+    proc = client.start(SANDBOX, "echo one; sleep 0.6; echo two; exit 4", shell=True)
+    began = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired) as caught:
+        proc.wait(timeout=0.3)
+    assert 0.25 < time.monotonic() - began < 2
+    error = caught.value
+    assert isinstance(error, cx.WaitTimeout) and isinstance(error, cx.CreateOSError)
+    assert (error.cmd, error.timeout, error.process_id) == (proc.args, 0.3, proc.process_id)
+    assert server.tree_alive(proc.process_id)  # it goes on running
+    assert deletes(server, proc.process_id) == []
+    assert proc.poll() is None
+    result = proc.wait()
+    assert (result.exit_code, result.stdout) == (4, "one\ntwo\n")
+    assert result.reconnects == 0
+
+
+def test_a_later_wait_resumes_at_the_cursor_nothing_lost_or_repeated(client, server):
+    seen, on_output = collector()
+    script = "for i in $(seq 1 8); do echo line $i; echo err $i >&2; sleep 0.08; done"
+    proc = client.start(SANDBOX, script, shell=True, on_output=on_output)
+    stops = 0
+    while True:
+        try:
+            result = proc.wait(timeout=0.1)
+            break
+        except cx.WaitTimeout:
+            stops += 1
+    assert stops >= 3
+    expected_out = "".join(f"line {i}\n" for i in range(1, 9))
+    expected_err = "".join(f"err {i}\n" for i in range(1, 9))
+    assert "".join(text for stream, text in seen if stream == "stdout") == expected_out
+    assert "".join(text for stream, text in seen if stream == "stderr") == expected_err
+    assert (result.stdout, result.stderr, result.exit_code) == (expected_out, expected_err, 0)
+    afters = [int(r.query.get("after", 0)) for r in server.requests_to("connect")]
+    assert afters == sorted(afters) and afters[0] == 0 and afters[-1] > 0
+    assert len(afters) == stops + 1  # each wait resumed once, where the last one stopped
+
+
+def test_a_wait_timeout_of_zero_does_not_block(client):
+    proc = client.start(SANDBOX, ["sleep", "30"])
+    try:
+        began = time.monotonic()
+        with pytest.raises(cx.WaitTimeout):
+            proc.wait(timeout=0)
+        assert time.monotonic() - began < 1
+        with pytest.raises(cx.ConfigError):
+            proc.wait(timeout=-1)
+    finally:
+        proc.kill()
+
+
+# -- terminate(), kill(), send_signal() ------------------------------------------
+
+
+def test_terminate_ends_the_tree_with_its_grace_period_confirmed(client, server):
+    seen, on_output = collector()
+    proc = client.start(SANDBOX, TRAPS_TERM, on_output=on_output)
+    wait_until_printed(proc, seen, "up\n")
+    proc.terminate()
+    assert not server.tree_alive(proc.process_id)  # confirmed before terminate() returned
+    (delete,) = deletes(server, proc.process_id)
+    assert delete.query["grace_ms"] == "1000"
+    result = proc.wait()
+    assert (result.exit_code, result.signal) == (7, None)
+    assert result.stdout == "up\nbye\n"  # what it printed in its grace period was read
+    assert proc.poll() == 7
+
+
+def test_kill_has_no_grace_period(client, server):
+    seen, on_output = collector()
+    proc = client.start(SANDBOX, IGNORES_TERM, on_output=on_output)
+    wait_until_printed(proc, seen, "up\n")
+    proc.kill()
+    assert not server.tree_alive(proc.process_id)
+    (delete,) = deletes(server, proc.process_id)
+    assert delete.query["grace_ms"] == "0"
+    assert proc.wait().signal == "SIGKILL"
+    assert proc.poll() == -signal.SIGKILL
+
+
+def test_send_signal_reaches_the_process(client, server):
+    seen, on_output = collector()
+    handler = python(
+        "import signal, sys, time\n"
+        "def got(number, _): print('got', number); sys.exit(3)\n"
+        "signal.signal(signal.SIGINT, got)\n"
+        "signal.signal(signal.SIGUSR1, got)\n"
+        "print('up')\n"
+        "time.sleep(60)\n"
+    )
+    first = client.start(SANDBOX, handler, on_output=on_output)
+    wait_until_printed(first, seen, "up\n")
+    first.send_signal("SIGINT")
+    assert first.wait().stdout == f"up\ngot {int(signal.SIGINT)}\n"
+    seen.clear()
+    second = client.start(SANDBOX, handler, on_output=on_output)
+    wait_until_printed(second, seen, "up\n")
+    second.send_signal(signal.SIGUSR1)
+    result = second.wait()
+    assert (result.exit_code, result.stdout) == (3, f"up\ngot {int(signal.SIGUSR1)}\n")
+    sent = len(server.requests_to("signal"))
+    second.send_signal("SIGINT")  # ended: nothing is sent
+    assert len(server.requests_to("signal")) == sent == 2
+    with pytest.raises(cx.ConfigError):
+        second.send_signal("INT; rm -rf /")
+
+
+def test_terminate_from_another_thread_ends_a_wait_in_progress(client, server):
+    seen, on_output = collector()
+    proc = client.start(SANDBOX, TRAPS_TERM, on_output=on_output)
+    wait_until_printed(proc, seen, "up\n")
+    results = []
+    waiter = threading.Thread(target=lambda: results.append(proc.wait()))
+    waiter.start()
+    time.sleep(0.3)  # the waiter is reading the stream
+    proc.terminate()
+    assert not server.tree_alive(proc.process_id)
+    waiter.join(10)
+    assert not waiter.is_alive()
+    (result,) = results
+    assert (result.exit_code, result.stdout) == (7, "up\nbye\n")
+
+
+# -- the `with` block ------------------------------------------------------------
+
+
+def test_leaving_the_block_terminates_a_tree_that_still_runs(client, server):
+    with client.start(SANDBOX, ["sleep", "30"]) as proc:
+        assert proc.poll() is None
+    assert not server.tree_alive(proc.process_id)
+    assert len(deletes(server, proc.process_id)) == 1
+    assert proc.wait().signal == "SIGTERM"
+    assert proc.poll() == -signal.SIGTERM
+
+
+def test_leaving_the_block_by_an_error_terminates_and_raises_it(client, server):
+    with pytest.raises(RuntimeError, match="boom"):
+        with client.start(SANDBOX, ["sleep", "30"]) as proc:
+            raise RuntimeError("boom")
+    assert not server.tree_alive(proc.process_id)
+
+
+def test_leaving_the_block_after_the_process_ended_sends_nothing(client, server):
+    with client.start(SANDBOX, ["true"]) as proc:
+        assert proc.wait().exit_code == 0
+    assert deletes(server, proc.process_id) == []
+
+
+def test_leaving_the_block_with_termination_unconfirmed_raises_cleanup_error(server):
+    with make_client(server, retry=cx.RetryPolicy(max_attempts=1), cleanup_timeout=0.5) as client:
+        with pytest.raises(cx.CleanupError) as caught:
+            with client.start(SANDBOX, ["sleep", "30"]) as proc:
+                server.fail("delete", 500, count=5)
+                raise RuntimeError("boom")
+        assert isinstance(caught.value.__cause__, RuntimeError)
+        assert caught.value.process_id == proc.process_id
+        assert server.tree_alive(proc.process_id)  # what CleanupError warns of
+        with pytest.raises(cx.CleanupError):
+            with client.start(SANDBOX, ["sleep", "30"]):
+                server.fail("delete", 500, count=5)
+
+
+# -- execute() and attach() are the same machinery ---------------------------------
+
+
+def test_execute_and_attach_follow_through_remote_process_wait(client, monkeypatch):
+    waits = []
+    original = cx.RemoteProcess.wait
+
+    def counted(self, timeout=None):
+        waits.append(self.process_id)
+        return original(self, timeout)
+
+    monkeypatch.setattr(cx.RemoteProcess, "wait", counted)
+    result = client.execute(SANDBOX, ["echo", "hi"])
+    assert waits == [result.process_id]
+    again = client.attach(SANDBOX, result.process_id)
+    assert waits == [result.process_id] * 2
+    assert again.stdout == result.stdout == "hi\n"
