@@ -586,6 +586,14 @@ class _Budget:
             delay = random.uniform(0, min(self._policy.max_backoff, ceiling))
         return min(delay, left)
 
+    def delay_within(
+        self, retry_after: Optional[float], deadline: Optional[float]
+    ) -> Optional[float]:
+        """next_delay(), or None too when the deadline would pass before it is over."""
+        delay = self.next_delay(retry_after)
+        left = _remaining(deadline)
+        return None if delay is None or (left is not None and left <= delay) else delay
+
 
 # Headers the service reads before X-Api-Key (protocol.md 1): sent by
 # accident, one of them decides whose call it is.
@@ -662,9 +670,8 @@ class _Transport:
             )
             if not isinstance(answer, _Retryable):
                 return answer
-            delay = budget.next_delay(answer.retry_after)
-            left = _remaining(deadline)
-            if delay is None or (left is not None and left <= delay):
+            delay = budget.delay_within(answer.retry_after, deadline)
+            if delay is None:
                 raise answer.final(process_id) from answer.__cause__
             time.sleep(delay)
 
@@ -1481,7 +1488,7 @@ class Client:
         plan = _plan(command, shell=shell, cwd=cwd, env=env, stdin=stdin)
         launch = _Launch(self._transport, sandbox_id, plan)
         launch.stage()
-        process_id, recovered = launch.create()
+        process_id, recovered = launch.create(None if timeout is None else started + timeout)
         run = _Run(
             self._transport,
             sandbox_id,
@@ -1579,15 +1586,30 @@ class _Launch:
             data=self._plan.staged,
         )
 
-    def create(self) -> Tuple[str, bool]:
+    def create(self, deadline: Optional[float] = None) -> Tuple[str, bool]:
         """The new process id, and whether it had to be found by its marker.
 
-        Never retried: a 4xx (429 included) or a refused connection means no
-        process; a lost answer or a 5xx means it may exist, so look for it.
+        A 4xx other than 429, or a refused connection, means no process; a
+        lost answer or a 5xx means it may exist, so look for it: neither is
+        sent again. A 429 is the service's "not done": it is waited out under
+        the retry policy and within `deadline`, and the creation sent again
+        only once a listing shows no process with the marker.
         """
+        budget = _Budget(self._transport.retry)
+        while True:
+            answer = self._attempt()
+            if not isinstance(answer, _Retryable):
+                return self._created(answer)
+            if answer.status != 429:
+                return self._unanswered(answer), True
+            found = self._after_refusal(answer, budget, deadline)
+            if found is not None:
+                return found, True
+
+    def _attempt(self) -> Union[requests.Response, _Retryable]:
         transport = self._transport
         try:
-            answer = transport.attempt(
+            return transport.attempt(
                 "POST",
                 _sandbox_path(self._sandbox_id, "/processes"),
                 operation="process creation",
@@ -1600,13 +1622,40 @@ class _Launch:
         except APIError:
             self.unstage()
             raise
-        if isinstance(answer, _Retryable):
-            if answer.status == 429 or not answer.maybe_sent:
-                self.unstage()
-                raise answer.final(None) from answer.__cause__
-            logger.info("Process creation is ambiguous; looking for it by its marker")
-            return self._find_created(), True
-        return self._created(answer)
+
+    def _unanswered(self, failure: _Retryable) -> str:
+        """After a failure other than 429: no process if nothing was sent, else find it."""
+        if not failure.maybe_sent:
+            self.unstage()
+            raise failure.final(None) from failure.__cause__
+        logger.info("Process creation is ambiguous; looking for it by its marker")
+        return self._find_created()
+
+    def _after_refusal(
+        self, refusal: _Retryable, budget: _Budget, deadline: Optional[float]
+    ) -> Optional[str]:
+        """After a 429: wait, then list. The process, if the refused request went
+        through after all (a proxy may answer 429 to a request it forwarded), or
+        None to send it again. APIError 429 when the retry policy or the deadline
+        runs out (or the listing fails): no process was created."""
+        delay = budget.delay_within(refusal.retry_after, deadline)
+        problem: Optional[CreateOSError] = None
+        if delay is not None:
+            logger.info("Process creation was answered 429; asking again in %.2f s", delay)
+            try:
+                time.sleep(delay)
+                process_id = self._marked(deadline)
+            except KeyboardInterrupt:
+                self._abandon()
+                raise
+            except CreateOSError as exc:
+                problem = exc
+            else:
+                left = _remaining(deadline)
+                if process_id is not None or left is None or left > 0:
+                    return process_id
+        self.unstage()
+        raise refusal.final(None) from problem
 
     def _created(self, response: requests.Response) -> Tuple[str, bool]:
         try:
@@ -1626,19 +1675,27 @@ class _Launch:
     def _find_created(self) -> str:
         """Find the process by the marker in its arguments, or fail as unconfirmed."""
         try:
-            mine = next((record for record in self._listed() if self._has_marker(record)), None)
-            if mine is not None:
-                process_id = _checked_process_id(mine.get("process_id"))
-                logger.info("Found process %s by its marker; following it", process_id)
-                return process_id
+            process_id = self._marked()
         except CreateOSError as exc:
             raise CleanupError(creation_unconfirmed=True) from exc
-        self.unstage()
-        raise CleanupError(creation_unconfirmed=True)
+        if process_id is None:
+            self.unstage()
+            raise CleanupError(creation_unconfirmed=True)
+        return process_id
 
-    def _listed(self) -> Iterator[Any]:
+    def _marked(self, deadline: Optional[float] = None) -> Optional[str]:
+        """The process with the run's marker, or None when the listing shows none."""
+        mine = next((record for record in self._listed(deadline) if self._has_marker(record)), None)
+        if mine is None:
+            return None
+        process_id = _checked_process_id(mine.get("process_id"))
+        logger.info("Found process %s by its marker; following it", process_id)
+        return process_id
+
+    def _listed(self, deadline: Optional[float] = None) -> Iterator[Any]:
         """The sandbox's processes, page after page (a bounded number of them)."""
-        deadline = time.monotonic() + self._transport.cleanup_timeout
+        own = time.monotonic() + self._transport.cleanup_timeout
+        deadline = own if deadline is None else min(own, deadline)
         offset = 0
         params: Optional[Dict[str, int]] = None  # the first page as the service chooses it
         for _ in range(_LISTING_PAGES):
