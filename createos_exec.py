@@ -19,13 +19,16 @@ command line.
 from __future__ import annotations
 
 import argparse
+import array
 import binascii
+import bisect
 import codecs
 import collections
 import contextlib
 import dataclasses
 import email.utils
 import functools
+import hashlib
 import http.client
 import ipaddress
 import itertools
@@ -38,8 +41,11 @@ import re
 import secrets
 import signal as _signal
 import socket
+import stat
+import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.parse
@@ -56,12 +62,18 @@ from typing import (
     Sequence,
     Tuple,
     Type,
+    TypeVar,
     Union,
     cast,
 )
 
 import requests
 import urllib3
+
+try:
+    import fcntl
+except ImportError:  # Windows: each process paces its requests alone
+    fcntl = None  # type: ignore[assignment]
 
 __version__ = "0.1.0"
 
@@ -340,6 +352,8 @@ _READ_SIZE = 256 * 1024  # most bytes taken at once from a body that is not chun
 _WAIT_POLL_MS = 30_000  # server-side long-poll of one `wait`
 _TERMINATE_GRACE = 1.0  # seconds between SIGTERM and SIGKILL when terminating
 _PACING_POLL = 0.05  # seconds between looks at a full window
+_LONGEST_HOLD = 86_400.0  # seconds a request holds its place at most before it is answered
+_EPOCH_SLACK = 5.0  # seconds the epoch of the monotonic clock may move between two writers
 _CANCEL_POLL = 0.1  # seconds between looks at the cancel event while a read blocks
 _EXIT_CHECK_MS = 5_000  # how long an exit frame without status is checked against `wait`
 _LIVENESS_POLL_MS = 1_000  # the `wait` that tells a quiet process from an exited one
@@ -415,22 +429,154 @@ def _checked_id(kind: str, value: Any) -> str:
     return value
 
 
+_T = TypeVar("_T")
+
+
+class _Place(NamedTuple):
+    """A request's place in a window: its token, and when it was let through."""
+
+    token: int
+    let_through: float
+
+
+@dataclasses.dataclass
+class _Window:
+    """One sliding window, on the monotonic clock: the places of requests on
+    their way (token -> the latest they free), and the times at which the
+    places of answered requests free (in order)."""
+
+    on_the_way: Dict[int, float] = dataclasses.field(default_factory=dict)
+    answered: array.array[float] = dataclasses.field(default_factory=lambda: array.array("d"))
+
+    def expire(self, now: float) -> None:
+        del self.answered[: bisect.bisect_right(self.answered, now)]
+        if self.on_the_way and min(self.on_the_way.values()) <= now:  # its process died
+            self.on_the_way = {t: frees for t, frees in self.on_the_way.items() if frees > now}
+
+    def held(self) -> int:
+        return len(self.on_the_way) + len(self.answered)
+
+    def first_free(self) -> float:
+        return min(itertools.chain(self.answered[:1], self.on_the_way.values()))
+
+    def answer(self, token: int, frees: float) -> None:
+        self.on_the_way.pop(token, None)
+        bisect.insort(self.answered, frees)
+
+
+# The file of a shared window (native byte order: it never leaves the machine):
+# a header, the places on their way, then the times the answered ones free.
+_WINDOW_HEAD = struct.Struct("=8sdQ")  # magic, epoch of the clock, places on the way
+_WINDOW_PLACE = struct.Struct("=dQ")  # the latest it frees, token
+_WINDOW_MAGIC = b"cxpace1\n"
+
+
+class _SharedWindow:
+    """A window kept in a file that every process of this user on this machine
+    uses for the same origin and limit (see _window_file).
+
+    The file is opened and locked (flock) only while it is read and written,
+    never while a request is on its way. Times are on the monotonic clock,
+    which the processes of one machine share; the header keeps its epoch
+    (wall time minus monotonic time), and a file whose epoch differs (another
+    boot, a clock stepped) starts afresh. A place held by a process that died
+    frees when its time is over, like any other.
+    """
+
+    def __init__(self, path: str, limit: int, period: float) -> None:
+        self.path = path
+        self._limit = limit
+        self._period = period
+
+    def update(self, change: Callable[[_Window, float], _T]) -> _T:
+        """`change` applied to the window, which the file holds before and after."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # released when the file is closed
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+                raise PermissionError("the shared window file is not this user's alone")
+            now = time.monotonic()
+            window = self._read(os.pread(fd, info.st_size, 0), now)
+            result = change(window, now)
+            epoch = time.time() - now
+            data = b"".join(
+                [
+                    _WINDOW_HEAD.pack(_WINDOW_MAGIC, epoch, len(window.on_the_way)),
+                    *(_WINDOW_PLACE.pack(f, t) for t, f in window.on_the_way.items()),
+                    window.answered.tobytes(),
+                ]
+            )
+            os.pwrite(fd, data, 0)
+            os.ftruncate(fd, len(data))
+            return result
+        finally:
+            os.close(fd)
+
+    def _read(self, data: bytes, now: float) -> _Window:
+        """The window in the file's `data`; a fresh one unless it holds a sound one."""
+        fresh = _Window()
+        if len(data) < _WINDOW_HEAD.size:
+            return fresh
+        magic, epoch, count = _WINDOW_HEAD.unpack_from(data)
+        answered_at = _WINDOW_HEAD.size + count * _WINDOW_PLACE.size
+        sound = magic == _WINDOW_MAGIC
+        if not sound or not abs(epoch - (time.time() - now)) <= _EPOCH_SLACK:
+            return fresh
+        if len(data) < answered_at or (len(data) - answered_at) % 8:
+            return fresh
+        window = _Window()
+        for frees, token in _WINDOW_PLACE.iter_unpack(data[_WINDOW_HEAD.size : answered_at]):
+            window.on_the_way[token] = frees
+        window.answered.frombytes(data[answered_at:])
+        last = max(itertools.chain(window.answered, window.on_the_way.values()), default=now)
+        return window if last < now + _LONGEST_HOLD + self._period else fresh
+
+
+def _window_file(origin: str, limit: int, period: float) -> Optional[_SharedWindow]:
+    """The shared window of this origin and limit, or None where there is none.
+
+    It is a file in a folder of this user's alone (mode 0700) under
+    $XDG_RUNTIME_DIR, else the temp directory; without fcntl (Windows), or
+    when that folder is not safely ours, each process paces alone.
+    """
+    if fcntl is None:
+        return None
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    base = runtime if os.path.isabs(runtime) and os.path.isdir(runtime) else tempfile.gettempdir()
+    folder = os.path.join(base, f"createos_exec-{os.getuid()}")
+    try:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(folder, 0o700)
+        info = os.lstat(folder)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        logger.debug("Pacing is per process: %s is not this user's alone", folder)
+        return None
+    key = hashlib.sha256(f"{origin} {limit} {period!r}".encode()).hexdigest()[:32]
+    return _SharedWindow(os.path.join(folder, f"window-{key}"), limit, period)
+
+
 class _RateLimiter:
-    """Sliding-window pacing of every request this process sends to one API origin.
+    """Sliding-window pacing of every request sent to one API origin.
 
     A request holds its place from the moment it is let through until its
     answer starts (or it fails), and for one period after that: a server that
     counts arrivals never sees more than `limit` in any window, however long
-    requests queue on the way.
+    requests queue on the way. The window is shared by the threads of this
+    process and, through a file, by the processes of this user on this
+    machine.
     """
 
     _shared: Dict[Tuple[str, int, float], "_RateLimiter"] = {}
     _shared_lock = threading.Lock()
 
-    def __init__(self, limit: int, period: float) -> None:
+    def __init__(self, limit: int, period: float, file: Optional[_SharedWindow] = None) -> None:
         self._limit = limit
         self._period = period
-        self._held: Deque[List[float]] = collections.deque()  # [time answered], inf until then
+        self._own = _Window()  # the window, unless `file` holds it
+        self._file = file
         self._lock = threading.Lock()
 
     @classmethod
@@ -438,26 +584,48 @@ class _RateLimiter:
         with cls._shared_lock:
             key = (origin, limit, period)
             if key not in cls._shared:
-                cls._shared[key] = cls(limit, period)
+                cls._shared[key] = cls(limit, period, _window_file(origin, limit, period))
             return cls._shared[key]
 
-    def acquire(self) -> List[float]:
-        """Wait for a place in the window; hand it to release() once answered."""
-        while True:
-            with self._lock:
-                now = time.monotonic()
-                while self._held and self._held[0][0] <= now - self._period:
-                    self._held.popleft()
-                if len(self._held) < self._limit:
-                    place = [math.inf]
-                    self._held.append(place)
-                    return place
-                delay = min(self._held[0][0] + self._period - now, _PACING_POLL)
-            time.sleep(delay)
+    def acquire(self, hold: float = math.inf) -> _Place:
+        """Wait for a place in the window; hand it to release() once answered.
 
-    def release(self, place: List[float]) -> None:
+        `hold` is the longest the request can take to arrive (its timeouts):
+        should release() never come, the place frees that long plus a period
+        after it was let through.
+        """
+        hold = min(hold, _LONGEST_HOLD)
+        while True:
+            taken = self._update(functools.partial(self._take, hold))
+            if isinstance(taken, _Place):
+                return taken
+            time.sleep(min(taken, _PACING_POLL))
+
+    def release(self, place: _Place) -> None:
+        """The answer to the request of `place` started, or it failed."""
+        self._update(functools.partial(self._settle, place))
+
+    def _update(self, change: Callable[[_Window, float], _T]) -> _T:
         with self._lock:
-            place[0] = time.monotonic()
+            if self._file is not None:
+                try:
+                    return self._file.update(change)
+                except OSError:
+                    logger.debug("Pacing is per process from now on: the window file failed")
+                    self._file = None
+            return change(self._own, time.monotonic())
+
+    def _take(self, hold: float, window: _Window, now: float) -> Union[_Place, float]:
+        """A place, or the seconds until the first one frees."""
+        window.expire(now)
+        if window.held() < self._limit:
+            place = _Place(random.getrandbits(64), now)
+            window.on_the_way[place.token] = now + hold + self._period
+            return place
+        return window.first_free() - now
+
+    def _settle(self, place: _Place, window: _Window, now: float) -> None:
+        window.answer(place.token, now + self._period)
 
 
 def _rate_limit(value: Any) -> Optional[Tuple[int, float]]:
@@ -710,7 +878,7 @@ class _Transport:
         """One attempt: a 2xx (or an `ok_statuses`) response; any other status raises."""
         logger.debug("%s %s", method, path)
         headers = self._headers_for(raw_body=data is not None, stream=stream)
-        place = self._limiter.acquire() if self._limiter is not None else None
+        place = self._limiter.acquire(sum(timeout)) if self._limiter is not None else None
         try:
             with _transport_errors(operation):
                 response = self._session.request(
