@@ -354,6 +354,7 @@ _TERMINATE_GRACE = 1.0  # seconds between SIGTERM and SIGKILL when terminating
 _PACING_POLL = 0.05  # seconds between looks at a full window
 _LONGEST_HOLD = 86_400.0  # seconds a request holds its place at most before it is answered
 _EPOCH_SLACK = 5.0  # seconds the epoch of the monotonic clock may move between two writers
+_WIN_BACK = 16  # periods a narrowed window takes at the fastest to win its whole limit back
 _CANCEL_POLL = 0.1  # seconds between looks at the cancel event while a read blocks
 _EXIT_CHECK_MS = 5_000  # how long an exit frame without status is checked against `wait`
 _LIVENESS_POLL_MS = 1_000  # the `wait` that tells a quiet process from an exited one
@@ -442,9 +443,12 @@ class _Place(NamedTuple):
 @dataclasses.dataclass
 class _Window:
     """One sliding window, on the monotonic clock: the places of requests on
-    their way (token -> the latest they free), and the times at which the
-    places of answered requests free (in order)."""
+    their way (token -> the latest they free), the times at which the places
+    of answered requests free (in order), and how many places it allows now
+    (the limit, or fewer since a 429)."""
 
+    allowance: float
+    narrowed_at: float = -math.inf
     on_the_way: Dict[int, float] = dataclasses.field(default_factory=dict)
     answered: array.array[float] = dataclasses.field(default_factory=lambda: array.array("d"))
 
@@ -466,7 +470,7 @@ class _Window:
 
 # The file of a shared window (native byte order: it never leaves the machine):
 # a header, the places on their way, then the times the answered ones free.
-_WINDOW_HEAD = struct.Struct("=8sdQ")  # magic, epoch of the clock, places on the way
+_WINDOW_HEAD = struct.Struct("=8sdddQ")  # magic, clock epoch, allowance, narrowed at, on the way
 _WINDOW_PLACE = struct.Struct("=dQ")  # the latest it frees, token
 _WINDOW_MAGIC = b"cxpace1\n"
 
@@ -499,10 +503,10 @@ class _SharedWindow:
             now = time.monotonic()
             window = self._read(os.pread(fd, info.st_size, 0), now)
             result = change(window, now)
-            epoch = time.time() - now
+            head = (time.time() - now, window.allowance, window.narrowed_at)
             data = b"".join(
                 [
-                    _WINDOW_HEAD.pack(_WINDOW_MAGIC, epoch, len(window.on_the_way)),
+                    _WINDOW_HEAD.pack(_WINDOW_MAGIC, *head, len(window.on_the_way)),
                     *(_WINDOW_PLACE.pack(f, t) for t, f in window.on_the_way.items()),
                     window.answered.tobytes(),
                 ]
@@ -515,17 +519,17 @@ class _SharedWindow:
 
     def _read(self, data: bytes, now: float) -> _Window:
         """The window in the file's `data`; a fresh one unless it holds a sound one."""
-        fresh = _Window()
+        fresh = _Window(float(self._limit))
         if len(data) < _WINDOW_HEAD.size:
             return fresh
-        magic, epoch, count = _WINDOW_HEAD.unpack_from(data)
+        magic, epoch, allowance, narrowed_at, count = _WINDOW_HEAD.unpack_from(data)
         answered_at = _WINDOW_HEAD.size + count * _WINDOW_PLACE.size
-        sound = magic == _WINDOW_MAGIC
+        sound = magic == _WINDOW_MAGIC and 1 <= allowance <= self._limit and narrowed_at <= now
         if not sound or not abs(epoch - (time.time() - now)) <= _EPOCH_SLACK:
             return fresh
         if len(data) < answered_at or (len(data) - answered_at) % 8:
             return fresh
-        window = _Window()
+        window = _Window(allowance, narrowed_at)
         for frees, token in _WINDOW_PLACE.iter_unpack(data[_WINDOW_HEAD.size : answered_at]):
             window.on_the_way[token] = frees
         window.answered.frombytes(data[answered_at:])
@@ -566,7 +570,8 @@ class _RateLimiter:
     counts arrivals never sees more than `limit` in any window, however long
     requests queue on the way. The window is shared by the threads of this
     process and, through a file, by the processes of this user on this
-    machine.
+    machine. After a 429 it allows half as many requests (once per round of
+    requests let through), and wins the rest back as answers come.
     """
 
     _shared: Dict[Tuple[str, int, float], "_RateLimiter"] = {}
@@ -575,7 +580,7 @@ class _RateLimiter:
     def __init__(self, limit: int, period: float, file: Optional[_SharedWindow] = None) -> None:
         self._limit = limit
         self._period = period
-        self._own = _Window()  # the window, unless `file` holds it
+        self._own = _Window(float(limit))  # the window, unless `file` holds it
         self._file = file
         self._lock = threading.Lock()
 
@@ -601,9 +606,9 @@ class _RateLimiter:
                 return taken
             time.sleep(min(taken, _PACING_POLL))
 
-    def release(self, place: _Place) -> None:
-        """The answer to the request of `place` started, or it failed."""
-        self._update(functools.partial(self._settle, place))
+    def release(self, place: _Place, status: Optional[int] = None) -> None:
+        """The answer to the request of `place` started (its status), or it failed (None)."""
+        self._update(functools.partial(self._settle, place, status))
 
     def _update(self, change: Callable[[_Window, float], _T]) -> _T:
         with self._lock:
@@ -618,14 +623,27 @@ class _RateLimiter:
     def _take(self, hold: float, window: _Window, now: float) -> Union[_Place, float]:
         """A place, or the seconds until the first one frees."""
         window.expire(now)
-        if window.held() < self._limit:
+        if window.held() < int(window.allowance):
             place = _Place(random.getrandbits(64), now)
             window.on_the_way[place.token] = now + hold + self._period
             return place
         return window.first_free() - now
 
-    def _settle(self, place: _Place, window: _Window, now: float) -> None:
+    def _settle(self, place: _Place, status: Optional[int], window: _Window, now: float) -> None:
         window.answer(place.token, now + self._period)
+        if status == 429 and place.let_through >= window.narrowed_at:
+            window.allowance = max(1.0, window.allowance / 2)
+            window.narrowed_at = now
+            logger.info(
+                "Answered 429: pacing narrowed to %d requests per %g s",
+                window.allowance,
+                self._period,
+            )
+        elif status is not None and status != 429 and window.allowance < self._limit:
+            # At most a limit's worth in _WIN_BACK periods: a window allows
+            # `allowance` answers a period.
+            gain = self._limit / (_WIN_BACK * window.allowance)
+            window.allowance = min(float(self._limit), window.allowance + gain)
 
 
 def _rate_limit(value: Any) -> Optional[Tuple[int, float]]:
@@ -879,6 +897,7 @@ class _Transport:
         logger.debug("%s %s", method, path)
         headers = self._headers_for(raw_body=data is not None, stream=stream)
         place = self._limiter.acquire(sum(timeout)) if self._limiter is not None else None
+        status: Optional[int] = None
         try:
             with _transport_errors(operation):
                 response = self._session.request(
@@ -893,10 +912,10 @@ class _Transport:
                     stream=stream,
                     allow_redirects=False,  # requests would forward X-Api-Key to the new host
                 )
+            status = response.status_code
         finally:
             if place is not None and self._limiter is not None:
-                self._limiter.release(place)
-        status = response.status_code
+                self._limiter.release(place, status)
         if 200 <= status < 300 or status in ok_statuses:
             return response
         retry_after = _retry_after(response.headers.get("Retry-After"))

@@ -1,10 +1,13 @@
-"""Pacing: one window per origin, shared by the processes of a user on a machine.
+"""Pacing: one window per origin shared by the processes of a user, narrowed after a 429.
 
-Unit tests of the window and its file.
+Unit tests of the window, its file and its narrowing; then, against the
+local server with its per-address limit turned on, a client that asks for
+more than the server allows.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import stat
 import struct
@@ -14,7 +17,8 @@ import threading
 import time
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, SANDBOX, make_client
+from local_server import LocalServer
 
 import createos_exec as cx
 
@@ -50,7 +54,7 @@ def window_path(limiter):
 
 def test_the_window_file_is_private_and_one_per_origin_and_limit(runtime_dir):
     limiter = shared_limiter(5, 1.0)
-    limiter.release(limiter.acquire(2.0))
+    limiter.release(limiter.acquire(2.0), 200)
     folder = runtime_dir / f"createos_exec-{os.getuid()}"
     assert stat.S_IMODE(folder.stat().st_mode) == 0o700
     (path,) = folder.iterdir()
@@ -80,10 +84,10 @@ def test_without_a_runtime_dir_the_file_is_in_the_temp_dir(runtime_dir, monkeypa
 def test_limiters_on_one_file_share_the_window(runtime_dir):
     first, second = shared_limiter(2, 0.6), shared_limiter(2, 0.6)
     started = time.monotonic()
-    first.release(first.acquire(1.0))
-    second.release(second.acquire(1.0))
+    first.release(first.acquire(1.0), 200)
+    second.release(second.acquire(1.0), 200)
     assert time.monotonic() - started < 0.4  # below the limit nothing waits
-    second.release(second.acquire(1.0))  # the third waits for the first place
+    second.release(second.acquire(1.0), 200)  # the third waits for the first place
     assert time.monotonic() - started >= 0.55
 
 
@@ -95,7 +99,7 @@ def test_a_place_on_its_way_holds_in_the_file_until_answered(runtime_dir):
     waiter.start()
     time.sleep(0.4)  # two periods: a place stamped when let through would have freed
     assert admitted == []
-    first.release(place)
+    first.release(place, 200)
     released = time.monotonic()
     waiter.join(3)
     assert admitted and admitted[0].let_through - released >= 0.15
@@ -130,11 +134,11 @@ def test_a_process_that_dies_holding_places_does_not_starve_the_others(runtime_d
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork()")
 def test_a_forked_child_shares_the_window(runtime_dir):
     limiter = shared_limiter(5, 30.0)
-    limiter.release(limiter.acquire(1.0))
+    limiter.release(limiter.acquire(1.0), 200)
     child = os.fork()
     if child == 0:  # pragma: no cover - the child's coverage is not collected
         try:
-            limiter.release(limiter.acquire(1.0))
+            limiter.release(limiter.acquire(1.0), 200)
         finally:
             os._exit(0)
     _, status = os.waitpid(child, 0)
@@ -148,9 +152,11 @@ def read_window(path, limit=4):
         return cx._SharedWindow(path, limit, 1.0)._read(handle.read(), time.monotonic())
 
 
-def write_window(path, *, epoch_shift=0.0, frees=(), tail=b""):
+def write_window(path, *, epoch_shift=0.0, allowance=4.0, frees=(), tail=b""):
     now = time.monotonic()
-    head = cx._WINDOW_HEAD.pack(cx._WINDOW_MAGIC, time.time() - now + epoch_shift, 0)
+    head = cx._WINDOW_HEAD.pack(
+        cx._WINDOW_MAGIC, time.time() - now + epoch_shift, allowance, -math.inf, 0
+    )
     answered = b"".join(struct.pack("=d", now + seconds) for seconds in frees)
     with open(path, "wb") as handle:
         handle.write(head + answered + tail)
@@ -160,17 +166,21 @@ def write_window(path, *, epoch_shift=0.0, frees=(), tail=b""):
     "arrange",
     [
         dict(epoch_shift=60.0),  # another boot, or a clock stepped
+        dict(allowance=5.0),  # more than the limit
+        dict(allowance=math.nan),
         dict(tail=b"\x01\x02\x03"),  # not whole records
         dict(frees=(10.0, 2 * 86_400.0)),  # a place held for days: garbage
     ],
-    ids=["epoch", "torn", "held for days"],
+    ids=["epoch", "allowance over the limit", "allowance nan", "torn", "held for days"],
 )
 def test_a_window_file_that_is_not_sound_starts_afresh(tmp_path, arrange):
     path = str(tmp_path / "window")
     write_window(path, frees=(10.0, 20.0))
-    assert read_window(path).held() == 2
+    sound = read_window(path)
+    assert sound.held() == 2 and sound.allowance == 4.0
     write_window(path, **{"frees": (10.0, 20.0), **arrange})
-    assert read_window(path).held() == 0
+    window = read_window(path)
+    assert window.held() == 0 and window.allowance == 4.0
 
 
 def test_garbage_in_the_window_file_is_written_over(runtime_dir):
@@ -180,7 +190,7 @@ def test_garbage_in_the_window_file_is_written_over(runtime_dir):
         handle.write(os.urandom(1000))
     started = time.monotonic()
     for _ in range(3):
-        limiter.release(limiter.acquire(1.0))
+        limiter.release(limiter.acquire(1.0), 200)
     assert time.monotonic() - started < 2.5  # garbage holds no place
     with open(window_path(limiter), "rb") as handle:
         assert handle.read().startswith(cx._WINDOW_MAGIC)
@@ -196,7 +206,7 @@ def test_without_fcntl_each_process_paces_alone(runtime_dir, monkeypatch):
     assert limiter._file is None
     started = time.monotonic()
     for _ in range(4):
-        limiter.release(limiter.acquire(1.0))
+        limiter.release(limiter.acquire(1.0), 200)
     assert time.monotonic() - started >= 0.25  # still paced, per process
 
 
@@ -205,7 +215,7 @@ def test_a_window_file_others_can_read_is_not_used(runtime_dir):
     with open(window_path(limiter), "wb"):
         pass  # created 0644 under the usual umask
     os.chmod(window_path(limiter), 0o644)
-    limiter.release(limiter.acquire(1.0))
+    limiter.release(limiter.acquire(1.0), 200)
     assert limiter._file is None  # paced by this process alone
 
 
@@ -223,7 +233,7 @@ def test_a_window_file_that_fails_falls_back_to_this_process(runtime_dir):
     os.mkdir(window_path(limiter))  # cannot be opened as a file
     started = time.monotonic()
     for _ in range(3):
-        limiter.release(limiter.acquire(1.0))
+        limiter.release(limiter.acquire(1.0), 200)
     assert limiter._file is None
     assert time.monotonic() - started >= 0.25  # paced all the same
 
@@ -234,3 +244,64 @@ def test_for_origin_shares_the_file_and_none_disables_pacing(runtime_dir):
     assert os.path.dirname(window_path(limiter)).startswith(str(runtime_dir))
     client = cx.Client("https://for-origin.example.test", "key", rate_limit=None)
     assert client._transport._limiter is None
+
+
+# -- narrowing after a 429 ---------------------------------------------------------
+
+
+def test_a_429_halves_the_allowance_once_a_round_and_answers_win_it_back():
+    limiter = cx._RateLimiter(8, 0.2)
+    round_one = [limiter.acquire(1.0) for _ in range(4)]
+    for place in round_one:  # all let through before the first 429: one narrowing
+        limiter.release(place, 429)
+    assert limiter._own.allowance == 4
+    limiter.release(limiter.acquire(1.0), 429)
+    assert limiter._own.allowance == 2
+    for _ in range(5):
+        limiter.release(limiter.acquire(1.0), 429)
+    assert limiter._own.allowance == 1  # never below one
+    limiter.release(limiter.acquire(1.0), None)  # a failure wins nothing back
+    assert limiter._own.allowance == 1
+    answers = 0
+    while limiter._own.allowance < 8:
+        limiter.release(limiter.acquire(1.0), 200)
+        answers += 1
+    assert limiter._own.allowance == 8
+    # Each answer wins limit / (_WIN_BACK * allowance): from 1 to 8, about 63 answers.
+    assert 55 <= answers <= 70
+
+
+def test_a_narrowed_window_waits_for_places_to_free():
+    limiter = cx._RateLimiter(4, 0.6)
+    limiter.release(limiter.acquire(1.0), 429)  # allowance 2, one place held
+    started = time.monotonic()
+    limiter.release(limiter.acquire(1.0), 200)
+    assert time.monotonic() - started < 0.4
+    limiter.release(limiter.acquire(1.0), 200)  # the third waits: two fill the window now
+    assert time.monotonic() - started >= 0.5
+
+
+def test_the_narrowing_is_shared_through_the_file(runtime_dir):
+    first, second = shared_limiter(8, 1.0), shared_limiter(8, 1.0)
+    first.release(first.acquire(1.0), 429)  # allowance 4, one place held
+    started = time.monotonic()
+    for _ in range(3):
+        second.release(second.acquire(1.0), None)
+    assert time.monotonic() - started < 0.5
+    second.release(second.acquire(1.0), None)  # the fifth: the window allows four
+    assert time.monotonic() - started >= 0.8
+
+
+# -- creation against the local server's own limit -------------------------------------
+
+
+def test_a_refused_creation_narrows_the_window_and_succeeds(runtime_dir):
+    with LocalServer(heartbeat_interval=0.5, rate_limit=(4, 1.0)) as server:
+        with make_client(server, rate_limit=(8, 1.0)) as client:
+            results = [client.execute(SANDBOX, ["echo", str(i)]) for i in range(4)]
+            allowance = client._transport._limiter._update(lambda window, now: window.allowance)
+    assert [r.stdout for r in results] == [f"{i}\n" for i in range(4)]
+    assert len(server.processes()) == 4
+    refused = [r for r in server.requests if r.status == 429]
+    assert refused  # the client's limit was twice the server's
+    assert allowance < 8
