@@ -2,7 +2,8 @@
 
 Unit tests of the window, its file and its narrowing; then, against the
 local server with its per-address limit turned on, a client that asks for
-more than the server allows.
+more than the server allows, and spawned processes behind one address
+(tests/pacing.py: here at CI size, in benchmarks/run.py at full size).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 import pytest
 from conftest import ROOT, SANDBOX, make_client
 from local_server import LocalServer
+from pacing import run_scenario
 
 import createos_exec as cx
 
@@ -305,3 +307,36 @@ def test_a_refused_creation_narrows_the_window_and_succeeds(runtime_dir):
     refused = [r for r in server.requests if r.status == 429]
     assert refused  # the client's limit was twice the server's
     assert allowance < 8
+
+
+# -- many processes behind one address (CI size; the benchmark runs them at full size) ---
+
+
+def report(name, figures):
+    print(
+        f"\n{name}: {figures.exact}/{figures.commands} exact, {figures.created} processes "
+        f"created ({figures.created_twice} twice), {figures.errors} errors, {figures.refused} "
+        f"answered 429, at most {figures.max_in_window} requests in a window "
+        f"(limit {figures.limit}), {figures.seconds:.2f} s = {figures.ratio:.2f}x the floor"
+    )
+
+
+@pytest.mark.timeout(120)
+def test_spawned_processes_share_one_window(capsys):
+    figures = run_scenario(processes=4, commands=5, limit=(10, 1.0), shared=True)
+    with capsys.disabled():
+        report("4 processes, one shared window", figures)
+    assert figures.errors == 0 and figures.exact == figures.commands == 20
+    assert figures.created == 20 and figures.created_twice == 0
+    assert figures.refused == 0
+    assert figures.max_in_window <= 10  # every arrival, as the server counts them
+
+
+@pytest.mark.timeout(120)
+def test_spawned_processes_with_windows_of_their_own_still_get_exact_results(capsys):
+    # Four machines behind one address: no file can be shared; narrowing after 429s.
+    figures = run_scenario(processes=4, commands=5, limit=(10, 1.0), shared=False)
+    with capsys.disabled():
+        report("4 processes, windows of their own", figures)
+    assert figures.errors == 0 and figures.exact == figures.commands == 20
+    assert figures.created == 20 and figures.created_twice == 0
