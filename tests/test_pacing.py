@@ -312,22 +312,24 @@ def test_a_refused_creation_narrows_the_window_and_succeeds(runtime_dir):
 # -- many processes behind one address (CI size; the benchmark runs them at full size) ---
 
 
-def report(name, figures):
-    print(
-        f"\n{name}: {figures.exact}/{figures.commands} exact, {figures.created} processes "
-        f"created ({figures.created_twice} twice), {figures.errors} errors, {figures.refused} "
-        f"answered 429, at most {figures.max_in_window} requests in a window "
-        f"(limit {figures.limit}), {figures.seconds:.2f} s = {figures.ratio:.2f}x the floor"
-    )
+def run_and_report(name, capsys, **scenario):
+    figures = run_scenario(processes=4, commands=5, limit=(10, 1.0), **scenario)
+    with capsys.disabled():
+        print(
+            f"\n{name}: {figures.exact}/{figures.commands} exact, {figures.created} processes "
+            f"created ({figures.created_twice} twice), {figures.errors} errors, "
+            f"{figures.refused} answered 429, at most {figures.max_in_window} requests in a "
+            f"window (limit {figures.limit}), {figures.seconds:.2f} s = {figures.ratio:.2f}x "
+            "the floor"
+        )
+    assert figures.errors == 0 and figures.exact == figures.commands == 20
+    assert figures.created == 20 and figures.created_twice == 0
+    return figures
 
 
 @pytest.mark.timeout(120)
 def test_spawned_processes_share_one_window(capsys):
-    figures = run_scenario(processes=4, commands=5, limit=(10, 1.0), shared=True)
-    with capsys.disabled():
-        report("4 processes, one shared window", figures)
-    assert figures.errors == 0 and figures.exact == figures.commands == 20
-    assert figures.created == 20 and figures.created_twice == 0
+    figures = run_and_report("4 processes, one shared window", capsys, shared=True)
     assert figures.refused == 0
     assert figures.max_in_window <= 10  # every arrival, as the server counts them
 
@@ -335,8 +337,4 @@ def test_spawned_processes_share_one_window(capsys):
 @pytest.mark.timeout(120)
 def test_spawned_processes_with_windows_of_their_own_still_get_exact_results(capsys):
     # Four machines behind one address: no file can be shared; narrowing after 429s.
-    figures = run_scenario(processes=4, commands=5, limit=(10, 1.0), shared=False)
-    with capsys.disabled():
-        report("4 processes, windows of their own", figures)
-    assert figures.errors == 0 and figures.exact == figures.commands == 20
-    assert figures.created == 20 and figures.created_twice == 0
+    run_and_report("4 processes, windows of their own", capsys, shared=False)

@@ -657,6 +657,13 @@ def test_creation_4xx_removes_staged_file(rsps: responses.RequestsMock) -> None:
 REFUSED = (429, {"Retry-After": "0"}, json.dumps({"status": "fail", "data": "SECRET-BODY"}))
 
 
+def add_refused_creation(rsps: responses.RequestsMock, *, listed: bool) -> None:
+    """A creation answered 429, then a listing that shows its process or not."""
+    creation = _Creation(REFUSED)
+    rsps.add_callback(responses.POST, PROCS, callback=creation)
+    rsps.add_callback(responses.GET, PROCS, callback=_listing(creation, include=listed))
+
+
 def public_chain(exc: BaseException) -> bool:
     """No exception a caller can reach from `exc` is a private class of the module."""
     return all(not type(link).__name__.startswith("_") for link in chain(exc))
@@ -665,9 +672,7 @@ def public_chain(exc: BaseException) -> bool:
 def test_creation_429_is_waited_out_and_sent_again_after_a_listing(
     rsps: responses.RequestsMock,
 ) -> None:
-    creation = _Creation(REFUSED)
-    rsps.add_callback(responses.POST, PROCS, callback=creation)
-    rsps.add_callback(responses.GET, PROCS, callback=_listing(creation, include=False))
+    add_refused_creation(rsps, listed=False)
     add_created(rsps)
     add_connect(rsps, nd(data(1, "stdout", b"once\n"), EXIT0))
     result = make_client().execute(SB, ["true"])
@@ -683,9 +688,7 @@ def test_creation_429_that_went_through_is_adopted_not_created_again(
     rsps: responses.RequestsMock,
 ) -> None:
     # A proxy that answers 429 to a request it forwarded all the same.
-    creation = _Creation(REFUSED)
-    rsps.add_callback(responses.POST, PROCS, callback=creation)
-    rsps.add_callback(responses.GET, PROCS, callback=_listing(creation, include=True))
+    add_refused_creation(rsps, listed=True)
     add_connect(rsps, nd(data(1, "stdout", b"adopted\n"), EXIT0))
     result = make_client().execute(SB, ["true"])
     assert result.stdout == "adopted\n" and result.process_id == PID
@@ -697,9 +700,7 @@ def test_creation_429_until_the_policy_runs_out_is_api_error_429(
     rsps: responses.RequestsMock,
 ) -> None:
     rsps.add(responses.PUT, FILES, json=ok({}))
-    creation = _Creation(REFUSED)
-    rsps.add_callback(responses.POST, PROCS, callback=creation)
-    rsps.add_callback(responses.GET, PROCS, callback=_listing(creation, include=False))
+    add_refused_creation(rsps, listed=False)
     rsps.add(responses.POST, EXEC, json=ok({"result": {"exit_code": 0}}))
     with pytest.raises(cx.APIError) as info:
         make_client().execute(SB, ["true"], env={"A": "1"})
@@ -754,11 +755,7 @@ def test_creation_429_with_a_failed_listing_is_never_sent_again(
     rsps: responses.RequestsMock, listing: Any
 ) -> None:
     rsps.add(responses.POST, PROCS, status=429, headers={"Retry-After": "0"}, body="")
-    if isinstance(listing, BaseException):
-        rsps.add(responses.GET, PROCS, body=listing)
-    else:
-        status, headers, text = listing
-        rsps.add(responses.GET, PROCS, status=status, headers=headers, body=text)
+    add_listing(rsps, listing)
     with pytest.raises(cx.APIError) as info:
         make_client().execute(SB, ["true"])
     assert info.value.status == 429 and info.value.operation == "process creation"
@@ -848,6 +845,15 @@ def test_ambiguous_creation_not_listed_is_unconfirmed(
     assert_clean(info.value, "SECRET-BODY")
 
 
+def add_listing(rsps: responses.RequestsMock, listing: Any) -> None:
+    """The answer to GET …/processes: (status, headers, body), or an exception raised."""
+    if isinstance(listing, BaseException):
+        rsps.add(responses.GET, PROCS, body=listing)
+    else:
+        status, headers, text = listing
+        rsps.add(responses.GET, PROCS, status=status, headers=headers, body=text)
+
+
 @pytest.mark.parametrize(
     "listing",
     [
@@ -865,11 +871,7 @@ def test_ambiguous_creation_with_failed_listing_is_unconfirmed(
 ) -> None:
     creation = _Creation((500, {}, ""))
     rsps.add_callback(responses.POST, PROCS, callback=creation)
-    if isinstance(listing, BaseException):
-        rsps.add(responses.GET, PROCS, body=listing)
-    else:
-        status, headers, text = listing
-        rsps.add(responses.GET, PROCS, status=status, headers=headers, body=text)
+    add_listing(rsps, listing)
     with pytest.raises(cx.CleanupError) as info:
         make_client().execute(SB, ["true"])
     assert info.value.creation_unconfirmed is True
