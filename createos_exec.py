@@ -547,9 +547,10 @@ def _window_file(origin: str, limit: int, period: float) -> Optional[_SharedWind
     if fcntl is None:
         return None
     runtime = os.environ.get("XDG_RUNTIME_DIR", "")
-    base = runtime if os.path.isabs(runtime) and os.path.isdir(runtime) else tempfile.gettempdir()
-    folder = os.path.join(base, f"createos_exec-{os.getuid()}")
-    try:
+    if not (os.path.isabs(runtime) and os.path.isdir(runtime)):
+        runtime = ""
+    try:  # gettempdir() raises when no temp directory is usable
+        folder = os.path.join(runtime or tempfile.gettempdir(), f"createos_exec-{os.getuid()}")
         with contextlib.suppress(FileExistsError):
             os.mkdir(folder, 0o700)
         info = os.lstat(folder)

@@ -83,6 +83,17 @@ def test_without_a_runtime_dir_the_file_is_in_the_temp_dir(runtime_dir, monkeypa
     assert os.path.dirname(window.path) == str(tmp_path / f"createos_exec-{os.getuid()}")
 
 
+def test_without_a_usable_temp_dir_each_process_paces_alone(runtime_dir, monkeypatch):
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+
+    def no_temp_dir():
+        raise FileNotFoundError("No usable temporary directory found")
+
+    monkeypatch.setattr("tempfile.gettempdir", no_temp_dir)
+    assert cx._window_file(ORIGIN, 5, 1.0) is None
+    assert cx.Client(ORIGIN, "key", rate_limit=(5, 1.0))._transport._limiter is not None
+
+
 def test_limiters_on_one_file_share_the_window(runtime_dir):
     first, second = shared_limiter(2, 0.6), shared_limiter(2, 0.6)
     started = time.monotonic()
