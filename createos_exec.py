@@ -23,13 +23,16 @@ counterpart of subprocess.Popen; execute() is start(...).wait().
 from __future__ import annotations
 
 import argparse
+import array
 import binascii
+import bisect
 import codecs
 import collections
 import contextlib
 import dataclasses
 import email.utils
 import functools
+import hashlib
 import http.client
 import ipaddress
 import itertools
@@ -42,8 +45,11 @@ import re
 import secrets
 import signal as _signal
 import socket
+import stat
+import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.parse
@@ -60,11 +66,17 @@ from typing import (
     Sequence,
     Tuple,
     Type,
+    TypeVar,
     Union,
 )
 
 import requests
 import urllib3
+
+try:
+    import fcntl
+except ImportError:  # Windows: each process paces its requests alone
+    fcntl = None  # type: ignore[assignment]
 
 __version__ = "0.1.0"
 
@@ -403,6 +415,9 @@ _READ_SIZE = 256 * 1024  # most bytes taken at once from a body that is not chun
 _WAIT_POLL_MS = 30_000  # server-side long-poll of one `wait`
 _TERMINATE_GRACE = 1.0  # seconds between SIGTERM and SIGKILL when terminating
 _PACING_POLL = 0.05  # seconds between looks at a full window
+_LONGEST_HOLD = 86_400.0  # seconds a request holds its place at most before it is answered
+_EPOCH_SLACK = 5.0  # seconds the epoch of the monotonic clock may move between two writers
+_WIN_BACK = 16  # periods a narrowed window takes at the fastest to win its whole limit back
 _CANCEL_POLL = 0.1  # seconds between looks at the cancel event while a read blocks
 _EXIT_CHECK_MS = 5_000  # how long an exit frame without status is checked against `wait`
 _LIVENESS_POLL_MS = 1_000  # the `wait` that tells a quiet process from an exited one
@@ -478,22 +493,159 @@ def _checked_id(kind: str, value: Any) -> str:
     return value
 
 
+_T = TypeVar("_T")
+
+
+class _Place(NamedTuple):
+    """A request's place in a window: its token, and when it was let through."""
+
+    token: int
+    let_through: float
+
+
+@dataclasses.dataclass
+class _Window:
+    """One sliding window, on the monotonic clock: the places of requests on
+    their way (token -> the latest they free), the times at which the places
+    of answered requests free (in order), and how many places it allows now
+    (the limit, or fewer since a 429)."""
+
+    allowance: float
+    narrowed_at: float = -math.inf
+    on_the_way: Dict[int, float] = dataclasses.field(default_factory=dict)
+    answered: array.array[float] = dataclasses.field(default_factory=lambda: array.array("d"))
+
+    def expire(self, now: float) -> None:
+        del self.answered[: bisect.bisect_right(self.answered, now)]
+        if self.on_the_way and min(self.on_the_way.values()) <= now:  # its process died
+            self.on_the_way = {t: frees for t, frees in self.on_the_way.items() if frees > now}
+
+    def held(self) -> int:
+        return len(self.on_the_way) + len(self.answered)
+
+    def first_free(self) -> float:
+        return min(itertools.chain(self.answered[:1], self.on_the_way.values()))
+
+    def answer(self, token: int, frees: float) -> None:
+        self.on_the_way.pop(token, None)
+        bisect.insort(self.answered, frees)
+
+
+# The file of a shared window (native byte order: it never leaves the machine):
+# a header, the places on their way, then the times the answered ones free.
+_WINDOW_HEAD = struct.Struct("=8sdddQ")  # magic, clock epoch, allowance, narrowed at, on the way
+_WINDOW_PLACE = struct.Struct("=dQ")  # the latest it frees, token
+_WINDOW_MAGIC = b"cxpace1\n"
+
+
+class _SharedWindow:
+    """A window kept in a file that every process of this user on this machine
+    uses for the same origin and limit (see _window_file).
+
+    The file is opened and locked (flock) only while it is read and written,
+    never while a request is on its way. Times are on the monotonic clock,
+    which the processes of one machine share; the header keeps its epoch
+    (wall time minus monotonic time), and a file whose epoch differs (another
+    boot, a clock stepped) starts afresh. A place held by a process that died
+    frees when its time is over, like any other.
+    """
+
+    def __init__(self, path: str, limit: int, period: float) -> None:
+        self.path = path
+        self._limit = limit
+        self._period = period
+
+    def update(self, change: Callable[[_Window, float], _T]) -> _T:
+        """`change` applied to the window, which the file holds before and after."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # released when the file is closed
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+                raise PermissionError("the shared window file is not this user's alone")
+            now = time.monotonic()
+            window = self._read(os.pread(fd, info.st_size, 0), now)
+            result = change(window, now)
+            head = (time.time() - now, window.allowance, window.narrowed_at)
+            data = b"".join(
+                [
+                    _WINDOW_HEAD.pack(_WINDOW_MAGIC, *head, len(window.on_the_way)),
+                    *(_WINDOW_PLACE.pack(f, t) for t, f in window.on_the_way.items()),
+                    window.answered.tobytes(),
+                ]
+            )
+            os.pwrite(fd, data, 0)
+            os.ftruncate(fd, len(data))
+            return result
+        finally:
+            os.close(fd)
+
+    def _read(self, data: bytes, now: float) -> _Window:
+        """The window in the file's `data`; a fresh one unless it holds a sound one."""
+        fresh = _Window(float(self._limit))
+        if len(data) < _WINDOW_HEAD.size:
+            return fresh
+        magic, epoch, allowance, narrowed_at, count = _WINDOW_HEAD.unpack_from(data)
+        answered_at = _WINDOW_HEAD.size + count * _WINDOW_PLACE.size
+        sound = magic == _WINDOW_MAGIC and 1 <= allowance <= self._limit and narrowed_at <= now
+        if not sound or not abs(epoch - (time.time() - now)) <= _EPOCH_SLACK:
+            return fresh
+        if len(data) < answered_at or (len(data) - answered_at) % 8:
+            return fresh
+        window = _Window(allowance, narrowed_at)
+        for frees, token in _WINDOW_PLACE.iter_unpack(data[_WINDOW_HEAD.size : answered_at]):
+            window.on_the_way[token] = frees
+        window.answered.frombytes(data[answered_at:])
+        last = max(itertools.chain(window.answered, window.on_the_way.values()), default=now)
+        return window if last < now + _LONGEST_HOLD + self._period else fresh
+
+
+def _window_file(origin: str, limit: int, period: float) -> Optional[_SharedWindow]:
+    """The shared window of this origin and limit, or None where there is none.
+
+    It is a file in a folder of this user's alone (mode 0700) under
+    $XDG_RUNTIME_DIR, else the temp directory; without fcntl (Windows), or
+    when that folder is not safely ours, each process paces alone.
+    """
+    if fcntl is None:
+        return None
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    if not (os.path.isabs(runtime) and os.path.isdir(runtime)):
+        runtime = ""
+    try:  # gettempdir() raises when no temp directory is usable
+        folder = os.path.join(runtime or tempfile.gettempdir(), f"createos_exec-{os.getuid()}")
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(folder, 0o700)
+        info = os.lstat(folder)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        logger.debug("Pacing is per process: %s is not this user's alone", folder)
+        return None
+    key = hashlib.sha256(f"{origin} {limit} {period!r}".encode()).hexdigest()[:32]
+    return _SharedWindow(os.path.join(folder, f"window-{key}"), limit, period)
+
+
 class _RateLimiter:
-    """Sliding-window pacing of every request this process sends to one API origin.
+    """Sliding-window pacing of every request sent to one API origin.
 
     A request holds its place from the moment it is let through until its
     answer starts (or it fails), and for one period after that: a server that
     counts arrivals never sees more than `limit` in any window, however long
-    requests queue on the way.
+    requests queue on the way. The window is shared by the threads of this
+    process and, through a file, by the processes of this user on this
+    machine. After a 429 it allows half as many requests (once per round of
+    requests let through), and wins the rest back as answers come.
     """
 
     _shared: Dict[Tuple[str, int, float], "_RateLimiter"] = {}
     _shared_lock = threading.Lock()
 
-    def __init__(self, limit: int, period: float) -> None:
+    def __init__(self, limit: int, period: float, file: Optional[_SharedWindow] = None) -> None:
         self._limit = limit
         self._period = period
-        self._held: Deque[List[float]] = collections.deque()  # [time answered], inf until then
+        self._own = _Window(float(limit))  # the window, unless `file` holds it
+        self._file = file
         self._lock = threading.Lock()
 
     @classmethod
@@ -501,26 +653,61 @@ class _RateLimiter:
         with cls._shared_lock:
             key = (origin, limit, period)
             if key not in cls._shared:
-                cls._shared[key] = cls(limit, period)
+                cls._shared[key] = cls(limit, period, _window_file(origin, limit, period))
             return cls._shared[key]
 
-    def acquire(self) -> List[float]:
-        """Wait for a place in the window; hand it to release() once answered."""
-        while True:
-            with self._lock:
-                now = time.monotonic()
-                while self._held and self._held[0][0] <= now - self._period:
-                    self._held.popleft()
-                if len(self._held) < self._limit:
-                    place = [math.inf]
-                    self._held.append(place)
-                    return place
-                delay = min(self._held[0][0] + self._period - now, _PACING_POLL)
-            time.sleep(delay)
+    def acquire(self, hold: float = math.inf) -> _Place:
+        """Wait for a place in the window; hand it to release() once answered.
 
-    def release(self, place: List[float]) -> None:
+        `hold` is the longest the request can take to arrive (its timeouts):
+        should release() never come, the place frees that long plus a period
+        after it was let through.
+        """
+        hold = min(hold, _LONGEST_HOLD)
+        while True:
+            taken = self._update(functools.partial(self._take, hold))
+            if isinstance(taken, _Place):
+                return taken
+            time.sleep(min(taken, _PACING_POLL))
+
+    def release(self, place: _Place, status: Optional[int] = None) -> None:
+        """The answer to the request of `place` started (its status), or it failed (None)."""
+        self._update(functools.partial(self._settle, place, status))
+
+    def _update(self, change: Callable[[_Window, float], _T]) -> _T:
         with self._lock:
-            place[0] = time.monotonic()
+            if self._file is not None:
+                try:
+                    return self._file.update(change)
+                except OSError:
+                    logger.debug("Pacing is per process from now on: the window file failed")
+                    self._file = None
+            return change(self._own, time.monotonic())
+
+    def _take(self, hold: float, window: _Window, now: float) -> Union[_Place, float]:
+        """A place, or the seconds until the first one frees."""
+        window.expire(now)
+        if window.held() < int(window.allowance):
+            place = _Place(random.getrandbits(64), now)
+            window.on_the_way[place.token] = now + hold + self._period
+            return place
+        return window.first_free() - now
+
+    def _settle(self, place: _Place, status: Optional[int], window: _Window, now: float) -> None:
+        window.answer(place.token, now + self._period)
+        if status == 429 and place.let_through >= window.narrowed_at:
+            window.allowance = max(1.0, window.allowance / 2)
+            window.narrowed_at = now
+            logger.info(
+                "Answered 429: pacing narrowed to %d requests per %g s",
+                window.allowance,
+                self._period,
+            )
+        elif status is not None and status != 429 and window.allowance < self._limit:
+            # At most a limit's worth in _WIN_BACK periods: a window allows
+            # `allowance` answers a period.
+            gain = self._limit / (_WIN_BACK * window.allowance)
+            window.allowance = min(float(self._limit), window.allowance + gain)
 
 
 def _rate_limit(value: Any) -> Optional[Tuple[int, float]]:
@@ -649,6 +836,14 @@ class _Budget:
             delay = random.uniform(0, min(self._policy.max_backoff, ceiling))
         return min(delay, left)
 
+    def delay_within(
+        self, retry_after: Optional[float], deadline: Optional[float]
+    ) -> Optional[float]:
+        """next_delay(), or None too when the deadline would pass before it is over."""
+        delay = self.next_delay(retry_after)
+        left = _remaining(deadline)
+        return None if delay is None or (left is not None and left <= delay) else delay
+
 
 # Headers the service reads before X-Api-Key (protocol.md 1): sent by
 # accident, one of them decides whose call it is.
@@ -725,9 +920,8 @@ class _Transport:
             )
             if not isinstance(answer, _Retryable):
                 return answer
-            delay = budget.next_delay(answer.retry_after)
-            left = _remaining(deadline)
-            if delay is None or (left is not None and left <= delay):
+            delay = budget.delay_within(answer.retry_after, deadline)
+            if delay is None:
                 raise answer.final(process_id) from answer.__cause__
             time.sleep(delay)
 
@@ -766,7 +960,8 @@ class _Transport:
         """One attempt: a 2xx (or an `ok_statuses`) response; any other status raises."""
         logger.debug("%s %s", method, path)
         headers = self._headers_for(raw_body=data is not None, stream=stream)
-        place = self._limiter.acquire() if self._limiter is not None else None
+        place = self._limiter.acquire(sum(timeout)) if self._limiter is not None else None
+        status: Optional[int] = None
         try:
             with _transport_errors(operation):
                 response = self._session.request(
@@ -781,10 +976,10 @@ class _Transport:
                     stream=stream,
                     allow_redirects=False,  # requests would forward X-Api-Key to the new host
                 )
+            status = response.status_code
         finally:
             if place is not None and self._limiter is not None:
-                self._limiter.release(place)
-        status = response.status_code
+                self._limiter.release(place, status)
         if 200 <= status < 300 or status in ok_statuses:
             return response
         retry_after = _retry_after(response.headers.get("Retry-After"))
@@ -1473,6 +1668,10 @@ class _Options:
         if self.cancel is not None and not callable(getattr(self.cancel, "is_set", None)):
             raise ConfigError("cancel must be a threading.Event.")
 
+    def deadline(self, started: float) -> Optional[float]:
+        """When the command's `timeout` runs out, for a command started at `started`."""
+        return None if self.timeout is None else started + self.timeout
+
     @classmethod
     def of(cls, arguments: Dict[str, Any]) -> "_Options":
         """The options among the arguments of a call (its locals()), by name."""
@@ -1588,7 +1787,7 @@ class Client:
         plan = _plan(command, shell=shell, cwd=cwd, env=env, stdin=stdin)
         launch = _Launch(self._transport, sandbox_id, plan)
         launch.stage()
-        process_id, recovered = launch.create()
+        process_id, recovered = launch.create(options.deadline(started))
         follower = _Follower(
             self._transport,
             sandbox_id,
@@ -1864,15 +2063,30 @@ class _Launch:
             data=self._plan.staged,
         )
 
-    def create(self) -> Tuple[str, bool]:
+    def create(self, deadline: Optional[float] = None) -> Tuple[str, bool]:
         """The new process id, and whether it had to be found by its marker.
 
-        Never retried: a 4xx (429 included) or a refused connection means no
-        process; a lost answer or a 5xx means it may exist, so look for it.
+        A 4xx other than 429, or a refused connection, means no process; a
+        lost answer or a 5xx means it may exist, so look for it: neither is
+        sent again. A 429 is the service's "not done": it is waited out under
+        the retry policy and within `deadline`, and the creation sent again
+        only once a listing shows no process with the marker.
         """
+        budget = _Budget(self._transport.retry)
+        while True:
+            answer = self._attempt()
+            if not isinstance(answer, _Retryable):
+                return self._created(answer)
+            if answer.status != 429:
+                return self._unanswered(answer), True
+            found = self._after_refusal(answer, budget, deadline)
+            if found is not None:
+                return found, True
+
+    def _attempt(self) -> Union[requests.Response, _Retryable]:
         transport = self._transport
         try:
-            answer = transport.attempt(
+            return transport.attempt(
                 "POST",
                 _sandbox_path(self._sandbox_id, "/processes"),
                 operation="process creation",
@@ -1885,13 +2099,40 @@ class _Launch:
         except APIError:
             self.unstage()
             raise
-        if isinstance(answer, _Retryable):
-            if answer.status == 429 or not answer.maybe_sent:
-                self.unstage()
-                raise answer.final(None) from answer.__cause__
-            logger.info("Process creation is ambiguous; looking for it by its marker")
-            return self._find_created(), True
-        return self._created(answer)
+
+    def _unanswered(self, failure: _Retryable) -> str:
+        """After a failure other than 429: no process if nothing was sent, else find it."""
+        if not failure.maybe_sent:
+            self.unstage()
+            raise failure.final(None) from failure.__cause__
+        logger.info("Process creation is ambiguous; looking for it by its marker")
+        return self._find_created()
+
+    def _after_refusal(
+        self, refusal: _Retryable, budget: _Budget, deadline: Optional[float]
+    ) -> Optional[str]:
+        """After a 429: wait, then list. The process, if the refused request went
+        through after all (a proxy may answer 429 to a request it forwarded), or
+        None to send it again. APIError 429 when the retry policy or the deadline
+        runs out (or the listing fails): no process was created."""
+        delay = budget.delay_within(refusal.retry_after, deadline)
+        problem: Optional[CreateOSError] = None
+        if delay is not None:
+            logger.info("Process creation was answered 429; asking again in %.2f s", delay)
+            try:
+                time.sleep(delay)
+                process_id = self._marked(deadline)
+            except KeyboardInterrupt:
+                self._abandon()
+                raise
+            except CreateOSError as exc:
+                problem = exc
+            else:
+                left = _remaining(deadline)
+                if process_id is not None or left is None or left > 0:
+                    return process_id
+        self.unstage()
+        raise refusal.final(None) from problem
 
     def _created(self, response: requests.Response) -> Tuple[str, bool]:
         try:
@@ -1911,19 +2152,27 @@ class _Launch:
     def _find_created(self) -> str:
         """Find the process by the marker in its arguments, or fail as unconfirmed."""
         try:
-            mine = next((record for record in self._listed() if self._has_marker(record)), None)
-            if mine is not None:
-                process_id = _checked_process_id(mine.get("process_id"))
-                logger.info("Found process %s by its marker; following it", process_id)
-                return process_id
+            process_id = self._marked()
         except CreateOSError as exc:
             raise CleanupError(creation_unconfirmed=True) from exc
-        self.unstage()
-        raise CleanupError(creation_unconfirmed=True)
+        if process_id is None:
+            self.unstage()
+            raise CleanupError(creation_unconfirmed=True)
+        return process_id
 
-    def _listed(self) -> Iterator[Any]:
+    def _marked(self, deadline: Optional[float] = None) -> Optional[str]:
+        """The process with the run's marker, or None when the listing shows none."""
+        mine = next((record for record in self._listed(deadline) if self._has_marker(record)), None)
+        if mine is None:
+            return None
+        process_id = _checked_process_id(mine.get("process_id"))
+        logger.info("Found process %s by its marker; following it", process_id)
+        return process_id
+
+    def _listed(self, deadline: Optional[float] = None) -> Iterator[Any]:
         """The sandbox's processes, page after page (a bounded number of them)."""
-        deadline = time.monotonic() + self._transport.cleanup_timeout
+        own = time.monotonic() + self._transport.cleanup_timeout
+        deadline = own if deadline is None else min(own, deadline)
         offset = 0
         params: Optional[Dict[str, int]] = None  # the first page as the service chooses it
         for _ in range(_LISTING_PAGES):
@@ -2407,8 +2656,7 @@ class _Run:
         self.check = options.check
         self._transport = transport
         self._launch = launch
-        timeout = options.timeout
-        self._deadline = None if timeout is None else follower.started + timeout
+        self._deadline = options.deadline(follower.started)
 
     def follow(self, until: Optional[float]) -> Optional[ExecResult]:
         """Follow the process to its end; None when `until` (a wait's own limit)

@@ -47,6 +47,15 @@ latency     Against tests/local_server.py (real bash processes): requests and
             same HTTP requests sent with a bare requests.Session; the default
             rate limiter against rate_limit=None; the pause between the last
             output before a connection reset and the first after the resume.
+pacing      Against tests/local_server.py answering 429 to the address over
+            40 requests per 1 s (tests/pacing.py): 4 spawned processes x 25
+            commands, each client paced at (40, 1 s), first sharing one
+            window file, then with windows of their own (machines behind one
+            address; once more with the narrowing after a 429 turned off, for
+            comparison); and 64 threads sharing one client for 256 commands.
+            Exact results, processes created, errors, 429s, the most
+            arrivals in any window, and the wall time against the floor (two
+            requests a command at the limit).
 """
 
 from __future__ import annotations
@@ -60,6 +69,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
 
@@ -79,7 +89,7 @@ import createos_exec  # noqa: E402
 KiB = 1024
 MiB = 1024 * KiB
 GiB = 1024 * MiB
-SECTIONS = ("throughput", "memory", "tail", "latency")
+SECTIONS = ("throughput", "memory", "tail", "latency", "pacing")
 
 SHAPE_64K = "frames-64KiB"
 SHAPE_100B = "frames-100B-chunk-each"
@@ -771,23 +781,34 @@ def report_latency(report: Report, timings: Dict[str, List[float]], runs: int) -
             unit="ms",
         )
     )
-    own = limiter_cost_us()
+    own, shared = limiter_cost_us(shared=False), limiter_cost_us(shared=True)
     report.line(
         "  rate limiter alone: acquire + release below the limit take %.2f us per request "
-        '(median of 20 windows of 300), %.3f %% of execute("true")'
-        % (own, own / 1000 / statistics.median(execute) * 100)
+        "in a window of this process, %.2f us in a window shared through its file "
+        '(median of 20 windows of 300); %.3f %% and %.3f %% of execute("true")'
+        % (
+            own,
+            shared,
+            own / 1000 / statistics.median(execute) * 100,
+            shared / 1000 / statistics.median(execute) * 100,
+        )
     )
 
 
-def limiter_cost_us() -> float:
+def limiter_cost_us(shared: bool) -> float:
     """The pacing of one request below the limit, in microseconds: a fresh window of 300."""
     costs = []
-    for _ in range(20):
-        limiter = createos_exec._RateLimiter(300, 60.0)
-        started = time.perf_counter()
-        for _ in range(300):
-            limiter.release(limiter.acquire())
-        costs.append((time.perf_counter() - started) / 300 * 1e6)
+    with tempfile.TemporaryDirectory() as folder:
+        for n in range(20):
+            window = None
+            if shared:
+                path = os.path.join(folder, "window-%d" % n)
+                window = createos_exec._SharedWindow(path, 300, 60.0)
+            limiter = createos_exec._RateLimiter(300, 60.0, window)
+            started = time.perf_counter()
+            for _ in range(300):
+                limiter.release(limiter.acquire(60.0), 200)
+            costs.append((time.perf_counter() - started) / 300 * 1e6)
     return statistics.median(costs)
 
 
@@ -865,6 +886,88 @@ def run_resume(report: Report, runs: int) -> None:
 
 
 # --------------------------------------------------------------------------
+# Pacing
+
+PACING_LIMIT = (40, 1.0)
+
+
+def run_pacing(report: Report, scale: float) -> None:
+    import pacing
+
+    commands = scaled(25, scale, 2)
+    report.heading(
+        "Pacing: many clients behind one address (tests/local_server.py answering 429 "
+        "over %d requests per %g s)" % PACING_LIMIT
+    )
+    label = "4 spawned processes x %d commands" % commands
+    progress("pacing: 4 processes sharing one window")
+    shared = pacing.run_scenario(processes=4, commands=commands, limit=PACING_LIMIT, shared=True)
+    pacing_line(report, label + ", one shared window", shared)
+    report.target(Target("requests answered 429, shared window", shared.refused, 20, True, ""))
+    report.target(Target("wall time / floor, shared window", shared.ratio, 1.5, True))
+    own = "windows of their own (machines behind one address)"
+    for threads in (1, 4):
+        for narrowing in (True, False):
+            progress(
+                "pacing: 4 processes, own windows, %d threads, narrowing %s" % (threads, narrowing)
+            )
+            figures = pacing.run_scenario(
+                processes=4,
+                commands=commands,
+                limit=PACING_LIMIT,
+                shared=False,
+                threads=threads,
+                narrowing=narrowing,
+            )
+            text = "%s, %s%s%s" % (
+                label,
+                own,
+                ", on 4 threads each" if threads > 1 else "",
+                "" if narrowing else ", for comparison without narrowing after a 429",
+            )
+            pacing_line(report, text, figures)
+    progress("pacing: 64 threads sharing one client")
+    threads = pacing.run_threads(threads=64, commands=scaled(256, scale, 64), limit=PACING_LIMIT)
+    pacing_line(report, "64 threads x %d commands, one Client" % threads.commands, threads)
+    report.target(
+        Target(
+            "most arrivals in any window, 64 threads",
+            threads.max_in_window,
+            PACING_LIMIT[0],
+            True,
+            "",
+        )
+    )
+
+
+def pacing_line(report: Report, label: str, figures: Any) -> None:
+    report.line(
+        "  %s: %d/%d exact, %d processes created (%d commands twice), %d errors reached a "
+        "caller, %d of %d requests answered 429 (%d on creation), at most %d arrivals in any "
+        "%g s window; %.2f s, floor %.2f s: %.2fx"
+        % (
+            label,
+            figures.exact,
+            figures.commands,
+            figures.created,
+            figures.created_twice,
+            figures.errors,
+            figures.refused,
+            figures.requests,
+            figures.refused_creations,
+            figures.max_in_window,
+            figures.period,
+            figures.seconds,
+            figures.floor,
+            figures.ratio,
+        )
+    )
+    kept = figures.exact == figures.commands == figures.created and not figures.errors
+    if not kept or figures.created_twice:
+        report.failure("pacing, %s: a promise was broken" % label)
+
+
+# --------------------------------------------------------------------------
 # Main
 
 
@@ -910,6 +1013,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         run_tail(report, options.repeat, options.scale)
     if "latency" in options.sections:
         run_latency(report, runs=50, resume_runs=15)
+    if "pacing" in options.sections:
+        run_pacing(report, options.scale)
     report.heading("Summary")
     met = sum(1 for target in report.targets if target.verdict == "met")
     missed = [target for target in report.targets if target.verdict == "MISSED"]

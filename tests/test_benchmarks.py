@@ -40,6 +40,7 @@ HEADINGS = (
     "== Memory",
     "== Tail",
     "== Latency",
+    "== Pacing",
     "== Summary",
 )
 NUMBER = r"[0-9]+(?:\.[0-9]+)?"
@@ -82,6 +83,12 @@ def test_the_tiny_benchmark_reports_every_section_and_reader():
     assert re.search(r'one execute\("true"\) after a warm-up: [0-9]+ requests', report)
     assert re.search(r"rate limiter: default .* median %s ms, rate_limit=None" % NUMBER, report)
     assert re.search(r"resume after a connection reset .* median %s ms" % NUMBER, report)
+    assert re.search(
+        r"rate limiter alone: .* %s us in a window shared through its file" % NUMBER, report
+    )
+    pacing = r"^  .*%s[^:]*: ([0-9]+)/\1 exact, \1 processes created \(0 commands twice\), 0 err"
+    for label in ("one shared window", "windows of their own", "without narrowing", "one Client"):
+        assert re.search(pacing % re.escape(label), report, re.M), label
     assert re.search(r"targets: [0-9]+ met, [0-9]+ missed", report)
     assert "FAILED" not in report
 

@@ -283,7 +283,7 @@ def test_failed_listing_after_ambiguous_create_is_unconfirmed(client, server):
     assert len(server.requests_to("create")) == 1
 
 
-@pytest.mark.parametrize("status", [400, 409, 429])
+@pytest.mark.parametrize("status", [400, 409])  # 429: below
 def test_4xx_on_create_means_not_created_and_removes_the_staged_file(client, server, status):
     before = set(glob.glob("/tmp/.createos_exec-*"))
     server.fail("create", status)
@@ -291,6 +291,32 @@ def test_4xx_on_create_means_not_created_and_removes_the_staged_file(client, ser
         client.execute(SANDBOX, ["true"], env={"SECRET": "s"}, stdin="in")
     assert caught.value.status == status
     assert len(server.requests_to("create")) == 1
+    assert len(server.requests_to("exec")) == 1  # rm -f of the staged file
+    assert set(glob.glob("/tmp/.createos_exec-*")) == before
+
+
+def test_429_on_create_is_waited_out_and_one_process_runs(server):
+    server.fail("create", 429, retry_after="1")
+    with make_client(server, retry=cx.RetryPolicy(max_retry_after=2.0)) as client:
+        result = client.execute(SANDBOX, ["echo", "once"], env={"K": "v"})
+    assert result.stdout == "once\n" and result.exit_code == 0
+    assert len(server.processes()) == 1
+    sent = [(r.method, r.status) for r in server.requests if r.path.endswith("/processes")]
+    created = 201 if server.reading == "alternative" else 200
+    assert sent == [("POST", 429), ("GET", 200), ("POST", created)]
+
+
+def test_429_on_create_until_the_policy_runs_out_means_not_created(server):
+    before = set(glob.glob("/tmp/.createos_exec-*"))
+    server.fail("create", 429, count=50, retry_after="0")
+    policy = cx.RetryPolicy(max_attempts=3, initial_backoff=0.01, max_backoff=0.02)
+    with make_client(server, retry=policy) as client:
+        with pytest.raises(cx.APIError) as caught:
+            client.execute(SANDBOX, ["true"], env={"SECRET": "s"}, stdin="in")
+    assert (caught.value.status, caught.value.operation) == (429, "process creation")
+    assert server.processes() == []
+    assert len(server.requests_to("create")) == 3
+    assert len(server.requests_to("list")) == 2
     assert len(server.requests_to("exec")) == 1  # rm -f of the staged file
     assert set(glob.glob("/tmp/.createos_exec-*")) == before
 

@@ -637,7 +637,8 @@ CREATION_REFUSALS = {
 }
 
 
-@pytest.mark.parametrize("status", list(CREATION_REFUSALS))
+# A 429 is waited out (see the tests of pacing below); the others are final.
+@pytest.mark.parametrize("status", [status for status in CREATION_REFUSALS if status != 429])
 def test_creation_4xx_is_api_error_without_retry(rsps: responses.RequestsMock, status: int) -> None:
     rsps.add(
         responses.POST,
@@ -668,6 +669,117 @@ def test_creation_4xx_removes_staged_file(rsps: responses.RequestsMock) -> None:
     cleanup = calls(rsps, "POST", EXEC)
     assert len(cleanup) == 1
     assert body_of(cleanup[0]) == {"cmd": "rm", "args": ["-f", "--", staged]}
+    assert len(calls(rsps, "POST", PROCS)) == 1
+
+
+REFUSED = (429, {"Retry-After": "0"}, json.dumps({"status": "fail", "data": "SECRET-BODY"}))
+
+
+def add_refused_creation(rsps: responses.RequestsMock, *, listed: bool) -> None:
+    """A creation answered 429, then a listing that shows its process or not."""
+    creation = _Creation(REFUSED)
+    rsps.add_callback(responses.POST, PROCS, callback=creation)
+    rsps.add_callback(responses.GET, PROCS, callback=_listing(creation, include=listed))
+
+
+def public_chain(exc: BaseException) -> bool:
+    """No exception a caller can reach from `exc` is a private class of the module."""
+    return all(not type(link).__name__.startswith("_") for link in chain(exc))
+
+
+def test_creation_429_is_waited_out_and_sent_again_after_a_listing(
+    rsps: responses.RequestsMock,
+) -> None:
+    add_refused_creation(rsps, listed=False)
+    add_created(rsps)
+    add_connect(rsps, nd(data(1, "stdout", b"once\n"), EXIT0))
+    result = make_client().execute(SB, ["true"])
+    assert result.stdout == "once\n" and result.process_id == PID
+    assert result.creation_recovered is False  # the second creation was answered
+    sent = [(c.request.method, c.request.url.split("?")[0]) for c in rsps.calls]
+    assert sent == [("POST", PROCS), ("GET", PROCS), ("POST", PROCS), ("GET", CONNECT)]
+    first, second = calls(rsps, "POST", PROCS)
+    assert body_of(first) == body_of(second)  # the same marker: findable either way
+
+
+def test_creation_429_that_went_through_is_adopted_not_created_again(
+    rsps: responses.RequestsMock,
+) -> None:
+    # A proxy that answers 429 to a request it forwarded all the same.
+    add_refused_creation(rsps, listed=True)
+    add_connect(rsps, nd(data(1, "stdout", b"adopted\n"), EXIT0))
+    result = make_client().execute(SB, ["true"])
+    assert result.stdout == "adopted\n" and result.process_id == PID
+    assert result.creation_recovered is True
+    assert len(calls(rsps, "POST", PROCS)) == 1
+
+
+def test_creation_429_until_the_policy_runs_out_is_api_error_429(
+    rsps: responses.RequestsMock,
+) -> None:
+    rsps.add(responses.PUT, FILES, json=ok({}))
+    add_refused_creation(rsps, listed=False)
+    rsps.add(responses.POST, EXEC, json=ok({"result": {"exit_code": 0}}))
+    with pytest.raises(cx.APIError) as info:
+        make_client().execute(SB, ["true"], env={"A": "1"})
+    err = info.value
+    assert (err.status, err.operation, err.process_id) == (429, "process creation", None)
+    advice = CREATION_REFUSALS[429]
+    assert str(err) == f"CreateOS answered HTTP 429 to process creation: {advice}."
+    assert public_chain(err)
+    assert_clean(err, "SECRET-BODY")
+    # FAST allows two attempts: a listing before the second, none after the last.
+    assert len(calls(rsps, "POST", PROCS)) == FAST.max_attempts
+    assert len(calls(rsps, "GET", PROCS)) == FAST.max_attempts - 1
+    staged = query(calls(rsps, "PUT", FILES)[0])["path"]
+    (cleanup,) = calls(rsps, "POST", EXEC)
+    assert body_of(cleanup) == {"cmd": "rm", "args": ["-f", "--", staged]}
+    assert not calls(rsps, "GET", CONNECT)
+
+
+def test_creation_429_honours_retry_after(rsps: responses.RequestsMock) -> None:
+    stamps: List[float] = []
+
+    def refuse_once(request: Any) -> Any:
+        stamps.append(time.monotonic())
+        if len(stamps) == 1:
+            return (429, {"Retry-After": "1"}, "")
+        return (200, {}, json.dumps(ok(record())))
+
+    rsps.add_callback(responses.POST, PROCS, callback=refuse_once)
+    rsps.add(responses.GET, PROCS, json=ok({"processes": []}))
+    add_connect(rsps, nd(EXIT0))
+    policy = dataclasses.replace(FAST, max_retry_after=5.0)
+    assert make_client(retry=policy).execute(SB, ["true"]).exit_code == 0
+    assert len(stamps) == 2 and stamps[1] - stamps[0] >= 0.9
+
+
+def test_creation_429_is_not_waited_out_past_the_deadline(rsps: responses.RequestsMock) -> None:
+    rsps.add(responses.POST, PROCS, status=429, headers={"Retry-After": "30"}, body="")
+    policy = dataclasses.replace(FAST, max_attempts=8, max_retry_after=60.0)
+    started = time.monotonic()
+    with pytest.raises(cx.APIError) as info:
+        make_client(retry=policy).execute(SB, ["true"], timeout=0.5)
+    assert info.value.status == 429
+    assert time.monotonic() - started < 5  # the 30 s were never waited
+    assert [c.request.method for c in rsps.calls] == ["POST"]  # neither listed nor re-sent
+
+
+@pytest.mark.parametrize(
+    "listing",
+    [(500, {}, ""), (200, {}, "not json"), requests.exceptions.ConnectionError("down")],
+    ids=["500", "not json", "unreachable"],
+)
+def test_creation_429_with_a_failed_listing_is_never_sent_again(
+    rsps: responses.RequestsMock, listing: Any
+) -> None:
+    rsps.add(responses.POST, PROCS, status=429, headers={"Retry-After": "0"}, body="")
+    add_listing(rsps, listing)
+    with pytest.raises(cx.APIError) as info:
+        make_client().execute(SB, ["true"])
+    assert info.value.status == 429 and info.value.operation == "process creation"
+    assert isinstance(info.value.__cause__, cx.CreateOSError)  # what the listing met
+    assert public_chain(info.value)
     assert len(calls(rsps, "POST", PROCS)) == 1
 
 
@@ -752,6 +864,15 @@ def test_ambiguous_creation_not_listed_is_unconfirmed(
     assert_clean(info.value, "SECRET-BODY")
 
 
+def add_listing(rsps: responses.RequestsMock, listing: Any) -> None:
+    """The answer to GET …/processes: (status, headers, body), or an exception raised."""
+    if isinstance(listing, BaseException):
+        rsps.add(responses.GET, PROCS, body=listing)
+    else:
+        status, headers, text = listing
+        rsps.add(responses.GET, PROCS, status=status, headers=headers, body=text)
+
+
 @pytest.mark.parametrize(
     "listing",
     [
@@ -769,11 +890,7 @@ def test_ambiguous_creation_with_failed_listing_is_unconfirmed(
 ) -> None:
     creation = _Creation((500, {}, ""))
     rsps.add_callback(responses.POST, PROCS, callback=creation)
-    if isinstance(listing, BaseException):
-        rsps.add(responses.GET, PROCS, body=listing)
-    else:
-        status, headers, text = listing
-        rsps.add(responses.GET, PROCS, status=status, headers=headers, body=text)
+    add_listing(rsps, listing)
     with pytest.raises(cx.CleanupError) as info:
         make_client().execute(SB, ["true"])
     assert info.value.creation_unconfirmed is True
