@@ -263,7 +263,7 @@ def test_for_origin_shares_the_file_and_none_disables_pacing(runtime_dir):
 
 
 def test_a_429_halves_the_allowance_once_a_round_and_answers_win_it_back():
-    limiter = cx._RateLimiter(8, 0.2)
+    limiter = cx._RateLimiter(8, 0.05)
     round_one = [limiter.acquire(1.0) for _ in range(4)]
     for place in round_one:  # all let through before the first 429: one narrowing
         limiter.release(place, 429)
