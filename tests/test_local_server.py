@@ -92,6 +92,18 @@ def payloads(frames: list) -> list:
     ]
 
 
+def exchange(host: str, port: int, request: bytes, source: str = "") -> bytes:
+    """Send `request` on a bare socket and read until the server closes it."""
+    received = b""
+    with socket.create_connection((host, port), 10, (source, 0) if source else None) as sock:
+        sock.sendall(request)
+        while True:
+            part = sock.recv(65536)
+            if not part:
+                return received
+            received += part
+
+
 def raw_connect(server: LocalServer, process_id: str, after: int = 0) -> tuple:
     """GET …/connect on a bare socket with Connection: close, read until the server closes.
 
@@ -103,14 +115,7 @@ def raw_connect(server: LocalServer, process_id: str, after: int = 0) -> tuple:
         "Host: %s\r\nX-Api-Key: %s\r\nConnection: close\r\n\r\n"
         % (process_id, after, host, server.api_key)
     )
-    received = b""
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(request.encode("ascii"))
-        while True:
-            part = sock.recv(65536)
-            if not part:
-                break
-            received += part
+    received = exchange(host, int(port), request.encode("ascii"))
     head, _, body = received.partition(b"\r\n\r\n")
     chunks = []
     while True:
@@ -148,14 +153,8 @@ def raw_request(
         server.api_key,
         head,
     )
-    received = b""
-    with socket.create_connection((host, int(port)), 10, (source, 0)) as sock:
-        sock.sendall(request.encode("ascii") + b"Connection: close\r\n\r\n" + body)
-        while True:
-            part = sock.recv(65536)
-            if not part:
-                break
-            received += part
+    sent = request.encode("ascii") + b"Connection: close\r\n\r\n" + body
+    received = exchange(host, int(port), sent, source)
     status_line, _, rest = received.partition(b"\r\n")
     content = rest.partition(b"\r\n\r\n")[2]
     return int(status_line.split()[1]), json.loads(content) if content else None
