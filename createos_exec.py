@@ -1464,7 +1464,7 @@ class _Output:
 
     Text goes to on_output as soon as it is decoded. The tails get it in
     parts of about _TAIL_PART characters (a long text alone is a part
-    without a copy): a frame costs a list append here, not an append to
+    without a copy): a frame costs two list appends here, not an append to
     each of two tails.
     """
 
@@ -1476,13 +1476,16 @@ class _Output:
         self.tails = {name: _Tail(limit) for name in _STREAMS}
         self.combined = _Tail(limit)
         self._part_size = min(_TAIL_PART, limit // 16)
-        self._recent: List[Tuple[str, str]] = []  # (stream, text), not yet in the tails
+        # Texts not yet in the tails: per stream, and of both in order.
+        self._recent: Dict[str, List[str]] = {name: [] for name in _STREAMS}
+        self._recent_both: List[str] = []
         self._recent_size = 0
 
     def feed(self, stream: str, payload: bytes, final: bool = False) -> None:
         text: str = self._decoders[stream].decode(payload, final)
         if text:
-            self._recent.append((stream, text))
+            self._recent[stream].append(text)
+            self._recent_both.append(text)
             self._recent_size += len(text)
             if self._recent_size > self._part_size:
                 self._file_recent()
@@ -1490,14 +1493,13 @@ class _Output:
                 self._on_output(stream, text)
 
     def _file_recent(self) -> None:
-        recent = self._recent
-        for name, tail in self.tails.items():
-            part = "".join([text for stream, text in recent if stream == name])
-            if part:
-                tail.append(part)
-        if recent:
-            self.combined.append("".join([text for _, text in recent]))  # one is not copied
-        recent.clear()
+        for name, texts in self._recent.items():
+            if texts:
+                self.tails[name].append("".join(texts))  # one text is not copied
+                texts.clear()
+        if self._recent_both:
+            self.combined.append("".join(self._recent_both))
+            self._recent_both.clear()
         self._recent_size = 0
 
     def finish(self, hand_out: bool) -> None:
