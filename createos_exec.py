@@ -1298,16 +1298,12 @@ _BASE64 = re.compile(r"(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{
 
 
 if sys.version_info >= (3, 11):
-
-    def _strict_a2b(text: str) -> bytes:
-        """a2b_base64 of standard, padded base64 only; binascii.Error for anything else."""
-        return binascii.a2b_base64(text, strict_mode=True)  # novermin
-
+    _a2b_base64 = binascii.a2b_base64
 else:
 
-    def _strict_a2b(text: str) -> bytes:
-        """a2b_base64 of standard, padded base64 only; binascii.Error for anything else."""
-        if not _BASE64.match(text):
+    def _a2b_base64(text: str, strict_mode: bool = False) -> bytes:
+        """a2b_base64 with the strict_mode of Python 3.11 (standard, padded base64 only)."""
+        if strict_mode and not _BASE64.match(text):
             raise binascii.Error("not strict base64")
         return binascii.a2b_base64(text)
 
@@ -1318,7 +1314,7 @@ def _base64(text: str) -> bytes:
     The one definition of what a data frame may carry, whatever route took it.
     """
     try:
-        payload = _strict_a2b(text)
+        payload = _a2b_base64(text, strict_mode=True)
     except ValueError:  # binascii.Error, or a character beyond ASCII
         raise ProtocolError("a data frame carries invalid base64") from None
     # strict_mode lets "=" follow a whole last quantum; the length tells.
