@@ -1015,9 +1015,9 @@ _STREAMS = ("stdout", "stderr")
 # taken as whatever stands between the quotes (`[^"]*`, a fast path in `re`;
 # a character class costs several times more): _base64 checks it.
 _DATA_HEAD = r'\{"type":"data","seq":([1-9][0-9]{0,17}),"stream":"(stdout|stderr)","data_base64":"'
-_SERVICE_LINE = re.compile(
-    "^(?:" + _DATA_HEAD + r'([^"]*)"\}|\{"type":"heartbeat"\})$', re.MULTILINE
-)
+_SERVICE_FORM = "(?:" + _DATA_HEAD + r'([^"]*)"\}|\{"type":"heartbeat"\})'
+_SERVICE_LINE = re.compile("^" + _SERVICE_FORM + "$", re.MULTILINE)
+_ONE_SERVICE_LINE = re.compile(_SERVICE_FORM + "\n\\Z")
 _LONG_DATA_HEAD = re.compile(_DATA_HEAD)
 _SHORT_LINE = 512  # characters; a block that starts with a longer line skips the pattern
 _Line = Tuple[str, ...]  # seq digits, stream, base64 text; all empty for a heartbeat
@@ -1193,16 +1193,13 @@ def _service_lines(text: str) -> Optional[List[_Line]]:
     """
     if "\\" in text:
         return None  # an escape: JSON decides what it stands for
+    if len(text) <= _SHORT_LINE:
+        line = _ONE_SERVICE_LINE.match(text)  # the usual block of live output
+        if line is not None:
+            return [line.groups("")]  # as findall gives it: "" for no group
     first_end = text.find("\n")
-    if first_end == len(text) - 1:  # one line, the usual block of live output
-        if first_end > _SHORT_LINE:
-            return _long_data_line(text)
-        line = _SERVICE_LINE.match(text)
-        if line is None or line.end() != first_end:
-            return None
-        return [line.groups("")]  # as findall gives it: "" for no group
-    if first_end > _SHORT_LINE:
-        return None  # several lines, the first of them long: the JSON scanner is faster
+    if first_end > _SHORT_LINE:  # one long data line by its head; else JSON is faster
+        return _long_data_line(text) if first_end == len(text) - 1 else None
     lines: List[_Line] = _SERVICE_LINE.findall(text)
     return lines if len(lines) == text.count("\n") else None
 
