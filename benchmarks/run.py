@@ -23,10 +23,12 @@ throughput  A synthetic CreateOS server (stream_server.py, a process of its
             characters among ASCII) split across the frames of each stream.
             All but the mixed one are stdout only. Readers
             (readers.py), interleaved (each repetition runs every reader
-            once): the server alone (drain to EOF, no parsing), the per-line
-            decode ceiling (raw socket, hand-made de-chunking, one json.loads
-            per line, strict base64, incremental UTF-8, one decoder per
-            stream, heartbeats skipped), the batched ceiling (one json.loads
+            once on every shape, so that a target comparing two shapes
+            compares figures taken seconds apart): the server alone
+            (drain to EOF, no parsing), the per-line decode ceiling (raw
+            socket, hand-made de-chunking, one json.loads per line, strict
+            base64, incremental UTF-8, one decoder per stream, heartbeats
+            skipped), the batched ceiling (one json.loads
             per block of lines), createos_exec's Client.execute() end to end,
             and the official SDK's processes.connect(). Every reader's output
             is verified, each stream on its own. MB/s = 10^6 bytes of decoded
@@ -284,8 +286,13 @@ def run_throughput(report: Report, repeat: int, scale: float) -> None:
         try:
             reader_of = make_readers(server, execute, sdk)
             warm_up(report, reader_of, server)
+            timings = {shape.name: Timings(reader_of) for shape in shapes}
+            for rep in range(repeat):
+                progress("repetition %d of %d" % (rep + 1, repeat))
+                for shape in shapes:
+                    timings[shape.name].time_each_reader(reader_of, server, shape)
             for shape in shapes:
-                medians[shape.name] = measure_shape(report, reader_of, server, shape, repeat)
+                medians[shape.name] = report_shape(report, server, shape, timings[shape.name])
         finally:
             execute.close()
             if sdk is not None:
@@ -307,21 +314,24 @@ def warm_up(report: Report, reader_of: Dict[str, Any], server: StreamServer) -> 
                 )
 
 
-def measure_shape(
-    report: Report,
-    reader_of: Dict[str, Optional[Callable[[str], readers.Received]]],
-    server: StreamServer,
-    shape: Shape,
-    repeat: int,
-) -> Dict[str, Optional[float]]:
-    """Time every reader `repeat` times, interleaved; print the rows; the medians."""
-    expected = server.expected[shape.name]
-    speeds: Dict[str, List[float]] = {name: [] for name in reader_of}
-    errors: Dict[str, str] = {}
-    for rep in range(repeat):
-        progress("%s: repetition %d of %d" % (shape.name, rep + 1, repeat))
+class Timings:
+    """MB/s of every reader on one shape, a figure per repetition, and the
+    first error of a reader that failed (it is then left out)."""
+
+    def __init__(self, reader_of: Dict[str, Any]) -> None:
+        self.speeds: Dict[str, List[float]] = {name: [] for name in reader_of}
+        self.errors: Dict[str, str] = {}
+
+    def time_each_reader(
+        self,
+        reader_of: Dict[str, Optional[Callable[[str], readers.Received]]],
+        server: StreamServer,
+        shape: Shape,
+    ) -> None:
+        """One repetition: every reader once, one after another."""
+        expected = server.expected[shape.name]
         for name, read in reader_of.items():
-            if read is None or name in errors:
+            if read is None or name in self.errors:
                 continue
             gc.collect()
             try:
@@ -330,9 +340,16 @@ def measure_shape(
                 elapsed = time.perf_counter() - started
                 readers.verify(name, received, expected)
             except Exception as exc:  # noqa: BLE001 -- a failed reader is reported, not fatal
-                errors[name] = "%s: %s" % (type(exc).__name__, exc)
+                self.errors[name] = "%s: %s" % (type(exc).__name__, exc)
                 continue
-            speeds[name].append(expected.payload_bytes / elapsed / 1e6)
+            self.speeds[name].append(expected.payload_bytes / elapsed / 1e6)
+
+
+def report_shape(
+    report: Report, server: StreamServer, shape: Shape, timings: Timings
+) -> Dict[str, Optional[float]]:
+    """Print the rows of one shape; the medians."""
+    expected = server.expected[shape.name]
     report.line()
     mix = ""
     if expected.stream_bytes["stderr"]:
@@ -353,17 +370,17 @@ def measure_shape(
     )
     report.line("  %-36s %s" % ("reader", "median MB/s   min-max"))
     medians: Dict[str, Optional[float]] = {}
-    for name, read in reader_of.items():
-        if read is None:
+    for name, speeds in timings.speeds.items():
+        if name in timings.errors:
+            report.line("  %-36s %9s" % (name, "n/a"))
+            report.failure("%s on %s: %s" % (name, shape.name, timings.errors[name]))
+            medians[name] = None
+        elif not speeds:
             report.line("  %-36s %9s" % (name, "n/a (SDK not importable)"))
             medians[name] = None
-        elif name in errors:
-            report.line("  %-36s %9s" % (name, "n/a"))
-            report.failure("%s on %s: %s" % (name, shape.name, errors[name]))
-            medians[name] = None
         else:
-            report.line("  %-36s %s" % (name, median_min_max(speeds[name])))
-            medians[name] = statistics.median(speeds[name])
+            report.line("  %-36s %s" % (name, median_min_max(speeds)))
+            medians[name] = statistics.median(speeds)
     report.line("  ratios: " + " · ".join(ratio_texts(medians)))
     return medians
 
