@@ -10,11 +10,12 @@ Each ``Shape`` is a stream: an amount of UTF-8 text (mostly ASCII, with 2- and
 3-byte characters, cut at fixed byte sizes so that characters are split
 across frames), the data-frame size, and the HTTP chunking (one chunk per
 frame, or fixed-size chunks that cut lines anywhere). A mixed shape
-interleaves stdout and stderr frames (alternating runs of 1 to 8 frames, from
-a seeded generator), sends a heartbeat line after every 300th data frame, and
-its two texts mix ASCII with 2-, 3- and 4-byte characters ("é", "€", "😀"),
-each stream cut into frames on its own: a character split by a frame boundary
-is finished by the next frame of the same stream, often after frames of the
+interleaves stdout and stderr frames (runs of 1 to 32 stdout frames and 1 to 4
+stderr frames, from a seeded generator, as a build log interleaves them),
+sends a heartbeat line after every 500th data frame, and its two texts are
+the text of the other shapes (2- and 3-byte characters among ASCII), each
+stream cut into frames on its own: a character split by a frame boundary is
+finished by the next frame of the same stream, often after frames of the
 other one.
 
 Endpoints, for any sandbox id (the answers mimic ``tests/local_server.py``):
