@@ -1311,7 +1311,7 @@ def _base64(text: str) -> bytes:
     The one definition of what a data frame may carry, whatever route took it.
     """
     try:
-        payload = _a2b_base64(text, strict_mode=True)
+        payload = _a2b_base64(text, strict_mode=True)  # novermin: its own before 3.11
     except ValueError:  # binascii.Error, or a character beyond ASCII
         raise ProtocolError("a data frame carries invalid base64") from None
     # strict_mode lets "=" follow a whole last quantum; the length tells.
