@@ -3,8 +3,9 @@
 Sessions: `lint` (ruff, mypy --strict, vermin for the 3.8 floor), `tests`
 (the whole suite with branch coverage on the current interpreter, the
 packaging test with users' mypy included) and `compat` (the core of the
-suite, RemoteProcess included, on every other supported Python). Add `-r`
-to reuse the virtual environments between runs, `-s tests` for one session.
+suite, RemoteProcess, the console script and the packaging test with that
+Python's mypy included, on every other supported Python). Add `-r` to reuse
+the virtual environments between runs, `-s tests` for one session.
 """
 
 from __future__ import annotations
@@ -23,7 +24,12 @@ CORE_TESTS = (
     "tests/test_execute.py",
     "tests/test_cli.py",
     "tests/test_process.py",
+    "tests/test_vendoring.py",
 )
+
+# Most tests wait on sockets and subprocesses rather than compute: pytest-xdist
+# runs them on twice as many workers as there are CPUs (`-- -n 0` for one).
+WORKERS = ("-n", str(max(2, min(8, 2 * (os.cpu_count() or 1)))), "--dist", "worksteal")
 
 nox.options.sessions = ["lint", "tests", "compat"]
 
@@ -58,14 +64,19 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     session.install("-e", ".[test]")
-    session.run("python", "-m", "pytest", "--cov=createos_exec", *session.posargs)
+    # pytest-cov combines the workers' data: the figure is the serial run's.
+    session.run("python", "-m", "pytest", *WORKERS, "--cov=createos_exec", *session.posargs)
 
 
 # The standard venv: virtualenv no longer seeds environments for Python 3.8.
 @nox.session(python=OTHERS, venv_backend="venv")
 def compat(session: nox.Session) -> None:
-    session.install("-e", ".", "pytest", "pytest-timeout", "responses", "hypothesis")
+    # mypy: the packaging test runs users' mypy, the one pip picks for this Python.
+    session.install(
+        "-e", ".", "pytest", "pytest-timeout", "pytest-xdist", "responses", "hypothesis", "mypy"
+    )
     # The alternative reading of the local server is covered by `tests` already.
     session.run(
-        "python", "-m", "pytest", "-q", "-k", "not alternative", *CORE_TESTS, *session.posargs
-    )
+        "python", "-m", "pytest", "-q", *WORKERS, "-k", "not alternative", *CORE_TESTS,
+        *session.posargs,
+    )  # fmt: skip

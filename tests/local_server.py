@@ -664,6 +664,7 @@ class Fault:
         mid_frame: bool = False,
         seconds: float = 0.0,
         line: bytes = b"",
+        last: bool = False,
     ):
         if count < 1:
             raise ValueError("count must be at least 1")
@@ -678,6 +679,7 @@ class Fault:
         self.mid_frame = mid_frame
         self.seconds = seconds
         self.line = line
+        self.last = last
 
 
 # --------------------------------------------------------------------------
@@ -1115,6 +1117,9 @@ class OutputStream:
             self.fault = None
             if fault.kind == "corrupt":
                 self._write(fault.line if fault.line.endswith(b"\n") else fault.line + b"\n")
+                if fault.last:
+                    self.req.end_chunked()
+                    return False
             elif fault.kind == "end":
                 self.req.end_chunked()
                 return False
@@ -1415,9 +1420,13 @@ class LocalServer:
         """Same trigger as drop_stream: send nothing (no heartbeat) for `seconds`, then break."""
         self._queue("connect", Fault("stall", count, after_frames=after_frames, seconds=seconds))
 
-    def corrupt_stream(self, line: bytes, *, after_frames: int = 0, count: int = 1) -> None:
-        """Same trigger as drop_stream: insert `line` as a chunk of its own, then go on."""
-        self._queue("connect", Fault("corrupt", count, after_frames=after_frames, line=bytes(line)))
+    def corrupt_stream(
+        self, line: bytes, *, after_frames: int = 0, count: int = 1, last: bool = False
+    ) -> None:
+        """Same trigger as drop_stream: insert `line` as a chunk of its own, then go on;
+        or, `last`, end the body cleanly after it, as after an exit frame."""
+        fault = Fault("corrupt", count, after_frames=after_frames, line=bytes(line), last=last)
+        self._queue("connect", fault)
 
     def replay_ignoring_after(self, *, count: int = 1) -> None:
         """Start the next connects at the oldest retained frame, whatever `after` says."""

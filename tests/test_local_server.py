@@ -858,6 +858,17 @@ def test_corrupt_stream_inserts_a_line(server, api):
     ]
 
 
+def test_corrupt_stream_can_end_the_body_after_the_line(server, api):
+    process_id = finished_three_frames(api)
+    server.corrupt_stream(b'{"type":"exit"}', after_frames=1, last=True)
+    _, chunks, complete, _ = raw_connect(server, process_id)
+    assert [json.loads(c) for c in chunks] == [
+        {"type": "data", "seq": 1, "stream": "stdout", "data_base64": "MQ=="},
+        {"type": "exit"},
+    ]
+    assert complete  # a clean end, as after a real exit frame
+
+
 def test_replay_ignoring_after(server, api):
     process_id = finished_three_frames(api)
     server.replay_ignoring_after()

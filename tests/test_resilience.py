@@ -152,13 +152,16 @@ def test_exit_frame_without_status_is_checked_against_wait(client, server):
 
 
 def test_exit_frame_without_status_and_no_answer_is_a_protocol_error(client, server):
-    server.corrupt_stream(b'{"type":"exit","exit_code":null}', after_frames=1)
+    # The body ends after the exit frame, as it does on the service: the error
+    # then comes while the tree still runs, and the tree is seen contained.
+    server.corrupt_stream(b'{"type":"exit","exit_code":null}', after_frames=1, last=True)
     server.fail("wait", 500, count=50)
     with pytest.raises(cx.ProtocolError) as caught:
         client.execute(SANDBOX, "echo x; sleep 0.2; echo y; sleep 30", shell=True)
     assert type(caught.value) is cx.ProtocolError
     assert connects(server) == 1  # checked against wait once, never a reconnect
     assert server.wait_tree_gone(caught.value.process_id)
+    assert server.process(caught.value.process_id).get("signal")  # killed, not run out
 
 
 # -- 5. fail closed and contain --------------------------------------------------------

@@ -469,7 +469,8 @@ PATHS = {
     ),
     "exit-without-status-unanswered": (
         _faults(
-            _f("corrupt_stream", b'{"type":"exit","exit_code":null}', after_frames=1),
+            # The body ends after it, as after the service's exit frame.
+            _f("corrupt_stream", b'{"type":"exit","exit_code":null}', after_frames=1, last=True),
             _echo_fail("wait", 500),
         ),
         LONG,
