@@ -27,11 +27,10 @@ CORE_TESTS = (
     "tests/test_vendoring.py",
 )
 
-# pytest-xdist: a worker per CPU and one more, for the CPU time the others
-# leave while they wait on sockets (`-- -n 0` for none). Twice as many
-# workers as CPUs squeezed the tests that watch output arrive in the order
-# and the pauses it was written with (50 ms apart on two pipes).
-WORKERS = ("-n", str((os.cpu_count() or 1) + 1), "--dist", "worksteal")
+# pytest-xdist: one worker per CPU (`-- -n 0` for none). More would squeeze
+# the tests that watch output arrive in the order and the pauses it was
+# written with (50 ms apart on two pipes) when the CPUs are busy.
+WORKERS = ("-n", str(max(2, os.cpu_count() or 1)), "--dist", "worksteal")
 # 4,002 runs in worker processes of its own that keep every CPU busy: run
 # alone, after the rest, as it always ran beside nothing else.
 FAULT_MATRIX = "tests/test_fault_matrix.py"
