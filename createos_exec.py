@@ -535,6 +535,7 @@ class _Window:
 # a header, the places on their way, then the times the answered ones free.
 _WINDOW_HEAD = struct.Struct("=8sdddQ")  # magic, clock epoch, allowance, narrowed at, on the way
 _WINDOW_PLACE = struct.Struct("=dQ")  # the latest it frees, token
+_WINDOW_TIME = struct.Struct("=d")  # when an answered place frees (array "d", native)
 _WINDOW_MAGIC = b"cxpace1\n"
 
 
@@ -590,7 +591,7 @@ class _SharedWindow:
         sound = magic == _WINDOW_MAGIC and 1 <= allowance <= self._limit and narrowed_at <= now
         if not sound or not abs(epoch - (time.time() - now)) <= _EPOCH_SLACK:
             return fresh
-        if len(data) < answered_at or (len(data) - answered_at) % 8:
+        if len(data) < answered_at or (len(data) - answered_at) % _WINDOW_TIME.size:
             return fresh
         window = _Window(allowance, narrowed_at)
         for frees, token in _WINDOW_PLACE.iter_unpack(data[_WINDOW_HEAD.size : answered_at]):
