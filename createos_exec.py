@@ -53,11 +53,14 @@ import tempfile
 import threading
 import time
 import urllib.parse
+import warnings
+import weakref
 from typing import (
     Any,
     Callable,
     Deque,
     Dict,
+    Generator,
     Iterable,
     Iterator,
     List,
@@ -91,6 +94,7 @@ __all__ = [
     "ExecResult",
     "OutputEvictedError",
     "OutputIncompleteError",
+    "ProcessInfo",
     "ProtocolError",
     "RemoteProcess",
     "RetryPolicy",
@@ -138,6 +142,7 @@ class ExecResult:
     duration: float = 0.0
     output: str = ""
     combined_truncated: bool = False
+    output_evicted: bool = False
 
     @property
     def output_truncated(self) -> bool:
@@ -168,6 +173,23 @@ class ExecResult:
             f"output=<{len(self.output)} chars>, "
             f"process_id={self.process_id!r}, reconnects={self.reconnects!r})"
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessInfo:
+    """A managed process of a sandbox, as Client.processes() lists it.
+
+    `args` is the command as it was given, for a process createos_exec
+    started (`ours`): its argv, or the shell=True script; otherwise the
+    listed `cmd` and `args`. `state` is "running" or "exited" (its leader).
+    """
+
+    process_id: str
+    args: Any
+    state: str
+    exit_code: Optional[int]
+    signal: Optional[str]
+    ours: bool
 
 
 def _returncode(exit_code: Optional[int], signal: Optional[str]) -> Optional[int]:
@@ -370,7 +392,15 @@ class CommandError(CreateOSError, subprocess.CalledProcessError):
 class WaitTimeout(CreateOSError, subprocess.TimeoutExpired):
     """RemoteProcess.wait(timeout=) stopped waiting; the command goes on running."""
 
-    def __init__(self, args: Any, timeout: float, *, process_id: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        args: Any,
+        timeout: float,
+        *,
+        process_id: Optional[str] = None,
+        output: Optional[str] = None,
+        stderr: Optional[str] = None,
+    ) -> None:
         super().__init__(
             f"The wait ended after {timeout:g} seconds; the command goes on running.",
             process_id=process_id,
@@ -378,8 +408,8 @@ class WaitTimeout(CreateOSError, subprocess.TimeoutExpired):
         # The attributes of subprocess.TimeoutExpired, set by hand (see CommandError).
         self.cmd = args
         self.timeout = timeout
-        self.output = None
-        self.stderr = None
+        self.output = output  # stdout read so far, where subprocess puts it
+        self.stderr = stderr  # type: ignore[assignment]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1024,6 +1054,69 @@ _SHORT_LINE = 512  # characters; a block that starts with a longer line skips th
 _Line = Tuple[str, ...]  # seq digits, stream, base64 text; all empty for a heartbeat
 
 
+def _arriving(response: requests.Response) -> Iterator[bytes]:
+    """The body as it arrives: HTTP chunk by HTTP chunk, or what the socket holds.
+
+    Straight from urllib3 (requests' iter_content() adds a layer per chunk
+    and would wait for the end of a body that is not chunked: a proxy may
+    remove the chunking, and all live output would be held back). This is
+    where the bytes come from, so this is where the HTTP stack's errors
+    become a broken connection.
+    """
+    raw = response.raw
+    if raw.chunked or not hasattr(raw, "read1"):  # read1: urllib3 2.2 and later
+        chunks = raw.stream(None, decode_content=True)
+    else:
+        chunks = iter(functools.partial(raw.read1, _READ_SIZE, decode_content=True), b"")
+    with _transport_errors("output connection"):
+        yield from chunks
+
+
+def _read_to_end(chunks: Iterator[bytes]) -> None:
+    """Finish the body after the exit frame so the connection can be reused.
+
+    Whatever follows the exit frame is ignored, and at most 64 KiB is read.
+    """
+    read = 0
+    with contextlib.suppress(_Retryable, TransportError):
+        for chunk in chunks:
+            read += len(chunk)
+            if read > 65536:
+                return
+
+
+@contextlib.contextmanager
+def _unblocked_by(cancel: Optional[threading.Event], response: requests.Response) -> Iterator[None]:
+    """While reading `response`, let `cancel` end a read that is waiting for data.
+
+    A quiet process sends nothing but heartbeats, whose interval is unknown:
+    without this, cancelling could wait that long. Shutting the socket down
+    wakes the blocked read; the reader then sees the cancel event.
+    """
+    if cancel is None:
+        yield
+        return
+    done = threading.Event()
+    watcher = threading.Thread(
+        target=_shut_down_on, args=(cancel, done, response), name="createos_exec-cancel"
+    )
+    watcher.daemon = True
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()  # the watcher ends within one poll; nothing waits for it
+
+
+def _shut_down_on(cancel: threading.Event, done: threading.Event, response: Any) -> None:
+    while not done.is_set():
+        if cancel.wait(_CANCEL_POLL):
+            connection: Any = getattr(response.raw, "connection", None)
+            with contextlib.suppress(OSError, AttributeError):
+                connection.sock.shutdown(socket.SHUT_RDWR)
+            return
+
+
 class _Reader:
     """The output stream of one process, read from a cursor on.
 
@@ -1040,26 +1133,33 @@ class _Reader:
     def __init__(self, output: _Output, cursor: int = 0, limit: int = _FRAME_LIMIT) -> None:
         self.cursor = cursor
         self.heartbeats = 0
+        self.stepwise = False
         self._output = output
         self._limit = limit
 
     def read(
-        self, chunks: Iterator[bytes], check: Callable[[], None], until: Optional[int] = None
-    ) -> Optional[_Exit]:
+        self,
+        chunks: Iterator[bytes],
+        interrupted: Callable[[], None],
+        until: Optional[int] = None,
+    ) -> Generator[None, None, Optional[_Exit]]:
         """Read one connection: the exit frame's status, or None once the cursor reaches `until`.
 
         A connection that ends before either is a broken one (_Retryable).
-        `check` runs before each block: a stream that keeps flowing can still
-        be cancelled or time out.
+        `interrupted` runs before each block: a stream that keeps flowing can
+        still be cancelled or time out. While `stepwise`, a step is yielded
+        after each block, for a loop to take what it held.
         """
         for block in self.blocks(chunks):
-            check()
+            interrupted()
             status = self.take(block)
             if status is not None:
                 _read_to_end(chunks)
                 return status
             if until is not None and self.cursor >= until:
                 return None
+            if self.stepwise:
+                yield
         raise _Retryable("output connection")  # clean EOF before the exit frame
 
     def blocks(self, chunks: Iterable[bytes]) -> Iterator[bytes]:
@@ -1390,6 +1490,82 @@ def _exit_status(fields: Dict[str, Any]) -> Optional[_Exit]:
     return _Exit(code, None)
 
 
+def _evicted_seq(response: requests.Response) -> Optional[int]:
+    """oldest_available_seq from a 410 body, when it has one."""
+    try:
+        data = response.json().get("data")
+        oldest = data.get("oldest_available_seq")
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    finally:
+        response.close()
+    return oldest if _is_int(oldest) else None
+
+
+def _newest_seq(record: Dict[str, Any]) -> int:
+    output = record.get("output")
+    newest: Any = output.get("newest_seq") if isinstance(output, dict) else None
+    if not _is_int(newest) or newest < 0:
+        raise ProtocolError("the process record has no valid output.newest_seq")
+    return int(newest)
+
+
+def _listing_page(listing: Any, offset: int) -> Tuple[List[Any], Optional[int]]:
+    """The records of a page of the process listing, and the offset of the next page.
+
+    Either `{"processes": [...]}`, all at once, or the paginated form of the
+    vendor's other lists, `{"data": [...], "pagination": {"total": N, ...}}`;
+    anything else fails closed.
+    """
+    if not isinstance(listing, dict):
+        raise ProtocolError("the process listing is not an object")
+    if "pagination" not in listing and isinstance(listing.get("processes"), list):
+        return listing["processes"], None
+    records, page = listing.get("data"), listing.get("pagination")
+    if not isinstance(page, dict):
+        page = {}
+    total: Any = page.get("total")
+    if not isinstance(records, list) or not _is_int(total) or page.get("offset", offset) != offset:
+        raise ProtocolError("the process listing is in no form this client knows")
+    following = offset + len(records)
+    if following >= total:
+        return records, None
+    if not records:
+        raise ProtocolError("a page of the process listing is empty before its end")
+    return records, following
+
+
+def _checked_process_id(value: Any) -> str:
+    if not isinstance(value, str) or not _ID.match(value):
+        raise ProtocolError("a process record has an invalid process_id")
+    return value
+
+
+def _oldest_seq(record: Dict[str, Any]) -> int:
+    output = record.get("output")
+    oldest: Any = output.get("oldest_seq") if isinstance(output, dict) else None
+    if not _is_int(oldest) or oldest < 0:
+        raise ProtocolError("the process record has no valid output.oldest_seq")
+    return int(oldest)
+
+
+def _process_info(record: Any) -> ProcessInfo:
+    """A listed (or looked up) process record as the public ProcessInfo."""
+    if not isinstance(record, dict):
+        raise ProtocolError("a process record is not an object")
+    args, ours = _given_command(record.get("cmd"), record.get("args"))
+    exited = record.get("leader_exited") is True
+    status = _exit_status(record) if exited else None
+    return ProcessInfo(
+        process_id=_checked_process_id(record.get("process_id")),
+        args=args,
+        state="exited" if exited else "running",
+        exit_code=None if status is None else status.exit_code,
+        signal=None if status is None else status.signal,
+        ours=ours,
+    )
+
+
 def _signal_from_words(words: str) -> Optional[str]:
     numbered = _SIGNAL_NUMBER_WORD.match(words)
     return "SIG" + numbered.group(1) if numbered else _SIGNAL_WORDS.get(words)
@@ -1421,12 +1597,12 @@ class _Tail:
     one part per thousands of characters.
     """
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, dropped: bool = False) -> None:
         self._limit = limit
         self._high = limit + limit // 4  # held at most, beyond the part just appended
         self._parts: Deque[str] = collections.deque()
         self._size = 0  # characters in _parts
-        self._dropped = False
+        self._dropped = dropped
 
     @property
     def truncated(self) -> bool:
@@ -1456,24 +1632,53 @@ class _Output:
     """What the process printed: a decoder and a tail per stream, plus the tail
     of both in the order they were written (what `2>&1` would have shown).
 
-    Text goes to on_output as soon as it is decoded. The tails get it in
-    parts of about _TAIL_PART characters (a long text alone is a part
-    without a copy): a frame costs two list appends here, not an append to
-    each of two tails.
+    Text goes to on_output (and to a loop over iter_output()) as soon as it
+    is decoded. The tails get it in parts of about _TAIL_PART characters (a
+    long text alone is a part without a copy): a frame costs two list
+    appends here, not an append to each of two tails.
     """
 
     def __init__(
         self, encoding: str, errors: str, limit: int, on_output: Optional[OutputCallback]
     ) -> None:
-        self._decoders = {name: codecs.getincrementaldecoder(encoding)(errors) for name in _STREAMS}
+        self._decoder = codecs.getincrementaldecoder(encoding)
+        self._errors = errors
+        self._limit = limit
         self._on_output = on_output
-        self.tails = {name: _Tail(limit) for name in _STREAMS}
-        self.combined = _Tail(limit)
+        self._deliver = on_output  # on_output, a loop's taker, both, or None
         self._part_size = min(_TAIL_PART, limit // 16)
+        self._start(dropped=False)
+
+    def _start(self, dropped: bool) -> None:
+        self._decoders = {name: self._decoder(self._errors) for name in _STREAMS}
+        self.tails = {name: _Tail(self._limit, dropped) for name in _STREAMS}
+        self.combined = _Tail(self._limit, dropped)
         # Texts not yet in the tails: per stream, and of both in order.
         self._recent: Dict[str, List[str]] = {name: [] for name in _STREAMS}
         self._recent_both: List[str] = []
         self._recent_size = 0
+
+    def drop_all(self) -> None:
+        """Forget what was read: the output after it is what is kept now, its head dropped."""
+        self._start(dropped=True)
+
+    @property
+    def live(self) -> bool:
+        """Whether someone takes the output as it comes (and would see a gap in it)."""
+        return self._deliver is not None
+
+    def hand_to(self, taker: Optional[OutputCallback]) -> None:
+        """Hand each text to `taker` too, after on_output; None: to on_output alone."""
+        on_output = self._on_output
+        if taker is None or on_output is None:
+            self._deliver = taker or on_output
+            return
+
+        def both(stream: str, text: str) -> None:
+            on_output(stream, text)
+            taker(stream, text)
+
+        self._deliver = both
 
     def feed(self, stream: str, payload: bytes, final: bool = False) -> None:
         text: str = self._decoders[stream].decode(payload, final)
@@ -1483,8 +1688,8 @@ class _Output:
             self._recent_size += len(text)
             if self._recent_size > self._part_size:
                 self._file_recent()
-            if self._on_output is not None:
-                self._on_output(stream, text)
+            if self._deliver is not None:
+                self._deliver(stream, text)
 
     def _file_recent(self) -> None:
         for name, texts in self._recent.items():
@@ -1496,151 +1701,40 @@ class _Output:
             self._recent_both.clear()
         self._recent_size = 0
 
+    def texts(self) -> Tuple[str, str]:
+        """The tails of stdout and stderr as they stand; the decoders keep what they hold."""
+        self._file_recent()
+        return self.tails["stdout"].text(), self.tails["stderr"].text()
+
     def finish(self, hand_out: bool) -> None:
         """Decode what the decoders hold back (a character cut off at the end),
-        handing it to on_output unless `hand_out` is false, and fill the tails."""
+        handing it out unless `hand_out` is false, and fill the tails."""
         if not hand_out:
-            self._on_output = None
+            self._on_output = self._deliver = None
         for name in _STREAMS:
             self.feed(name, b"", final=True)
         self._file_recent()
 
 
 # --------------------------------------------------------------------------
-# The command: its plan (wrapper script, staged secrets) and options, the
-# client, then create, follow, recover, contain
+# A call as it runs: its options and deadline, the client, start(), the plan
+# (wrapper script, staged secrets), the launch, the RemoteProcess that owns
+# the run, the following of its stream and the process's endpoints
 # --------------------------------------------------------------------------
-
-
-def _quote(text: str) -> str:
-    """Single-quote for bash: nothing inside is expanded."""
-    return "'" + text.replace("'", "'\\''") + "'"
-
-
-class _Plan(NamedTuple):
-    """What is sent to create the process, and the private file staged beforehand."""
-
-    marker: str
-    body: Dict[str, Any]
-    staged_path: Optional[str]
-    staged: Optional[bytes]
-
-
-def _plan(
-    command: Command,
-    *,
-    shell: bool,
-    cwd: Optional[str],
-    env: Optional[Dict[str, str]],
-    stdin: Union[str, bytes, None],
-) -> _Plan:
-    """Build the bash wrapper that runs the command: `bash -c WRAPPER MARKER ARGV...`.
-
-    The random marker ($0) lets an ambiguously created process be found again.
-
-    Env values and stdin are secrets: anyone listing the sandbox's processes
-    reads cmd/args. They travel in a private file instead, which the wrapper
-    opens as its stdin, reads the variables from and removes at once.
-    """
-    marker = "createos_exec-" + secrets.token_hex(12)
-    argv = _argv(command, shell)
-    staged = _staged_bytes(env, stdin)
-    staged_path = f"/tmp/.{marker}" if staged is not None else None
-    lines = list(_WRAPPER_HEAD)
-    if staged_path is None:
-        lines.append("exec 0</dev/null")
-    else:
-        quoted = _quote(staged_path)
-        lines.append(f"{{ exec 0<{quoted}; }} 2>/dev/null || _cx_fail 125 '{_UNREADABLE}'")
-        lines.append(f"rm -f -- {quoted}")
-        var = "_" + marker.replace("-", "_")  # a name no caller's variable can have
-        lines.append(
-            f"while IFS= read -r -d '' {var} && [ -n \"${var}\" ]; "
-            f'do export "${var}"; done; unset {var}'
-        )
-    if cwd is not None:
-        quoted = _quote(_checked_text("cwd", cwd))
-        lines.append(
-            f"cd -- {quoted} 2>/dev/null || "
-            f'{{ _cx_why=$(cd -- {quoted} 2>&1); _cx_fail 1 "cd: "{quoted}": ${{_cx_why##*: }}"; }}'
-        )
-    # The command travels as the wrapper's positional parameters, untouched by
-    # any quoting, each its own exec string (Linux caps one at 128 KiB).
-    lines.append('exec bash -c -- "$1"' if shell else f'{_FIND_PROGRAM}\nexec -- "$@"')
-    body = {"cmd": "bash", "args": ["-c", "\n".join(lines) + "\n", marker, *argv]}
-    return _Plan(marker, body, staged_path, staged)
-
-
-# The wrapper's own failures read as a shell's would: they name the program
-# or the directory, never the marker (its $0, which BASH_ARGV0 renames where
-# bash is 5.0 or newer, for whatever bash reports itself).
-_WRAPPER_HEAD = [
-    "BASH_ARGV0=createos_exec",
-    '_cx_fail() { printf \'createos_exec: %s\\n\' "$2" >&2; exit "$1"; }',
-]
-_UNREADABLE = "cannot read the staged file of env and stdin"
-_FIND_PROGRAM = (
-    'case $1 in */*) [ -e "$1" ] || _cx_fail 127 "$1: No such file or directory";; '
-    '*) type -P -- "$1" >/dev/null || _cx_fail 127 "$1: command not found";; esac'
-)
-
-
-def _checked_text(what: str, value: Any) -> str:
-    if not isinstance(value, str):
-        raise ConfigError(f"{what} must be a string.")
-    if "\0" in value:
-        raise ConfigError(f"{what} contains a NUL byte.")
-    return value
-
-
-def _argv(command: Command, shell: bool) -> List[str]:
-    if shell:
-        if not isinstance(command, str):
-            raise ConfigError("With shell=True the command must be one string.")
-        return [_checked_text("The shell script", command)]
-    if isinstance(command, str):
-        command = [command]
-    if isinstance(command, (bytes, bytearray)) or not isinstance(command, Sequence):
-        raise ConfigError("The command must be a sequence of strings (or one string).")
-    if not command:
-        raise ConfigError("The command is empty.")
-    return [_checked_text("Each command argument", arg) for arg in command]
-
-
-def _staged_bytes(env: Optional[Dict[str, str]], stdin: Union[str, bytes, None]) -> Optional[bytes]:
-    """NUL-terminated NAME=value entries, an empty entry, then the stdin bytes."""
-    if not env and stdin is None:
-        return None
-    entries = []
-    for name, value in (env or {}).items():
-        if not isinstance(name, str) or not _ENV_NAME.match(name):
-            raise ConfigError("Env names must match [A-Za-z_][A-Za-z0-9_]*.")
-        what = f"The value of env {name}"
-        entries.append(
-            name.encode("ascii") + b"=" + _utf8(what, _checked_text(what, value)) + b"\0"
-        )
-    if isinstance(stdin, str):
-        stdin = _utf8("stdin", stdin)
-    elif stdin is not None and not isinstance(stdin, (bytes, bytearray)):
-        raise ConfigError("stdin must be str, bytes or None.")
-    return b"".join(entries) + b"\0" + bytes(stdin or b"")
-
-
-def _utf8(what: str, text: str) -> bytes:
-    """UTF-8 of a secret; the error raised for a lone surrogate must not carry the text."""
-    try:
-        encoded: Optional[bytes] = text.encode("utf-8")
-    except UnicodeEncodeError:
-        encoded = None  # raised below, outside the handler: no __context__ holding the text
-    if encoded is None:
-        raise ConfigError(f"{what} is not valid Unicode (pass bytes for binary stdin).")
-    return encoded
 
 
 @dataclasses.dataclass(frozen=True)
 class _Options:
-    """The per-call options of execute() and attach(), checked when built."""
+    """Every keyword of execute(), start(), attach() and process(), checked when built.
 
+    The public signatures name these defaults: each is written here, once.
+    """
+
+    shell: bool = False
+    cwd: Optional[str] = None
+    env: Optional[Dict[str, str]] = None
+    stdin: Union[str, bytes, None] = None
+    input: Union[str, bytes, None] = None
     timeout: Optional[float] = None
     on_output: Optional[OutputCallback] = None
     check: bool = False
@@ -1648,10 +1742,21 @@ class _Options:
     encoding: str = "utf-8"
     errors: str = "replace"
     cancel: Optional[threading.Event] = None
+    capture_output: bool = True
+    text: bool = True
 
     def __post_init__(self) -> None:
         if self.timeout is not None:
             _positive_seconds("timeout", self.timeout)
+        if self.env is not None and not isinstance(self.env, dict):
+            raise ConfigError("env must be a dict of str to str.")
+        if self.stdin is not None and self.input is not None:
+            raise ConfigError("Give the stdin data once: stdin= or input= (its subprocess name).")
+        if not self.capture_output or not self.text:
+            raise ConfigError(
+                "Output is always captured, as text: capture_output and text can only be "
+                'True (errors="surrogateescape" keeps bytes recoverable).'
+            )
         if self.on_output is not None and not callable(self.on_output):
             raise ConfigError("on_output must be callable.")
         if not _is_int(self.max_output_chars) or self.max_output_chars < 0:
@@ -1664,14 +1769,46 @@ class _Options:
         if self.cancel is not None and not callable(getattr(self.cancel, "is_set", None)):
             raise ConfigError("cancel must be a threading.Event.")
 
-    def deadline(self, started: float) -> Optional[float]:
-        """When the command's `timeout` runs out, for a command started at `started`."""
-        return None if self.timeout is None else started + self.timeout
+    @property
+    def stdin_data(self) -> Union[str, bytes, None]:
+        return self.stdin if self.input is None else self.input
+
+
+class _Deadline(NamedTuple):
+    """When waiting must stop, on the monotonic clock (None: never), and which
+    limit that is: the command's `timeout` or a wait's own (`wait(timeout=)`,
+    `iter_output(timeout=)`). The one who meets it knows which fired."""
+
+    at: Optional[float] = None
+    limit: str = "command"
+    seconds: Optional[float] = None  # the limit it was made from
 
     @classmethod
-    def of(cls, arguments: Dict[str, Any]) -> "_Options":
-        """The options among the arguments of a call (its locals()), by name."""
-        return cls(**{field.name: arguments[field.name] for field in dataclasses.fields(cls)})
+    def after(cls, seconds: Optional[float], limit: str, now: float) -> "_Deadline":
+        return cls(None if seconds is None else now + seconds, limit, seconds)
+
+    def sooner(self, other: "_Deadline") -> "_Deadline":
+        """Whichever comes first; this one on a tie."""
+        if other.at is None or (self.at is not None and self.at <= other.at):
+            return self
+        return other
+
+    def expired(self) -> bool:
+        return self.at is not None and time.monotonic() >= self.at
+
+
+class _TimedOut(Exception):
+    """A wait's deadline expired; args[0] is that _Deadline."""
+
+
+def _wait_deadline(timeout: Optional[float]) -> _Deadline:
+    """The deadline of a wait(timeout=) or an iter_output(timeout=), from now."""
+    if timeout is not None and (not _is_number(timeout) or not timeout >= 0):
+        raise ConfigError("The wait timeout must be a number of seconds >= 0, or None.")
+    return _Deadline.after(timeout, "wait", time.monotonic())
+
+
+_DEFAULT = _Options()  # the defaults the signatures below show
 
 
 class Client:
@@ -1741,90 +1878,124 @@ class Client:
 
     def execute(
         self, sandbox_id: str, command: Command, *,
-        shell: bool = False, cwd: Optional[str] = None,
-        env: Optional[Dict[str, str]] = None, stdin: Union[str, bytes, None] = None,
-        timeout: Optional[float] = None, on_output: Optional[OutputCallback] = None,
-        check: bool = False, max_output_chars: int = 4 * 1024 * 1024,
-        encoding: str = "utf-8", errors: str = "replace",
-        cancel: Optional[threading.Event] = None,
+        shell: bool = _DEFAULT.shell, cwd: Optional[str] = _DEFAULT.cwd,
+        env: Optional[Dict[str, str]] = _DEFAULT.env,
+        stdin: Union[str, bytes, None] = _DEFAULT.stdin,
+        input: Union[str, bytes, None] = _DEFAULT.input,
+        timeout: Optional[float] = _DEFAULT.timeout,
+        on_output: Optional[OutputCallback] = _DEFAULT.on_output,
+        check: bool = _DEFAULT.check, max_output_chars: int = _DEFAULT.max_output_chars,
+        encoding: str = _DEFAULT.encoding, errors: str = _DEFAULT.errors,
+        cancel: Optional[threading.Event] = _DEFAULT.cancel,
+        capture_output: bool = _DEFAULT.capture_output, text: bool = _DEFAULT.text,
     ) -> ExecResult:  # fmt: skip
         """Run `command` in the sandbox and return how it ended: start(...).wait()."""
-        arguments = dict(locals())
-        del arguments["self"]
-        return self.start(**arguments).wait()
+        return self.start(
+            sandbox_id, command, shell=shell, cwd=cwd, env=env, stdin=stdin, input=input,
+            timeout=timeout, on_output=on_output, check=check,
+            max_output_chars=max_output_chars, encoding=encoding, errors=errors,
+            cancel=cancel, capture_output=capture_output, text=text,
+        ).wait()  # fmt: skip
 
     def start(
-        self,
-        sandbox_id: str,
-        command: Command,
-        *,
-        shell: bool = False,
-        cwd: Optional[str] = None,
-        env: Optional[Dict[str, str]] = None,
-        stdin: Union[str, bytes, None] = None,
-        timeout: Optional[float] = None,
-        on_output: Optional[OutputCallback] = None,
-        check: bool = False,
-        max_output_chars: int = 4 * 1024 * 1024,
-        encoding: str = "utf-8",
-        errors: str = "replace",
-        cancel: Optional[threading.Event] = None,
-    ) -> RemoteProcess:
+        self, sandbox_id: str, command: Command, *,
+        shell: bool = _DEFAULT.shell, cwd: Optional[str] = _DEFAULT.cwd,
+        env: Optional[Dict[str, str]] = _DEFAULT.env,
+        stdin: Union[str, bytes, None] = _DEFAULT.stdin,
+        input: Union[str, bytes, None] = _DEFAULT.input,
+        timeout: Optional[float] = _DEFAULT.timeout,
+        on_output: Optional[OutputCallback] = _DEFAULT.on_output,
+        check: bool = _DEFAULT.check, max_output_chars: int = _DEFAULT.max_output_chars,
+        encoding: str = _DEFAULT.encoding, errors: str = _DEFAULT.errors,
+        cancel: Optional[threading.Event] = _DEFAULT.cancel,
+        capture_output: bool = _DEFAULT.capture_output, text: bool = _DEFAULT.text,
+    ) -> RemoteProcess:  # fmt: skip
         """Create the process (exactly once) and return at once, as subprocess.Popen does.
 
-        The options are execute()'s; `timeout` counts from now and, when it
-        expires, terminates the tree during the wait that sees it.
+        The options are execute()'s; `timeout` counts from now: staging,
+        creation and the run share its one deadline, and whichever wait
+        meets it terminates the tree.
         """
         started = time.monotonic()
+        options = _Options(
+            shell=shell, cwd=cwd, env=env, stdin=stdin, input=input, timeout=timeout,
+            on_output=on_output, check=check, max_output_chars=max_output_chars,
+            encoding=encoding, errors=errors, cancel=cancel,
+            capture_output=capture_output, text=text,
+        )  # fmt: skip
+        deadline = _Deadline.after(options.timeout, "command", started)
         sandbox_id = _checked_id("sandbox", sandbox_id)
-        options = _Options.of(locals())
-        if env is not None and not isinstance(env, dict):
-            raise ConfigError("env must be a dict of str to str.")
-        plan = _plan(command, shell=shell, cwd=cwd, env=env, stdin=stdin)
+        plan = _plan(command, options)
         launch = _Launch(self._transport, sandbox_id, plan)
-        launch.stage()
-        process_id, recovered = launch.create(options.deadline(started))
-        follower = _Follower(
-            self._transport,
-            sandbox_id,
-            process_id,
+        launch.stage(deadline)
+        process_id, recovered = launch.create(deadline)
+        return RemoteProcess(
+            _Endpoints(self._transport, sandbox_id, process_id),
             options,
+            deadline,
             args=command if isinstance(command, str) else list(command),
             started=started,
             creation_recovered=recovered,
-            created_here=True,
+            launch=launch,
         )
-        return RemoteProcess(_Run(self._transport, follower, options, launch=launch))
+
+    def process(
+        self, sandbox_id: str, process_id: str, *,
+        after: int = 0,
+        timeout: Optional[float] = _DEFAULT.timeout,
+        on_output: Optional[OutputCallback] = _DEFAULT.on_output,
+        check: bool = _DEFAULT.check, max_output_chars: int = _DEFAULT.max_output_chars,
+        encoding: str = _DEFAULT.encoding, errors: str = _DEFAULT.errors,
+        cancel: Optional[threading.Event] = _DEFAULT.cancel,
+    ) -> RemoteProcess:  # fmt: skip
+        """A handle on a process started elsewhere or earlier (a restarted kernel,
+        another script), its output read from seq `after` + 1.
+
+        One request first shows that it exists: a wrong id or region is the
+        APIError 404 itself, and nothing needs destroying. `timeout` counts
+        from now; the handle does all that start()'s does.
+        """
+        started = time.monotonic()
+        options = _Options(
+            timeout=timeout, on_output=on_output, check=check,
+            max_output_chars=max_output_chars, encoding=encoding, errors=errors, cancel=cancel,
+        )  # fmt: skip
+        deadline = _Deadline.after(options.timeout, "command", started)
+        endpoints = _Endpoints(
+            self._transport, _checked_id("sandbox", sandbox_id), _checked_id("process", process_id)
+        )
+        if not _is_int(after) or after < 0:
+            raise ConfigError("after must be an integer >= 0.")
+        record = endpoints.record(deadline.at)
+        return RemoteProcess(
+            endpoints,
+            options,
+            deadline,
+            args=_process_info(record).args,
+            started=started,
+            cursor=after,
+        )
 
     def attach(
         self, sandbox_id: str, process_id: str, *,
         after: int = 0,
-        timeout: Optional[float] = None, on_output: Optional[OutputCallback] = None,
-        check: bool = False, max_output_chars: int = 4 * 1024 * 1024,
-        encoding: str = "utf-8", errors: str = "replace",
-        cancel: Optional[threading.Event] = None,
+        timeout: Optional[float] = _DEFAULT.timeout,
+        on_output: Optional[OutputCallback] = _DEFAULT.on_output,
+        check: bool = _DEFAULT.check, max_output_chars: int = _DEFAULT.max_output_chars,
+        encoding: str = _DEFAULT.encoding, errors: str = _DEFAULT.errors,
+        cancel: Optional[threading.Event] = _DEFAULT.cancel,
     ) -> ExecResult:  # fmt: skip
-        """Follow a process started elsewhere, from output seq `after` + 1.
+        """Follow a process started elsewhere to its end: process(...).wait()."""
+        return self.process(
+            sandbox_id, process_id, after=after, timeout=timeout, on_output=on_output,
+            check=check, max_output_chars=max_output_chars, encoding=encoding, errors=errors,
+            cancel=cancel,
+        ).wait()  # fmt: skip
 
-        Failures are contained exactly as for execute(): the process tree is
-        terminated on timeout, cancel, Ctrl-C or any error.
-        """
-        started = time.monotonic()
+    def processes(self, sandbox_id: str) -> List[ProcessInfo]:
+        """Every managed process the sandbox keeps, running or exited."""
         sandbox_id = _checked_id("sandbox", sandbox_id)
-        process_id = _checked_id("process", process_id)
-        if not _is_int(after) or after < 0:
-            raise ConfigError("after must be an integer >= 0.")
-        options = _Options.of(locals())
-        follower = _Follower(
-            self._transport,
-            sandbox_id,
-            process_id,
-            options,
-            args=None,
-            started=started,
-            cursor=after,
-        )
-        return RemoteProcess(_Run(self._transport, follower, options)).wait()
+        return [_process_info(record) for record in _listed(self._transport, sandbox_id)]
 
 
 def execute(
@@ -1865,160 +2036,6 @@ def start(
     return process
 
 
-class RemoteProcess:
-    """A command running in a sandbox, the counterpart of subprocess.Popen.
-
-    Made by start(). wait() follows the output stream with every guarantee of
-    execute() (execute() is start(...).wait()); poll(), terminate(), kill()
-    and send_signal() act on the remote tree; leaving a `with` block
-    terminates a tree that still runs. One thread follows the stream at a
-    time; terminate() and kill() from another thread end it for that one.
-    """
-
-    def __init__(self, run: _Run) -> None:
-        self.sandbox_id = run.follower.sandbox_id
-        self.process_id = run.follower.process_id
-        self.args = run.follower.args
-        self._run = run
-        self._following = threading.Lock()  # held by the thread that reads the stream
-        self._outcome: Union[ExecResult, BaseException, None] = None  # once the run has ended
-        self._status: Optional[_Exit] = None  # learned by poll()
-        self._owner: Optional[Client] = None  # the client of cx.start(), closed at the end
-
-    def __repr__(self) -> str:
-        return (
-            f"RemoteProcess(sandbox_id={self.sandbox_id!r}, process_id={self.process_id!r}, "
-            f"args={self.args!r})"
-        )
-
-    def poll(self) -> Optional[int]:
-        """None while the process runs, else its returncode (as ExecResult.returncode).
-
-        At most one request: none once the status is known.
-        """
-        status = self._known_status()
-        if status is None:
-            status = self._run.follower.leader_status()
-            if status is None:
-                return None
-            self._status = status
-        return _returncode(status.exit_code, status.signal)
-
-    def _known_status(self) -> Optional[_Exit]:
-        outcome = self._outcome
-        result = outcome if isinstance(outcome, ExecResult) else getattr(outcome, "result", None)
-        if isinstance(result, ExecResult) and (result.exit_code, result.signal) != (None, None):
-            return _Exit(result.exit_code, result.signal)
-        return self._status
-
-    def wait(self, timeout: Optional[float] = None) -> ExecResult:
-        """Follow the process to its end and return its result (see execute()).
-
-        A `timeout` only stops waiting, as Popen.wait's does: WaitTimeout (also
-        a subprocess.TimeoutExpired) is raised and the process goes on
-        running; a later wait() continues from the last output read. Once the
-        run has ended, every wait() gives its result (or raises its error).
-        """
-        if timeout is not None and (not _is_number(timeout) or not timeout >= 0):
-            raise ConfigError("The wait timeout must be a number of seconds >= 0, or None.")
-        until = None if timeout is None else time.monotonic() + timeout
-        if not self._following.acquire(timeout=-1 if timeout is None else timeout):
-            raise WaitTimeout(self.args, float(timeout or 0), process_id=self.process_id)
-        try:
-            if self._outcome is None and self._settle(self._run.follow, until) is None:
-                raise WaitTimeout(self.args, float(timeout or 0), process_id=self.process_id)
-        finally:
-            self._following.release()
-        return self._ended()
-
-    def _settle(
-        self, step: Callable[..., Optional[ExecResult]], *args: Any
-    ) -> Optional[ExecResult]:
-        """Take a step of the run; keep how it ended, once it has."""
-        try:
-            result = step(*args)
-        except BaseException as exc:
-            self._outcome = exc
-            self._close_owner()
-            raise
-        if result is not None:
-            self._outcome = result
-            self._close_owner()
-        return result
-
-    def _ended(self) -> ExecResult:
-        outcome = self._outcome
-        if isinstance(outcome, BaseException):
-            raise outcome
-        assert outcome is not None
-        if self._run.check and not outcome.ok:
-            raise CommandError(outcome)
-        return outcome
-
-    def terminate(self) -> None:
-        """Terminate the whole tree (SIGTERM, a grace period, SIGKILL) and confirm it.
-
-        The output printed meanwhile is read, so a later wait() gives the
-        result. CleanupError when the termination cannot be confirmed.
-        """
-        self._stop(None)
-
-    def kill(self) -> None:
-        """Kill the whole tree at once (no grace period) and confirm it."""
-        self._stop(0.0)
-
-    def _stop(self, grace: Optional[float]) -> None:
-        if self._outcome is not None:
-            return
-        if not self._following.acquire(blocking=False):
-            # Another thread reads the stream: it reads the end; confirm the termination here.
-            self._run.terminate_only(grace)
-            return
-        try:
-            if self._outcome is None:
-                self._settle(self._run.terminate, grace)
-        finally:
-            self._following.release()
-
-    def send_signal(self, signal: Union[str, int]) -> None:
-        """Send a signal (a name such as "SIGINT", or its number) to the process group.
-
-        Nothing is sent once the process has ended.
-        """
-        name = _signal_name(signal)
-        if self._outcome is None:
-            self._run.follower.send_signal(name)
-
-    def __enter__(self) -> "RemoteProcess":
-        return self
-
-    def __exit__(self, kind: Any, error: Optional[BaseException], traceback: Any) -> None:
-        """Terminate a tree that still runs, confirmed, whether the block raised or not."""
-        try:
-            self.terminate()
-        except CleanupError as cleanup:
-            if isinstance(error, KeyboardInterrupt):
-                return  # Ctrl-C is raised itself; the failed cleanup was logged
-            if error is None:
-                raise
-            raise cleanup from error
-        finally:
-            self._close_owner()
-
-    def _close_owner(self) -> None:
-        if self._owner is not None:
-            self._owner.close()
-
-
-def _signal_name(value: Any) -> str:
-    if _is_int(value):
-        with contextlib.suppress(ValueError):
-            return _signal.Signals(value).name
-    elif isinstance(value, str) and _SIGNAL_NAME.match(value):
-        return value
-    raise ConfigError('The signal must be a name such as "SIGINT", or a signal number.')
-
-
 def echo(stream: str, text: str) -> None:
     """A ready `on_output`: print output live, stderr to stderr (terminals, notebooks)."""
     print(text, end="", file=sys.stderr if stream == "stderr" else sys.stdout, flush=True)
@@ -2036,7 +2053,154 @@ def _sandbox_path(sandbox_id: str, rest: str = "") -> str:
     return f"/v1/sandboxes/{sandbox_id}{rest}"
 
 
-# -- create: stage the private file, then create the process exactly once ---
+# -- plan: the wrapper script that runs the command, and the staged secrets ---
+
+
+def _quote(text: str) -> str:
+    """Single-quote for bash: nothing inside is expanded."""
+    return "'" + text.replace("'", "'\\''") + "'"
+
+
+class _Plan(NamedTuple):
+    """What is sent to create the process, and the private file staged beforehand."""
+
+    marker: str
+    body: Dict[str, Any]
+    staged_path: Optional[str]
+    staged: Optional[bytes]
+
+
+def _plan(command: Command, options: _Options) -> _Plan:
+    """Build the bash wrapper that runs the command: `bash -c WRAPPER MARKER ARGV...`.
+
+    The random marker ($0) lets an ambiguously created process be found again.
+
+    Env values and stdin are secrets: anyone listing the sandbox's processes
+    reads cmd/args. They travel in a private file instead, which the wrapper
+    opens as its stdin, reads the variables from and removes at once.
+    """
+    marker = _MARKER_PREFIX + secrets.token_hex(12)
+    argv = _argv(command, options.shell)
+    staged = _staged_bytes(options.env, options.stdin_data)
+    staged_path = f"/tmp/.{marker}" if staged is not None else None
+    lines = list(_WRAPPER_HEAD)
+    if staged_path is None:
+        lines.append("exec 0</dev/null")
+    else:
+        quoted = _quote(staged_path)
+        lines.append(f"{{ exec 0<{quoted}; }} 2>/dev/null || _cx_fail 125 '{_UNREADABLE}'")
+        lines.append(f"rm -f -- {quoted}")
+        var = "_" + marker.replace("-", "_")  # a name no caller's variable can have
+        lines.append(
+            f"while IFS= read -r -d '' {var} && [ -n \"${var}\" ]; "
+            f'do export "${var}"; done; unset {var}'
+        )
+    if options.cwd is not None:
+        quoted = _quote(_checked_text("cwd", options.cwd))
+        lines.append(
+            f"cd -- {quoted} 2>/dev/null || "
+            f'{{ _cx_why=$(cd -- {quoted} 2>&1); _cx_fail 1 "cd: "{quoted}": ${{_cx_why##*: }}"; }}'
+        )
+    # The command travels as the wrapper's positional parameters, untouched by
+    # any quoting, each its own exec string (Linux caps one at 128 KiB).
+    lines.append(_RUN_SCRIPT if options.shell else f"{_FIND_PROGRAM}\n{_RUN_ARGV}")
+    body = {"cmd": "bash", "args": ["-c", "\n".join(lines) + "\n", marker, *argv]}
+    return _Plan(marker, body, staged_path, staged)
+
+
+_MARKER_PREFIX = "createos_exec-"
+_MARKER = re.compile(re.escape(_MARKER_PREFIX) + r"[0-9a-f]{24}\Z")
+# The wrapper's own failures read as a shell's would: they name the program
+# or the directory, never the marker (its $0, which BASH_ARGV0 renames where
+# bash is 5.0 or newer, for whatever bash reports itself).
+_WRAPPER_HEAD = [
+    "BASH_ARGV0=createos_exec",
+    '_cx_fail() { printf \'createos_exec: %s\\n\' "$2" >&2; exit "$1"; }',
+]
+_UNREADABLE = "cannot read the staged file of env and stdin"
+_FIND_PROGRAM = (
+    'case $1 in */*) [ -e "$1" ] || _cx_fail 127 "$1: No such file or directory";; '
+    '*) type -P -- "$1" >/dev/null || _cx_fail 127 "$1: command not found";; esac'
+)
+# The wrapper's last line, for a script (shell=True) or an argv.
+_RUN_SCRIPT = 'exec bash -c -- "$1"'
+_RUN_ARGV = 'exec -- "$@"'
+
+
+def _given_command(cmd: Any, args: Any) -> Tuple[Any, bool]:
+    """A listed process's command as it was given, and whether createos_exec
+    started it: its argv (or shell=True script) out of the wrapper, else
+    `cmd` + `args` as listed."""
+    args = args if isinstance(args, list) else []
+    ours = (
+        cmd == "bash"
+        and len(args) >= 3
+        and args[0] == "-c"
+        and isinstance(args[1], str)
+        and isinstance(args[2], str)
+        and _MARKER.match(args[2]) is not None
+    )
+    if not ours:
+        return ([cmd] if isinstance(cmd, str) else []) + args, False
+    argv = args[3:]
+    if args[1].rstrip("\n").endswith(_RUN_SCRIPT) and len(argv) == 1:
+        return argv[0], True
+    return argv, True
+
+
+def _checked_text(what: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{what} must be a string.")
+    if "\0" in value:
+        raise ConfigError(f"{what} contains a NUL byte.")
+    return value
+
+
+def _argv(command: Command, shell: bool) -> List[str]:
+    if shell:
+        if not isinstance(command, str):
+            raise ConfigError("With shell=True the command must be one string.")
+        return [_checked_text("The shell script", command)]
+    if isinstance(command, str):
+        command = [command]
+    if isinstance(command, (bytes, bytearray)) or not isinstance(command, Sequence):
+        raise ConfigError("The command must be a sequence of strings (or one string).")
+    if not command:
+        raise ConfigError("The command is empty.")
+    return [_checked_text("Each command argument", arg) for arg in command]
+
+
+def _staged_bytes(env: Optional[Dict[str, str]], stdin: Union[str, bytes, None]) -> Optional[bytes]:
+    """NUL-terminated NAME=value entries, an empty entry, then the stdin bytes."""
+    if not env and stdin is None:
+        return None
+    entries = []
+    for name, value in (env or {}).items():
+        if not isinstance(name, str) or not _ENV_NAME.match(name):
+            raise ConfigError("Env names must match [A-Za-z_][A-Za-z0-9_]*.")
+        what = f"The value of env {name}"
+        entries.append(
+            name.encode("ascii") + b"=" + _utf8(what, _checked_text(what, value)) + b"\0"
+        )
+    if isinstance(stdin, str):
+        stdin = _utf8("stdin", stdin)
+    elif stdin is not None and not isinstance(stdin, (bytes, bytearray)):
+        raise ConfigError("stdin must be str, bytes or None.")
+    return b"".join(entries) + b"\0" + bytes(stdin or b"")
+
+
+def _utf8(what: str, text: str) -> bytes:
+    """UTF-8 of a secret; the error raised for a lone surrogate must not carry the text."""
+    try:
+        encoded: Optional[bytes] = text.encode("utf-8")
+    except UnicodeEncodeError:
+        encoded = None  # raised below, outside the handler: no __context__ holding the text
+    if encoded is None:
+        raise ConfigError(f"{what} is not valid Unicode (pass bytes for binary stdin).")
+    return encoded
+
+
+# -- launch: stage the private file, then create the process exactly once ------
 
 
 class _Launch:
@@ -2047,19 +2211,19 @@ class _Launch:
         self._sandbox_id = sandbox_id
         self._plan = plan
 
-    def stage(self) -> None:
+    def stage(self, deadline: _Deadline) -> None:
         if self._plan.staged_path is None:
             return
         self._transport.call(
             "PUT",
             _sandbox_path(self._sandbox_id, "/files"),
             operation="staging of env and stdin",
-            deadline=None,
+            deadline=deadline.at,
             params={"path": self._plan.staged_path},
             data=self._plan.staged,
         )
 
-    def create(self, deadline: Optional[float] = None) -> Tuple[str, bool]:
+    def create(self, deadline: _Deadline) -> Tuple[str, bool]:
         """The new process id, and whether it had to be found by its marker.
 
         A 4xx other than 429, or a refused connection, means no process; a
@@ -2075,7 +2239,7 @@ class _Launch:
                 return self._created(answer)
             if answer.status != 429:
                 return self._unanswered(answer), True
-            found = self._after_refusal(answer, budget, deadline)
+            found = self._after_refusal(answer, budget, deadline.at)
             if found is not None:
                 return found, True
 
@@ -2158,34 +2322,13 @@ class _Launch:
 
     def _marked(self, deadline: Optional[float] = None) -> Optional[str]:
         """The process with the run's marker, or None when the listing shows none."""
-        mine = next((record for record in self._listed(deadline) if self._has_marker(record)), None)
+        listed = _listed(self._transport, self._sandbox_id, deadline)
+        mine = next((record for record in listed if self._has_marker(record)), None)
         if mine is None:
             return None
         process_id = _checked_process_id(mine.get("process_id"))
         logger.info("Found process %s by its marker; following it", process_id)
         return process_id
-
-    def _listed(self, deadline: Optional[float] = None) -> Iterator[Any]:
-        """The sandbox's processes, page after page (a bounded number of them)."""
-        own = time.monotonic() + self._transport.cleanup_timeout
-        deadline = own if deadline is None else min(own, deadline)
-        offset = 0
-        params: Optional[Dict[str, int]] = None  # the first page as the service chooses it
-        for _ in range(_LISTING_PAGES):
-            response = self._transport.call(
-                "GET",
-                _sandbox_path(self._sandbox_id, "/processes"),
-                operation="process listing",
-                deadline=deadline,
-                params=params,
-            )
-            records, following = _listing_page(_jsend_data(response, "process listing"), offset)
-            yield from records
-            if following is None:
-                return
-            offset = following
-            params = {"limit": _LISTING_PAGE_SIZE, "offset": offset}
-        raise ProtocolError("the process listing has more pages than this client reads")
 
     def _has_marker(self, record: Any) -> bool:
         args = record.get("args") if isinstance(record, dict) else None
@@ -2195,7 +2338,7 @@ class _Launch:
         """Ctrl-C while creating: find the process if it exists and terminate it."""
         try:
             process_id = self._find_created()
-            _terminate(self._transport, self._sandbox_id, process_id)
+            _Endpoints(self._transport, self._sandbox_id, process_id).delete()
         except CleanupError:
             logger.warning("Could not confirm that no process was left running")
 
@@ -2216,42 +2359,476 @@ class _Launch:
             logger.warning("Could not remove the staged env/stdin file from the sandbox")
 
 
-def _listing_page(listing: Any, offset: int) -> Tuple[List[Any], Optional[int]]:
-    """The records of a page of the process listing, and the offset of the next page.
+def _listed(
+    transport: _Transport, sandbox_id: str, deadline: Optional[float] = None
+) -> Iterator[Any]:
+    """The sandbox's process records, page after page (a bounded number of them)."""
+    own = time.monotonic() + transport.cleanup_timeout
+    deadline = own if deadline is None else min(own, deadline)
+    offset = 0
+    params: Optional[Dict[str, int]] = None  # the first page as the service chooses it
+    for _ in range(_LISTING_PAGES):
+        response = transport.call(
+            "GET",
+            _sandbox_path(sandbox_id, "/processes"),
+            operation="process listing",
+            deadline=deadline,
+            params=params,
+        )
+        records, following = _listing_page(_jsend_data(response, "process listing"), offset)
+        yield from records
+        if following is None:
+            return
+        offset = following
+        params = {"limit": _LISTING_PAGE_SIZE, "offset": offset}
+    raise ProtocolError("the process listing has more pages than this client reads")
 
-    Either `{"processes": [...]}`, all at once, or the paginated form of the
-    vendor's other lists, `{"data": [...], "pagination": {"total": N, ...}}`;
-    anything else fails closed.
+
+# -- the process: one object owns its run, from following to containment ------
+
+_Steps = Generator[None, None, _T]  # a run's steps: one after each block a loop takes
+
+
+class _Ending(NamedTuple):
+    """How following a process ended, before containment: a status, the
+    deadline, an error (a callback's and Ctrl-C included), or a termination
+    the caller asked for (terminate(), kill(), leaving a `with` block)."""
+
+    status: Optional[_Exit] = None
+    timed_out: bool = False
+    error: Optional[BaseException] = None
+    asked: bool = False
+    grace: Optional[float] = None  # of an asked termination; None: the usual grace period
+
+
+class RemoteProcess:
+    """A command running in a sandbox, the counterpart of subprocess.Popen.
+
+    Made by start() or Client.process(); it owns the process's whole run, as
+    Popen owns its engine. wait() follows the output stream with every
+    guarantee of execute() (execute() is start(...).wait()); iter_output()
+    hands the output over as it arrives, with the same guarantees; poll(),
+    terminate(), kill() and send_signal() act on the remote tree; leaving a
+    `with` block terminates a tree that still runs. One thread follows the
+    stream at a time; terminate() and kill() from another thread end it for
+    that one. The run's deadline was made once, from `timeout`; a wait may
+    stop earlier without ending the run; containment has a deadline of its
+    own (cleanup_timeout).
     """
-    if not isinstance(listing, dict):
-        raise ProtocolError("the process listing is not an object")
-    if "pagination" not in listing and isinstance(listing.get("processes"), list):
-        return listing["processes"], None
-    records, page = listing.get("data"), listing.get("pagination")
-    if not isinstance(page, dict):
-        page = {}
-    total: Any = page.get("total")
-    if not isinstance(records, list) or not _is_int(total) or page.get("offset", offset) != offset:
-        raise ProtocolError("the process listing is in no form this client knows")
-    following = offset + len(records)
-    if following >= total:
-        return records, None
-    if not records:
-        raise ProtocolError("a page of the process listing is empty before its end")
-    return records, following
+
+    def __init__(
+        self,
+        endpoints: _Endpoints,
+        options: _Options,
+        deadline: _Deadline,
+        *,
+        args: Any,
+        started: float,
+        cursor: int = 0,
+        creation_recovered: bool = False,
+        launch: Optional[_Launch] = None,
+    ) -> None:
+        self.sandbox_id = endpoints.sandbox_id
+        self.process_id = endpoints.process_id
+        self.args = args
+        self._endpoints = endpoints
+        self._follower = _Follower(
+            endpoints,
+            options,
+            args=args,
+            started=started,
+            cursor=cursor,
+            creation_recovered=creation_recovered,
+        )
+        self._check = options.check
+        self._deadline = deadline
+        self._launch = launch  # its staged file is removed when the run fails
+        self._handover = _Handover(max(options.max_output_chars, _TAIL_PART))
+        self._turn = _Turn()  # to read the stream
+        self._outcome: Union[ExecResult, BaseException, None] = None  # once the run has ended
+        self._status: Optional[_Exit] = None  # learned by poll()
+        self._owner: Optional[Client] = None  # the client of cx.start(), closed at the end
+
+    def __repr__(self) -> str:
+        return (
+            f"RemoteProcess(sandbox_id={self.sandbox_id!r}, process_id={self.process_id!r}, "
+            f"args={self.args!r})"
+        )
+
+    @property
+    def returncode(self) -> Optional[int]:
+        """None until poll() or wait() learns the status, then as ExecResult.returncode."""
+        status = self._known_status()
+        return None if status is None else _returncode(status.exit_code, status.signal)
+
+    def poll(self) -> Optional[int]:
+        """None while the process runs, else its returncode (as ExecResult.returncode).
+
+        At most one request: none once the status is known.
+        """
+        if self._known_status() is None:
+            self._status = self._endpoints.status()
+        return self.returncode
+
+    def _known_status(self) -> Optional[_Exit]:
+        outcome = self._outcome
+        result = outcome if isinstance(outcome, ExecResult) else getattr(outcome, "result", None)
+        if isinstance(result, ExecResult) and (result.exit_code, result.signal) != (None, None):
+            return _Exit(result.exit_code, result.signal)
+        return self._status
+
+    def wait(self, timeout: Optional[float] = None) -> ExecResult:
+        """Follow the process to its end and return its result (see execute()).
+
+        A `timeout` only stops waiting, as Popen.wait's does: WaitTimeout (also
+        a subprocess.TimeoutExpired, with the output read so far) is raised
+        and the process goes on running; a later wait() continues from the
+        last output read. Once the run has ended, every wait() gives its
+        result (or raises its error).
+        """
+        until = _wait_deadline(timeout)
+        with self._turn.taken(until) as mine:
+            if not mine:
+                raise WaitTimeout(self.args, until.seconds or 0.0, process_id=self.process_id)
+            self._handover.clear()  # what a loop left is in the result
+            if self._outcome is None:
+                for _ in self._settled(self._run(until)):
+                    pass
+                if self._outcome is None:
+                    raise self._wait_timeout(until)
+        return self._ended()
+
+    def iter_output(
+        self, timeout: Optional[float] = None, *, lines: bool = False
+    ) -> Iterator[Tuple[str, str]]:
+        """(stream, text) as the output arrives, in order, each piece once.
+
+        Every guarantee of wait() holds while it runs. Leaving the loop only
+        stops reading: the next iter_output() or wait() goes on at the cursor.
+        `timeout` is for the whole loop, from now: WaitTimeout, and the
+        process runs on. Once the loop is exhausted the run has ended and
+        wait() gives its result at once. `lines=True` gives whole lines per
+        stream, "\\n" kept (an unterminated last line at the end; a line over
+        max_output_chars in pieces of that size).
+        """
+        until = _wait_deadline(timeout)
+        me: List[Any] = []  # the loop, weakly: the loop must die with its last reference
+        loop = self._iterate(until, bool(lines), me)
+        me.append(weakref.ref(loop))
+        return loop
+
+    def _iterate(self, until: _Deadline, lines: bool, me: List[Any]) -> Iterator[Tuple[str, str]]:
+        handover = self._handover
+        with self._turn.taken(until, loop=me[0]) as mine:
+            if not mine:
+                raise WaitTimeout(self.args, until.seconds or 0.0, process_id=self.process_id)
+            self._follower.hand_to(handover.take)
+            try:
+                yield from handover.pieces(lines)
+                if self._outcome is None:
+                    for _ in self._settled(self._run(until)):
+                        yield from handover.pieces(lines)
+            finally:
+                self._follower.hand_to(None)
+        yield from handover.pieces(lines, end=self._outcome is not None)
+        if self._outcome is None:
+            raise self._wait_timeout(until)
+        if isinstance(self._outcome, BaseException):
+            raise self._outcome
+
+    def _wait_timeout(self, until: _Deadline) -> WaitTimeout:
+        stdout, stderr = self._follower.texts()
+        return WaitTimeout(
+            self.args,
+            until.seconds or 0.0,
+            process_id=self.process_id,
+            output=stdout,
+            stderr=stderr,
+        )
+
+    def _ended(self) -> ExecResult:
+        outcome = self._outcome
+        if isinstance(outcome, BaseException):
+            raise outcome
+        assert outcome is not None
+        if self._check and not outcome.ok:
+            raise CommandError(outcome)
+        return outcome
+
+    def terminate(self) -> None:
+        """Terminate the whole tree (SIGTERM, a grace period, SIGKILL) and confirm it.
+
+        The output printed meanwhile is read, so a later wait() gives the
+        result. CleanupError when the termination cannot be confirmed.
+        """
+        self._stop(None)
+
+    def kill(self) -> None:
+        """Kill the whole tree at once (no grace period) and confirm it."""
+        self._stop(0.0)
+
+    def _stop(self, grace: Optional[float]) -> None:
+        if self._outcome is not None:
+            return
+        with self._turn.taken(_Deadline(time.monotonic())) as mine:
+            if not mine:
+                # Another thread reads the stream: it reads the end; confirm the termination here.
+                self._endpoints.delete(grace)
+            elif self._outcome is None:
+                for _ in self._settled(self._end(_Ending(asked=True, grace=grace))):
+                    pass
+
+    def send_signal(self, signal: Union[str, int]) -> None:
+        """Send a signal (a name such as "SIGINT", or its number) to the process group.
+
+        Nothing is sent once the process has ended.
+        """
+        name = _signal_name(signal)
+        if self._outcome is None:
+            self._endpoints.signal(name)
+
+    def __enter__(self) -> "RemoteProcess":
+        return self
+
+    def __exit__(self, kind: Any, error: Optional[BaseException], traceback: Any) -> None:
+        """Terminate a tree that still runs, confirmed, whether the block raised or not."""
+        try:
+            self.terminate()
+        except CleanupError as cleanup:
+            if isinstance(error, KeyboardInterrupt):
+                return  # Ctrl-C is raised itself; the failed cleanup was logged
+            if error is None:
+                raise
+            raise cleanup from error
+        finally:
+            self._close_owner()
+
+    def __del__(self, _warn: Callable[..., None] = warnings.warn) -> None:
+        # As Popen's: a handle dropped while its process may run is a
+        # forgotten wait() or `with` (a bound default: warnings may be gone
+        # at interpreter exit).
+        if getattr(self, "_outcome", 0) is None and self._status is None:
+            _warn(
+                f"The remote process {self.process_id} may still be running: its handle "
+                "was dropped without wait(), terminate() or a with block.",
+                ResourceWarning,
+                source=self,
+            )
+
+    def _close_owner(self) -> None:
+        if self._owner is not None:
+            self._owner.close()
+
+    # -- the run: followed to its end, then contained --------------------------
+
+    def _settled(self, steps: _Steps[Optional[ExecResult]]) -> Iterator[None]:
+        """Take the run's steps; keep how it ended, once it has."""
+        try:
+            result = yield from steps
+        except GeneratorExit:  # a loop was left: the run goes on
+            raise
+        except BaseException as exc:
+            self._outcome = exc
+            self._close_owner()
+            raise
+        if result is not None:
+            self._outcome = result
+            self._close_owner()
+
+    def _run(self, until: _Deadline) -> _Steps[Optional[ExecResult]]:
+        """Follow the process to its end; None when `until` (a wait's own limit)
+        passed first: the process goes on running, and the run with it."""
+        try:
+            status = yield from self._follower.follow(self._deadline.sooner(until))
+            ending = _Ending(status=status)
+        except _TimedOut as expired:
+            if expired.args[0].limit != "command":
+                return None
+            ending = _Ending(timed_out=True)
+        except GeneratorExit:  # a loop was left: nothing ends
+            raise
+        except BaseException as exc:  # contained by _end, then raised again
+            ending = _Ending(error=exc)
+        return (yield from self._end(ending))
+
+    def _end(self, ending: _Ending) -> _Steps[Optional[ExecResult]]:
+        """The one way a run ends. Unless the process ended by itself, its tree
+        is terminated and that confirmed first; then the result, or the error
+        with the partial result attached."""
+        if ending.timed_out or ending.error is not None or ending.asked:
+            ending = yield from self._contain(ending)
+        if ending.error is not None:
+            raise ending.error
+        return self._follower.result(ending.status, timed_out=ending.timed_out)
+
+    def _contain(self, ending: _Ending) -> _Steps[_Ending]:
+        """Terminate the tree and confirm it, then say how the run ended.
+
+        The DELETE starts first. After a timeout or an asked termination, the
+        output of the grace period is read while the DELETE waits it out (a
+        service may forget a process once it is deleted); whatever ends that
+        reading, the DELETE is waited for (a second Ctrl-C ends that wait).
+        """
+        follower = self._follower
+        termination = _Termination(self._endpoints, ending.grace)
+        if ending.timed_out or ending.asked:
+            ending = yield from self._follower.through_termination(ending)
+        unconfirmed = termination.outcome()
+        error = ending.error
+        if isinstance(error, CreateOSError):
+            _with_partial_result(error, follower, ending)
+        if isinstance(error, KeyboardInterrupt):
+            return ending  # Ctrl-C is raised itself; a failed cleanup was logged
+        if unconfirmed is not None:
+            if error is None:
+                unconfirmed.result = follower.result(
+                    ending.status, timed_out=ending.timed_out, partial=True
+                )
+            else:
+                unconfirmed.result = getattr(error, "result", None)
+                unconfirmed.__cause__ = error
+            return _Ending(error=unconfirmed)
+        if error is not None and self._launch is not None:
+            self._launch.unstage()
+        return ending
 
 
-def _checked_process_id(value: Any) -> str:
-    if not isinstance(value, str) or not _ID.match(value):
-        raise ProtocolError("a process record has an invalid process_id")
-    return value
+def _with_partial_result(error: CreateOSError, follower: _Follower, ending: _Ending) -> None:
+    """Name the process in `error` and attach what was read, where anything was."""
+    error.process_id = error.process_id or follower.process_id
+    if error.result is None and (ending.timed_out or follower.cursor > follower.first_seq):
+        error.result = follower.result(ending.status, timed_out=ending.timed_out, partial=True)
 
 
-# -- follow: read the stream, resume it after every transport failure --------
+class _Turn:
+    """The stream is read by one thread at a time: whose turn it is.
+
+    A loop over iter_output() keeps the turn between its steps. One that this
+    thread left without closing it (its iterator kept) gives the turn up to
+    the next wait() or loop of the same thread: leaving a loop only stops it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loop: Optional[Tuple[int, Any]] = None  # the thread and loop (weakly) holding it
+
+    @contextlib.contextmanager
+    def taken(self, until: _Deadline, loop: Any = None) -> Iterator[bool]:
+        """The turn, for the block: True once taken, False when `until` passed first."""
+        held = self._loop
+        left_loop = held[1]() if held is not None and held[0] == threading.get_ident() else None
+        if left_loop is not None:
+            left_loop.close()
+        left = None if until.at is None else max(0.0, until.at - time.monotonic())
+        if not self._lock.acquire(timeout=-1 if left is None else left):
+            yield False
+            return
+        self._loop = None if loop is None else (threading.get_ident(), loop)
+        try:
+            yield True
+        finally:
+            self._loop = None
+            self._lock.release()
 
 
-class _TimedOut(Exception):
-    """The deadline a wait runs under expired."""
+class _Termination:
+    """A tree's DELETE in a thread of its own, so that the grace period's output can be read."""
+
+    def __init__(self, endpoints: _Endpoints, grace: Optional[float]) -> None:
+        self._failure: Optional[BaseException] = None
+        self._thread = threading.Thread(
+            target=self._run, args=(endpoints, grace), name="createos_exec-cleanup"
+        )
+        self._thread.daemon = True
+        self._thread.start()
+
+    def _run(self, endpoints: _Endpoints, grace: Optional[float]) -> None:
+        try:
+            endpoints.delete(grace)
+        except BaseException as exc:  # handed over by outcome()
+            self._failure = exc
+
+    def outcome(self) -> Optional[CleanupError]:
+        """The CleanupError when termination is unconfirmed, None once it is."""
+        self._thread.join()
+        if self._failure is not None and not isinstance(self._failure, CleanupError):
+            raise self._failure  # not a cleanup failure: a fault of this module
+        return self._failure
+
+
+class _Handover:
+    """Output read while a loop over iter_output() runs, until the loop takes it:
+    the pieces as they came, or whole lines per stream."""
+
+    def __init__(self, longest_line: int) -> None:
+        self._pieces: Deque[Tuple[str, str]] = collections.deque()
+        self._partial: Dict[str, List[str]] = {name: [] for name in _STREAMS}
+        self._partial_size = dict.fromkeys(_STREAMS, 0)
+        self._longest_line = longest_line
+
+    def take(self, stream: str, text: str) -> None:
+        self._pieces.append((stream, text))
+
+    def clear(self) -> None:
+        self._pieces.clear()
+        for name in _STREAMS:
+            self._partial[name].clear()
+            self._partial_size[name] = 0
+
+    def pieces(self, lines: bool, end: bool = False) -> Iterator[Tuple[str, str]]:
+        """What was taken, in order; with `end`, the unterminated last lines too."""
+        if not lines:
+            yield from self._unterminated()  # left by a loop over lines
+        pending = self._pieces
+        while pending:
+            stream, text = pending.popleft()
+            if lines:
+                yield from self._lines(stream, text)
+            else:
+                yield stream, text
+        if end:
+            yield from self._unterminated()
+
+    def _lines(self, stream: str, text: str) -> Iterator[Tuple[str, str]]:
+        partial = self._partial[stream]
+        start = 0
+        end = text.find("\n") + 1
+        while end:
+            if partial:
+                partial.append(text[start:end])
+                yield stream, "".join(partial)
+                partial.clear()
+                self._partial_size[stream] = 0
+            else:
+                yield stream, text[start:end]
+            start = end
+            end = text.find("\n", start) + 1
+        if start < len(text):
+            partial.append(text[start:] if start else text)
+            self._partial_size[stream] += len(text) - start
+            if self._partial_size[stream] >= self._longest_line:
+                yield from self._unterminated(stream)
+
+    def _unterminated(self, *streams: str) -> Iterator[Tuple[str, str]]:
+        for name in streams or _STREAMS:
+            partial = self._partial[name]
+            if partial:
+                text = "".join(partial)
+                partial.clear()
+                self._partial_size[name] = 0
+                yield name, text
+
+
+def _signal_name(value: Any) -> str:
+    if _is_int(value):
+        with contextlib.suppress(ValueError):
+            return _signal.Signals(value).name
+    elif isinstance(value, str) and _SIGNAL_NAME.match(value):
+        return value
+    raise ConfigError('The signal must be a name such as "SIGINT", or a signal number.')
+
+
+# -- following: read the stream, resume it after every failure, recover --------
 
 
 class _Follower:
@@ -2262,47 +2839,50 @@ class _Follower:
     failures without progress and an exited process's record, so that a wait
     that stops early is continued by the next one with nothing lost or
     repeated. Every wait takes the deadline it runs under as an argument.
+    Following is a generator of steps, one after each block of output while
+    a loop over iter_output() takes the output (none otherwise).
     """
 
     def __init__(
         self,
-        transport: _Transport,
-        sandbox_id: str,
-        process_id: str,
+        endpoints: _Endpoints,
         options: _Options,
         *,
         args: Any,
         started: float,
         cursor: int = 0,
         creation_recovered: bool = False,
-        created_here: bool = False,
     ) -> None:
-        self._transport = transport
+        self._endpoints = endpoints
+        self.process_id = self._process_id = endpoints.process_id
         self._cancel = options.cancel
-        self._path = _sandbox_path(sandbox_id, f"/processes/{process_id}")
         self._output = _Output(
             options.encoding, options.errors, options.max_output_chars, options.on_output
         )
         self._reader = _Reader(self._output, cursor)
-        # 404 means gone only from an origin that has held the process: the
-        # one that created it, or that answered for it (another region's
-        # API answers 404 for a process it never had).
-        self.held_here = created_here
-        self._budget = _Budget(transport.retry)
+        self._budget = _Budget(endpoints.transport.retry)
         self._progress_mark = cursor  # the cursor when the budget last saw progress
         self._record: Optional[Dict[str, Any]] = None  # the exited process's, once known
         self.started = started
         self.first_seq = cursor
-        self.sandbox_id = sandbox_id
-        self.process_id = process_id
         self.args = args
         self.reconnects = 0
         self.exit_recovered = False
         self.creation_recovered = creation_recovered
+        self.output_evicted = False
 
     @property
     def cursor(self) -> int:
         return self._reader.cursor
+
+    def hand_to(self, consumer: Optional[OutputCallback]) -> None:
+        """Hand the output to `consumer` too as it is read, a step a block; None: stop."""
+        self._output.hand_to(consumer)
+        self._reader.stepwise = consumer is not None
+
+    def texts(self) -> Tuple[str, str]:
+        """stdout and stderr as read so far; the run goes on."""
+        return self._output.texts()
 
     def result(
         self, status: Optional[_Exit], *, timed_out: bool = False, partial: bool = False
@@ -2320,16 +2900,15 @@ class _Follower:
             stderr_truncated=err.truncated,
             output=self._output.combined.text(),
             combined_truncated=self._output.combined.truncated,
-            process_id=self.process_id,
+            process_id=self._process_id,
             reconnects=self.reconnects,
             exit_recovered=self.exit_recovered,
             creation_recovered=self.creation_recovered,
             duration=time.monotonic() - self.started,
+            output_evicted=self.output_evicted,
         )
 
-    # -- follow ----------------------------------------------------------------
-
-    def follow(self, deadline: Optional[float]) -> _Exit:
+    def follow(self, deadline: _Deadline) -> _Steps[_Exit]:
         """Follow the stream to its end, resuming it after every transport failure.
 
         Only a new frame is progress. When the retry policy is spent without
@@ -2339,28 +2918,32 @@ class _Follower:
         deadline cut is no failure: the deadline ends the following.
         """
         while True:
-            self.check_interrupts(deadline)
+            self.raise_if_interrupted(deadline)
             record, cursor, beats = self._record, self._reader.cursor, self._reader.heartbeats
-            ended = self._connection(deadline, None if record is None else _newest_seq(record))
+            until = None if record is None else _newest_seq(record)
+            ended = yield from self._connection(deadline, until)
             if ended is None:
                 return self._recovered(record)
             if isinstance(ended, _Exit):
                 return self._exit_from_frame(ended, deadline)
+            if isinstance(ended, OutputEvictedError):
+                self._skip_to_kept(ended, deadline)
+                continue
             if self._reader.cursor != self._progress_mark:
                 self._progress_mark = self._reader.cursor
                 self._budget.progress()
-            self.check_interrupts(deadline)
+            self.raise_if_interrupted(deadline)
             delay = self._budget.next_delay(ended.retry_after)
             if delay is None:
                 self._record = record = self._when_spent(record, deadline, ended)
                 if record is not None and self._caught_up(record):
                     return self._recovered(record)
-                self._budget = _Budget(self._transport.retry)
+                self._budget = _Budget(self._endpoints.transport.retry)
                 delay = 0.0
             logger.info(
                 "Output stream of %s broke after %d new frames and %d heartbeats; "
                 "resuming after seq %d in %.2f s",
-                self.process_id,
+                self._process_id,
                 self._reader.cursor - cursor,
                 self._reader.heartbeats - beats,
                 self._reader.cursor,
@@ -2370,47 +2953,52 @@ class _Follower:
             self.reconnects += 1
 
     def _connection(
-        self, deadline: Optional[float], until: Optional[int]
-    ) -> Union[_Exit, None, _Retryable]:
+        self, deadline: _Deadline, until: Optional[int]
+    ) -> _Steps[Union[_Exit, None, _Retryable, OutputEvictedError]]:
         """One connection to the stream, and what ended it: the exit frame's
-        status, None once the output reached `until`, or the failure."""
+        status, None once the output reached `until`, the failure, or an
+        eviction that nobody reading live would see."""
         try:
-            response = self._connect(deadline)
+            response = self._endpoints.connect(self._reader.cursor, deadline.at)
             with contextlib.closing(response), _unblocked_by(self._cancel, response):
-                check = functools.partial(self.check_interrupts, deadline)
-                return self._reader.read(_arriving(response), check, until)
+                interrupted = functools.partial(self.raise_if_interrupted, deadline)
+                return (yield from self._reader.read(_arriving(response), interrupted, until))
         except _Retryable as failure:
             return failure
+        except OutputEvictedError as evicted:
+            if self._output.live:
+                raise  # never hand a consumer output after a gap it was not told of
+            return evicted
 
-    def _connect(self, deadline: Optional[float]) -> requests.Response:
-        transport = self._transport
-        response = transport.send(
-            "GET",
-            self._path + "/connect",
-            operation="output connection",
-            timeout=(
-                _within(transport.request_timeout, deadline),
-                _within(transport.stream_idle_timeout, deadline),
-            ),
-            process_id=self.process_id,
-            params={"after": self._reader.cursor},
-            stream=True,
-            ok_statuses=(410,),
+    def _skip_to_kept(self, evicted: OutputEvictedError, deadline: _Deadline) -> None:
+        """Nobody reads live: the evicted output is the head of the output, not a
+        hole in it. Drop what was read and go on from the oldest output kept."""
+        oldest = evicted.oldest_available_seq
+        if oldest is None:
+            oldest = _oldest_seq(self._endpoints.record(deadline.at))
+        if oldest <= self._reader.cursor + 1:
+            raise evicted  # the next frame is kept after all: fail closed
+        logger.info(
+            "Output of %s up to seq %d was evicted unread; following on from seq %d",
+            self._process_id,
+            oldest - 1,
+            oldest,
         )
-        self.held_here = True
-        if response.status_code == 410:
-            raise OutputEvictedError(_evicted_seq(response), process_id=self.process_id)
-        return response
+        self._output.drop_all()
+        self._reader.cursor = oldest - 1
+        self.output_evicted = True
 
-    def _exit_from_frame(self, status: _Exit, deadline: Optional[float]) -> _Exit:
+    def _exit_from_frame(self, status: _Exit, deadline: _Deadline) -> _Exit:
         if status != _NO_STATUS:
             return status
-        logger.info("Exit frame of %s has no status; asking the process record", self.process_id)
-        problem = ProtocolError("the exit frame carries no exit status", process_id=self.process_id)
+        logger.info("Exit frame of %s has no status; asking the process record", self._process_id)
+        problem = ProtocolError(
+            "the exit frame carries no exit status", process_id=self._process_id
+        )
         try:
-            record = self._wait("leader", _EXIT_CHECK_MS, deadline)
+            record = self._endpoints.exit_record("leader", _EXIT_CHECK_MS, deadline.at)
         except CreateOSError as exc:
-            self.check_interrupts(deadline)  # the deadline cut the wait short
+            self.raise_if_interrupted(deadline)  # the deadline cut the wait short
             raise problem from exc
         recovered = _exit_status(record) if record is not None else None
         if recovered is None:
@@ -2418,24 +3006,46 @@ class _Follower:
         self.exit_recovered = True
         return recovered
 
-    def check_interrupts(self, deadline: Optional[float]) -> None:
+    def raise_if_interrupted(self, deadline: _Deadline) -> None:
         if self._cancel is not None and self._cancel.is_set():
-            raise CancelledError(process_id=self.process_id)
-        if deadline is not None and time.monotonic() >= deadline:
-            raise _TimedOut()
+            raise CancelledError(process_id=self._process_id)
+        if deadline.expired():
+            raise _TimedOut(deadline)
 
-    def _pause(self, delay: float, deadline: Optional[float]) -> None:
-        delay = _within(delay, deadline)
+    def _pause(self, delay: float, deadline: _Deadline) -> None:
+        delay = _within(delay, deadline.at)
         if self._cancel is not None:
             self._cancel.wait(delay)
         else:
             time.sleep(delay)
-        self.check_interrupts(deadline)
+        self.raise_if_interrupted(deadline)
+
+    def through_termination(self, ending: _Ending) -> _Steps[_Ending]:
+        """While the tree is terminated: read what the process prints in its grace period.
+
+        A cancel, a callback's error or Ctrl-C ends the reading and becomes
+        how the run ended; trouble with the stream only ends the reading.
+        """
+        cleanup = _Deadline.after(self._endpoints.cleanup_timeout, "cleanup", time.monotonic())
+        try:
+            status = yield from self.follow(cleanup)
+        except CancelledError as exc:
+            return ending._replace(error=exc)
+        except (_TimedOut, CreateOSError):
+            logger.warning(
+                "Output of %s printed during its termination could not be read", self.process_id
+            )
+            return ending
+        except GeneratorExit:  # a loop was left: the termination goes on
+            raise
+        except BaseException as exc:  # raised once the tree is confirmed gone
+            return ending._replace(error=exc)
+        return ending._replace(status=status)
 
     # -- recover ---------------------------------------------------------------
 
     def _when_spent(
-        self, record: Optional[Dict[str, Any]], deadline: Optional[float], failure: _Retryable
+        self, record: Optional[Dict[str, Any]], deadline: _Deadline, failure: _Retryable
     ) -> Optional[Dict[str, Any]]:
         """The retry policy is spent without progress: the exited process's record,
         or None while it still runs (a quiet job behind connections that end)."""
@@ -2443,18 +3053,18 @@ class _Follower:
             self.exit_recovered = True
             status = _exit_status(record)
             raise OutputIncompleteError(
-                process_id=self.process_id, result=self.result(status, partial=True)
+                process_id=self._process_id, result=self.result(status, partial=True)
             )
-        logger.info("Output stream of %s keeps failing; asking whether it runs", self.process_id)
+        logger.info("Output stream of %s keeps failing; asking whether it runs", self._process_id)
         try:
-            record = self._wait("tree", _LIVENESS_POLL_MS, deadline)
+            record = self._endpoints.exit_record("tree", _LIVENESS_POLL_MS, deadline.at)
         except (TransportError, APIError) as exc:
-            self.check_interrupts(deadline)  # the deadline cut the wait short
-            raise StreamEndedError(process_id=self.process_id) from exc
+            self.raise_if_interrupted(deadline)  # the deadline cut the wait short
+            raise StreamEndedError(process_id=self._process_id) from exc
         if record is None:
-            logger.info("Process %s still runs; following it on", self.process_id)
+            logger.info("Process %s still runs; following it on", self._process_id)
         elif _exit_status(record) is None:
-            raise StreamEndedError(process_id=self.process_id) from failure.__cause__
+            raise StreamEndedError(process_id=self._process_id) from failure.__cause__
         return record
 
     def _caught_up(self, record: Dict[str, Any]) -> bool:
@@ -2469,14 +3079,58 @@ class _Follower:
         if status is None:  # _when_spent lets only a record with a status through
             raise ProtocolError("the wait answer carries no exit status")
         self.exit_recovered = True
-        logger.info("Recovered the exit status of %s out of band", self.process_id)
+        logger.info("Recovered the exit status of %s out of band", self._process_id)
         return status
 
-    def _wait(
+
+# -- endpoints: the requests one process answers ---------------------------------
+
+
+class _Endpoints:
+    """The requests that one process answers, and what each status means for it.
+
+    Every process here was created through this origin or found there
+    first (another region's API answers 404 for a process it never had), so
+    404 to a DELETE means gone. 408 to a `wait` is a long-poll that expired;
+    409 to a signal, a leader that has exited; 410 to a connect, output
+    evicted before it was read.
+    """
+
+    def __init__(self, transport: _Transport, sandbox_id: str, process_id: str) -> None:
+        self.transport = transport
+        self.sandbox_id = sandbox_id
+        self.process_id = process_id
+        self._path = _sandbox_path(sandbox_id, f"/processes/{process_id}")
+
+    @property
+    def cleanup_timeout(self) -> float:
+        return self.transport.cleanup_timeout
+
+    def connect(self, after: int, deadline: Optional[float]) -> requests.Response:
+        """The output stream from seq `after` + 1; OutputEvictedError on 410."""
+        transport = self.transport
+        response = transport.send(
+            "GET",
+            self._path + "/connect",
+            operation="output connection",
+            timeout=(
+                _within(transport.request_timeout, deadline),
+                _within(transport.stream_idle_timeout, deadline),
+            ),
+            process_id=self.process_id,
+            params={"after": after},
+            stream=True,
+            ok_statuses=(410,),
+        )
+        if response.status_code == 410:
+            raise OutputEvictedError(_evicted_seq(response), process_id=self.process_id)
+        return response
+
+    def exit_record(
         self, scope: str, poll_ms: int, deadline: Optional[float]
     ) -> Optional[Dict[str, Any]]:
-        """One `wait` long-poll: the exited process record, or None when it expired."""
-        transport = self._transport
+        """One `wait` long-poll: the exited process's record, or None when it expired."""
+        transport = self.transport
         response = transport.call(
             "GET",
             self._path + "/wait",
@@ -2487,7 +3141,6 @@ class _Follower:
             params={"scope": scope, "timeout_ms": poll_ms},
             ok_statuses=(408,),
         )
-        self.held_here = True
         if response.status_code == 408:
             response.close()
             return None
@@ -2496,13 +3149,18 @@ class _Follower:
             raise ProtocolError("the wait answer is not an exited process record")
         return record
 
-    # -- act on the process: one request each, never retried -----------------------
+    def record(self, deadline: Optional[float]) -> Dict[str, Any]:
+        """The process record, asked under the retry policy: it shows the process exists."""
+        response = self.transport.call(
+            "GET", self._path, operation="process lookup", deadline=deadline
+        )
+        return self._checked_record(_jsend_data(response, "process lookup"))
 
-    def leader_status(self) -> Optional[_Exit]:
-        """The exit status in the process record, or None while its leader runs."""
-        record = _jsend_data(self._once("GET", "", "process status"), "process status")
-        if not isinstance(record, dict):
-            raise ProtocolError("the process record is not an object", process_id=self.process_id)
+    def status(self) -> Optional[_Exit]:
+        """The exit status in the process record (one request), or None while its leader runs."""
+        record = self._checked_record(
+            _jsend_data(self._once("GET", "", "process status"), "process status")
+        )
         if record.get("leader_exited") is not True:
             return None
         status = _exit_status(record)
@@ -2510,14 +3168,51 @@ class _Follower:
             raise ProtocolError("the process record has no exit status", process_id=self.process_id)
         return status
 
-    def send_signal(self, name: str) -> None:
+    def signal(self, name: str) -> None:
         """Signal the process group; a leader that has exited (409) has nothing to signal."""
         self._once(
             "POST", "/signal", "signal delivery", json_body={"signal": name}, ok_statuses=(409,)
         ).close()
 
+    def delete(self, grace: Optional[float] = None) -> None:
+        """Terminate the tree with a grace period (None: the usual one), confirmed,
+        under a fresh deadline of its own.
+
+        Raises CleanupError unless the answer is `tree_exited: true`, or 404.
+        """
+        transport = self.transport
+        if grace is None:
+            grace = min(_TERMINATE_GRACE, transport.cleanup_timeout / 2)
+        try:
+            response = transport.call(
+                "DELETE",
+                self._path,
+                operation="process cleanup",
+                deadline=time.monotonic() + transport.cleanup_timeout,
+                process_id=self.process_id,
+                read_timeout=grace + transport.request_timeout,
+                params={"grace_ms": int(grace * 1000)},
+                ok_statuses=(404,),
+            )
+            if response.status_code == 404:
+                response.close()
+                return
+            record = _jsend_data(response, "process cleanup")
+        except CreateOSError as exc:
+            logger.warning("Termination of %s failed", self.process_id)
+            raise CleanupError(process_id=self.process_id) from exc
+        if not isinstance(record, dict) or record.get("tree_exited") is not True:
+            logger.warning("Termination of %s is unconfirmed", self.process_id)
+            raise CleanupError(process_id=self.process_id)
+
+    def _checked_record(self, record: Any) -> Dict[str, Any]:
+        if not isinstance(record, dict):
+            raise ProtocolError("the process record is not an object", process_id=self.process_id)
+        return record
+
     def _once(self, method: str, rest: str, operation: str, **request: Any) -> requests.Response:
-        transport = self._transport
+        """One request, never retried: acting on the process twice may not be once."""
+        transport = self.transport
         answer = transport.attempt(
             method,
             self._path + rest,
@@ -2529,293 +3224,6 @@ class _Follower:
         if isinstance(answer, _Retryable):
             raise answer.final(self.process_id) from answer.__cause__
         return answer
-
-
-def _arriving(response: requests.Response) -> Iterator[bytes]:
-    """The body as it arrives: HTTP chunk by HTTP chunk, or what the socket holds.
-
-    Straight from urllib3 (requests' iter_content() adds a layer per chunk
-    and would wait for the end of a body that is not chunked: a proxy may
-    remove the chunking, and all live output would be held back). This is
-    where the bytes come from, so this is where the HTTP stack's errors
-    become a broken connection.
-    """
-    raw = response.raw
-    if raw.chunked or not hasattr(raw, "read1"):  # read1: urllib3 2.2 and later
-        chunks = raw.stream(None, decode_content=True)
-    else:
-        chunks = iter(functools.partial(raw.read1, _READ_SIZE, decode_content=True), b"")
-    with _transport_errors("output connection"):
-        yield from chunks
-
-
-def _read_to_end(chunks: Iterator[bytes]) -> None:
-    """Finish the body after the exit frame so the connection can be reused.
-
-    Whatever follows the exit frame is ignored, and at most 64 KiB is read.
-    """
-    read = 0
-    with contextlib.suppress(_Retryable, TransportError):
-        for chunk in chunks:
-            read += len(chunk)
-            if read > 65536:
-                return
-
-
-@contextlib.contextmanager
-def _unblocked_by(cancel: Optional[threading.Event], response: requests.Response) -> Iterator[None]:
-    """While reading `response`, let `cancel` end a read that is waiting for data.
-
-    A quiet process sends nothing but heartbeats, whose interval is unknown:
-    without this, cancelling could wait that long. Shutting the socket down
-    wakes the blocked read; the reader then sees the cancel event.
-    """
-    if cancel is None:
-        yield
-        return
-    done = threading.Event()
-    watcher = threading.Thread(
-        target=_shut_down_on, args=(cancel, done, response), name="createos_exec-cancel"
-    )
-    watcher.daemon = True
-    watcher.start()
-    try:
-        yield
-    finally:
-        done.set()  # the watcher ends within one poll; nothing waits for it
-
-
-def _shut_down_on(cancel: threading.Event, done: threading.Event, response: Any) -> None:
-    while not done.is_set():
-        if cancel.wait(_CANCEL_POLL):
-            connection: Any = getattr(response.raw, "connection", None)
-            with contextlib.suppress(OSError, AttributeError):
-                connection.sock.shutdown(socket.SHUT_RDWR)
-            return
-
-
-def _evicted_seq(response: requests.Response) -> Optional[int]:
-    """oldest_available_seq from a 410 body, when it has one."""
-    try:
-        data = response.json().get("data")
-        oldest = data.get("oldest_available_seq")
-    except (ValueError, AttributeError, RecursionError):
-        return None
-    finally:
-        response.close()
-    return oldest if _is_int(oldest) else None
-
-
-# -- recover: what the process record says -------------------------------------
-
-
-def _newest_seq(record: Dict[str, Any]) -> int:
-    output = record.get("output")
-    newest: Any = output.get("newest_seq") if isinstance(output, dict) else None
-    if not _is_int(newest) or newest < 0:
-        raise ProtocolError("the process record has no valid output.newest_seq")
-    return int(newest)
-
-
-# -- contain: end the run, terminate the remote tree, confirmed ------------------
-
-
-class _Ending(NamedTuple):
-    """How following a process ended, before containment: a status, the
-    deadline, an error (a callback's and Ctrl-C included), or a termination
-    the caller asked for (terminate(), kill(), leaving a `with` block)."""
-
-    status: Optional[_Exit] = None
-    timed_out: bool = False
-    error: Optional[BaseException] = None
-    asked: bool = False
-    grace: Optional[float] = None  # of an asked termination; None: the usual grace period
-
-
-class _Run:
-    """One process followed to its end, and the one way that end is reached.
-
-    The run's deadline is computed once, from `timeout`; a wait may stop
-    earlier without ending the run. Containment has a deadline of its own
-    (cleanup_timeout).
-    """
-
-    def __init__(
-        self,
-        transport: _Transport,
-        follower: _Follower,
-        options: _Options,
-        *,
-        launch: Optional[_Launch] = None,
-    ) -> None:
-        self.follower = follower
-        self.check = options.check
-        self._transport = transport
-        self._launch = launch
-        self._deadline = options.deadline(follower.started)
-
-    def follow(self, until: Optional[float]) -> Optional[ExecResult]:
-        """Follow the process to its end; None when `until` (a wait's own limit)
-        passed first: the process goes on running, and the run with it."""
-        deadline = self._deadline
-        if until is not None and (deadline is None or until < deadline):
-            deadline = until
-        ending = self._follow_to_end(deadline)
-        left = _remaining(self._deadline)
-        if ending.timed_out and (left is None or left > 0):
-            return None
-        return self._end(ending)
-
-    def terminate(self, grace: Optional[float]) -> ExecResult:
-        """End the run by terminating its tree, reading what it prints meanwhile."""
-        return self._end(_Ending(asked=True, grace=grace))
-
-    def terminate_only(self, grace: Optional[float]) -> None:
-        """Terminate the tree, confirmed, while another thread follows the stream."""
-        follower = self.follower
-        _terminate(self._transport, follower.sandbox_id, follower.process_id, grace=grace)
-
-    def _follow_to_end(self, deadline: Optional[float]) -> _Ending:
-        try:
-            return _Ending(status=self.follower.follow(deadline))
-        except _TimedOut:
-            return _Ending(timed_out=True)
-        except BaseException as exc:  # contained by _end, then raised again
-            return _Ending(error=exc)
-
-    def _end(self, ending: _Ending) -> ExecResult:
-        """The one way a run ends. Unless the process ended by itself, its tree
-        is terminated and that confirmed first; then the result, or the error
-        with the partial result attached."""
-        if ending.timed_out or ending.error is not None or ending.asked:
-            ending = self._contain(ending)
-        if ending.error is not None:
-            raise ending.error
-        return self.follower.result(ending.status, timed_out=ending.timed_out)
-
-    def _contain(self, ending: _Ending) -> _Ending:
-        """Terminate the tree and confirm it, then say how the run ended.
-
-        The DELETE starts first. After a timeout or an asked termination, the
-        output of the grace period is read while the DELETE waits it out (a
-        service may forget a process once it is deleted); whatever ends that
-        reading, the DELETE is waited for (a second Ctrl-C ends that wait).
-        """
-        follower = self.follower
-        termination = _Termination(
-            self._transport,
-            follower.sandbox_id,
-            follower.process_id,
-            grace=ending.grace,
-            gone_if_absent=follower.held_here,
-        )
-        if ending.timed_out or ending.asked:
-            ending = self._drain(ending)
-        unconfirmed = termination.wait()
-        error = ending.error
-        if isinstance(error, CreateOSError):
-            error.process_id = error.process_id or follower.process_id
-            if error.result is None and (ending.timed_out or follower.cursor > follower.first_seq):
-                error.result = follower.result(
-                    ending.status, timed_out=ending.timed_out, partial=True
-                )
-        if isinstance(error, KeyboardInterrupt):
-            return ending  # Ctrl-C is raised itself; a failed cleanup was logged
-        if unconfirmed is not None:
-            if error is None:
-                unconfirmed.result = follower.result(
-                    ending.status, timed_out=ending.timed_out, partial=True
-                )
-            else:
-                unconfirmed.result = getattr(error, "result", None)
-                unconfirmed.__cause__ = error
-            return _Ending(error=unconfirmed)
-        if error is not None and self._launch is not None:
-            self._launch.unstage()
-        return ending
-
-    def _drain(self, ending: _Ending) -> _Ending:
-        """While the tree is terminated: read what the process prints in its grace period.
-
-        A cancel, a callback's error or Ctrl-C ends the reading and becomes
-        how the run ended; trouble with the stream only ends the reading.
-        """
-        try:
-            status = self.follower.follow(time.monotonic() + self._transport.cleanup_timeout)
-        except CancelledError as exc:
-            return ending._replace(error=exc)
-        except (_TimedOut, CreateOSError):
-            logger.warning(
-                "Output of %s printed during its termination could not be read",
-                self.follower.process_id,
-            )
-            return ending
-        except BaseException as exc:  # raised once the tree is confirmed gone
-            return ending._replace(error=exc)
-        return ending._replace(status=status)
-
-
-def _terminate(
-    transport: _Transport,
-    sandbox_id: str,
-    process_id: str,
-    *,
-    grace: Optional[float] = None,
-    gone_if_absent: bool = True,
-) -> None:
-    """DELETE the tree with a grace period (None: the usual one) and a fresh deadline.
-
-    Raises CleanupError unless the answer is `tree_exited: true`, or 404
-    (gone) where `gone_if_absent`: from the origin that has held the process.
-    """
-    if grace is None:
-        grace = min(_TERMINATE_GRACE, transport.cleanup_timeout / 2)
-    try:
-        response = transport.call(
-            "DELETE",
-            _sandbox_path(sandbox_id, f"/processes/{process_id}"),
-            operation="process cleanup",
-            deadline=time.monotonic() + transport.cleanup_timeout,
-            process_id=process_id,
-            read_timeout=grace + transport.request_timeout,
-            params={"grace_ms": int(grace * 1000)},
-            ok_statuses=(404,) if gone_if_absent else (),
-        )
-        if response.status_code == 404:
-            response.close()
-            return
-        record = _jsend_data(response, "process cleanup")
-    except CreateOSError as exc:
-        logger.warning("Termination of %s failed", process_id)
-        raise CleanupError(process_id=process_id) from exc
-    if not isinstance(record, dict) or record.get("tree_exited") is not True:
-        logger.warning("Termination of %s is unconfirmed", process_id)
-        raise CleanupError(process_id=process_id)
-
-
-class _Termination:
-    """_terminate in a thread of its own, so that the grace period's output can be read."""
-
-    def __init__(self, *terminate: Any, **options: Any) -> None:
-        self._failure: Optional[BaseException] = None
-        self._thread = threading.Thread(
-            target=self._run, args=terminate, kwargs=options, name="createos_exec-cleanup"
-        )
-        self._thread.daemon = True
-        self._thread.start()
-
-    def _run(self, *terminate: Any, **options: Any) -> None:
-        try:
-            _terminate(*terminate, **options)
-        except BaseException as exc:  # handed over by wait()
-            self._failure = exc
-
-    def wait(self) -> Optional[CleanupError]:
-        """The CleanupError when termination is unconfirmed, None once it is."""
-        self._thread.join()
-        if self._failure is not None and not isinstance(self._failure, CleanupError):
-            raise self._failure  # not a cleanup failure: a fault of this module
-        return self._failure
 
 
 # --------------------------------------------------------------------------

@@ -232,7 +232,8 @@ def test_keyboard_interrupt_is_contained_then_reraised(client, server):
 def test_attach_follows_a_process_started_elsewhere(client, server):
     result = client.execute(SANDBOX, "echo one; sleep 0.1; echo two", shell=True)
     again = client.attach(SANDBOX, result.process_id)
-    assert again.stdout == "one\ntwo\n" and again.exit_code == 0 and again.args is None
+    assert again.stdout == "one\ntwo\n" and again.exit_code == 0
+    assert again.args == "echo one; sleep 0.1; echo two"  # as it was given, out of the wrapper
     tail = client.attach(SANDBOX, result.process_id, after=1)
     assert tail.stdout == "two\n"
 

@@ -124,15 +124,18 @@ def test_a_listing_that_never_ends_is_read_for_a_bounded_number_of_pages():
         assert len(listings) == cx._LISTING_PAGES
 
 
-def test_404_on_delete_is_not_gone_where_the_process_was_never_held(server):
-    # Another region's API, or a wrong id: this origin never had the process.
-    with make_client(server) as client, pytest.raises(cx.CleanupError) as caught:
+def test_a_process_this_origin_never_had_is_the_404_itself_with_nothing_to_destroy(
+    server, caplog
+):
+    # Another region's API, or a wrong id: one lookup says so before anything
+    # is followed, so there is no tree to contain and no warning to give.
+    caplog.set_level("WARNING", logger="createos_exec")
+    with make_client(server) as client, pytest.raises(cx.APIError) as caught:
         client.attach(SANDBOX, "proc_" + "n" * 22)
-    assert not caught.value.creation_unconfirmed
-    cause = caught.value.__cause__
-    assert isinstance(cause, cx.APIError) and cause.status == 404
-    assert cause.operation == "output connection"
-    assert [record.status for record in server.requests_to("delete")] == [404]
+    assert caught.value.status == 404 and caught.value.operation == "process lookup"
+    assert "wrong id" in str(caught.value)
+    assert server.requests_to("delete") == [] and server.requests_to("connect") == []
+    assert caplog.records == []
 
 
 def test_404_on_delete_is_gone_where_the_process_was_held(server):
@@ -143,7 +146,7 @@ def test_404_on_delete_is_gone_where_the_process_was_held(server):
         timeout=10,
     )
     process_id = started.json()["data"]["process_id"]
-    # The connect answers for the process on this origin: a 404 on its
+    # The lookup answers for the process on this origin: a 404 on its
     # DELETE (a service that forgot it) then counts as gone.
     server.fail("delete", 404)
     with make_client(server) as client:

@@ -205,9 +205,16 @@ def test_eviction_frame_is_its_own_error(client, server):
         b'{"type":"error","error":"output_offset_expired","oldest_available_seq":5}',
         after_frames=1,
     )
+    # A live reader (on_output) is never handed output after a gap.
+    seen = []
     with pytest.raises(cx.OutputEvictedError) as caught:
-        client.execute(SANDBOX, "echo a; sleep 0.2; echo b; sleep 30", shell=True)
-    assert caught.value.oldest_available_seq == 5
+        client.execute(
+            SANDBOX,
+            "echo a; sleep 0.2; echo b; sleep 30",
+            shell=True,
+            on_output=lambda stream, text: seen.append(text),
+        )
+    assert seen == ["a\n"] and caught.value.oldest_available_seq == 5
     assert connects(server) == 1
     assert server.wait_tree_gone(caught.value.process_id)
 

@@ -556,6 +556,7 @@ def test_env_and_stdin_are_staged_never_in_process_record(rsps: responses.Reques
 
 
 def test_attach_resumes_after_given_seq(rsps: responses.RequestsMock) -> None:
+    rsps.add(responses.GET, PROC, json=ok(record(cmd="sh", args=["-c", "echo"])))
     add_connect(
         rsps,
         nd(
@@ -567,7 +568,7 @@ def test_attach_resumes_after_given_seq(rsps: responses.RequestsMock) -> None:
     result = make_client().attach(SB, PID, after=2)
     assert query(calls(rsps, "GET", CONNECT)[0]) == {"after": "2"}
     assert result.stdout == "new\n"
-    assert result.exit_code == 4 and result.args is None
+    assert result.exit_code == 4 and result.args == ["sh", "-c", "echo"]  # as listed
     assert not calls(rsps, "POST", PROCS)
 
 
@@ -931,7 +932,7 @@ def test_listing_record_with_odd_args_is_not_a_crash(rsps: responses.RequestsMoc
 
 
 def test_markers_are_random_per_command() -> None:
-    plans = [cx._plan(["true"], shell=False, cwd=None, env=None, stdin=None) for _ in range(5)]
+    plans = [cx._plan(["true"], cx._Options()) for _ in range(5)]
     markers = {plan.marker for plan in plans}
     assert len(markers) == 5
     for plan in plans:
@@ -1196,7 +1197,7 @@ def test_evicted_frame_mid_stream(rsps: responses.RequestsMock) -> None:
     )
     add_deleted(rsps)
     with pytest.raises(cx.OutputEvictedError) as info:
-        make_client().execute(SB, ["true"])
+        make_client().execute(SB, ["true"], on_output=lambda *_: None)  # a live consumer
     err = info.value
     assert isinstance(err, cx.ProtocolError)
     assert err.oldest_available_seq == 5
@@ -1230,11 +1231,59 @@ def test_410_on_connect_is_eviction(
     rsps.add(responses.GET, CONNECT, status=410, body=text, content_type="application/json")
     add_deleted(rsps)
     with pytest.raises(cx.OutputEvictedError) as info:
-        make_client().execute(SB, ["true"])
+        make_client().execute(SB, ["true"], on_output=lambda *_: None)  # a live consumer
     assert info.value.oldest_available_seq == expected
     assert isinstance(info.value, cx.ProtocolError)
     assert len(calls(rsps, "GET", CONNECT)) == 1
     assert_deleted_once(rsps)
+
+
+@pytest.mark.parametrize("restart", ["frame", "410 body", "record"])
+def test_eviction_nobody_reads_live_is_the_head_of_a_result(
+    rsps: responses.RequestsMock, restart: str
+) -> None:
+    # Nobody takes the output as it comes: what was evicted is the head of
+    # the output. The result is the contiguous tail from the oldest kept
+    # frame on, with the process's own status, and no tree is terminated.
+    add_created(rsps)
+    if restart == "frame":
+        evicted = nd(
+            data(1, "stdout", b"old\n"),
+            {"type": "error", "error": "output_offset_expired", "oldest_available_seq": 5},
+        )
+        add_connect(rsps, evicted)
+    else:
+        data_410 = {"error": "output_offset_expired"}
+        if restart == "410 body":
+            data_410["oldest_available_seq"] = 5
+        else:
+            rsps.add(responses.GET, PROC, json=ok(record(output={"oldest_seq": 5, "newest_seq": 6})))
+        body = json.dumps({"status": "fail", "data": data_410})
+        rsps.add(responses.GET, CONNECT, status=410, body=body, content_type="application/json")
+    add_connect(rsps, nd(data(5, "stdout", b"kept "), data(6, "stderr", b"e"), EXIT0))
+    result = make_client().execute(SB, ["true"])
+    assert (result.stdout, result.stderr, result.output) == ("kept ", "e", "kept e")
+    assert result.output_evicted and result.stdout_truncated and result.stderr_truncated
+    assert result.exit_code == 0 and result.reconnects == 0
+    assert [query(c)["after"] for c in calls(rsps, "GET", CONNECT)] == ["0", "4"][: 2]
+    assert not calls(rsps, "DELETE", PROC)
+
+
+def test_eviction_that_keeps_the_next_frame_fails_closed(rsps: responses.RequestsMock) -> None:
+    # A 410 whose record says the next frame is still kept contradicts itself.
+    add_created(rsps)
+    rsps.add(responses.GET, PROC, json=ok(record(output={"oldest_seq": 1, "newest_seq": 3})))
+    rsps.add(responses.GET, CONNECT, status=410, json={"status": "fail", "data": "gone"})
+    add_deleted(rsps)
+    with pytest.raises(cx.OutputEvictedError):
+        make_client().execute(SB, ["true"])
+    assert_deleted_once(rsps)
+
+
+def test_results_say_no_output_was_evicted_otherwise(rsps: responses.RequestsMock) -> None:
+    add_created(rsps)
+    add_connect(rsps, nd(data(1, "stdout", b"x"), EXIT0))
+    assert make_client().execute(SB, ["true"]).output_evicted is False
 
 
 @pytest.mark.parametrize("status", [400, 401, 403, 404])
@@ -2346,7 +2395,7 @@ def _run_wrapper(plan: Any) -> subprocess.CompletedProcess:  # type: ignore[type
 @needs_bash
 def test_wrapper_script_runs_argv_verbatim() -> None:
     argv = ["printf", "%s|", "a b", "it's", "$HOME", "x\ny", "", "*", "-n", "`id`", "é"]
-    plan = cx._plan(argv, shell=False, cwd=None, env=None, stdin=None)
+    plan = cx._plan(argv, cx._Options())
     done = _run_wrapper(plan)
     assert done.returncode == 0, done.stderr
     assert done.stdout.decode() == "|".join(argv[2:]) + "|"
@@ -2358,10 +2407,7 @@ def test_wrapper_script_stages_env_stdin_and_cwd() -> None:
     stdin = b"line1\nline2\0bin\xff"
     plan = cx._plan(
         'printf "%s|%s|" "$FOO" "${_B-unset}"; pwd; od -An -c',
-        shell=True,
-        cwd="/",
-        env=env,
-        stdin=stdin,
+        cx._Options(shell=True, cwd="/", env=env, stdin=stdin),
     )
     done = _run_wrapper(plan)
     assert done.returncode == 0, done.stderr
@@ -2373,18 +2419,14 @@ def test_wrapper_script_stages_env_stdin_and_cwd() -> None:
 
 @needs_bash
 def test_wrapper_script_missing_cwd_fails() -> None:
-    plan = cx._plan(["true"], shell=False, cwd="/no/such/dir-x", env=None, stdin=None)
+    plan = cx._plan(["true"], cx._Options(cwd="/no/such/dir-x"))
     assert _run_wrapper(plan).returncode == 1
 
 
 @needs_bash
 def test_wrapper_script_keeps_env_named_like_loop_variable() -> None:
     plan = cx._plan(
-        'printf "%s" "${_cx_var-UNSET}"',
-        shell=True,
-        cwd=None,
-        env={"_cx_var": "kept"},
-        stdin=None,
+        'printf "%s" "${_cx_var-UNSET}"', cx._Options(shell=True, env={"_cx_var": "kept"})
     )
     assert _run_wrapper(plan).stdout == b"kept"
 
