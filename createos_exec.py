@@ -402,7 +402,7 @@ class RetryPolicy:
 
 
 # --------------------------------------------------------------------------
-# Configuration and HTTP plumbing
+# Configuration: the API URL, the key, ids
 # --------------------------------------------------------------------------
 
 DEFAULT_API_URL = "https://api.sb.createos.sh"
@@ -414,10 +414,6 @@ _FRAME_LIMIT = 1024 * 1024  # longest NDJSON line accepted, in bytes
 _READ_SIZE = 256 * 1024  # most bytes taken at once from a body that is not chunked
 _WAIT_POLL_MS = 30_000  # server-side long-poll of one `wait`
 _TERMINATE_GRACE = 1.0  # seconds between SIGTERM and SIGKILL when terminating
-_PACING_POLL = 0.05  # seconds between looks at a full window
-_LONGEST_HOLD = 86_400.0  # seconds a request holds its place at most before it is answered
-_EPOCH_SLACK = 5.0  # seconds the epoch of the monotonic clock may move between two writers
-_WIN_BACK = 16  # periods a narrowed window takes at the fastest to win its whole limit back
 _CANCEL_POLL = 0.1  # seconds between looks at the cancel event while a read blocks
 _EXIT_CHECK_MS = 5_000  # how long an exit frame without status is checked against `wait`
 _LIVENESS_POLL_MS = 1_000  # the `wait` that tells a quiet process from an exited one
@@ -493,6 +489,15 @@ def _checked_id(kind: str, value: Any) -> str:
     return value
 
 
+# --------------------------------------------------------------------------
+# Pacing: a sliding window per API origin, shared by threads and processes
+# --------------------------------------------------------------------------
+
+_PACING_POLL = 0.05  # seconds between looks at a full window
+_LONGEST_HOLD = 86_400.0  # seconds a request holds its place at most before it is answered
+_EPOCH_SLACK = 5.0  # seconds the epoch of the monotonic clock may move between two writers
+_WIN_BACK = 16  # periods a narrowed window takes at the fastest to win its whole limit back
+
 _T = TypeVar("_T")
 
 
@@ -531,11 +536,9 @@ class _Window:
         bisect.insort(self.answered, frees)
 
 
-# The file of a shared window (native byte order: it never leaves the machine):
-# a header, the places on their way, then the times the answered ones free.
-_WINDOW_HEAD = struct.Struct("=8sdddQ")  # magic, clock epoch, allowance, narrowed at, on the way
-_WINDOW_PLACE = struct.Struct("=dQ")  # the latest it frees, token
-_WINDOW_TIME = struct.Struct("=d")  # when an answered place frees (array "d", native)
+_WINDOW_HEAD = struct.Struct("=8sdddQ")
+_WINDOW_PLACE = struct.Struct("=dQ")
+_WINDOW_TIME = struct.Struct("=d")  # array "d", native
 _WINDOW_MAGIC = b"cxpace1\n"
 
 
@@ -543,12 +546,16 @@ class _SharedWindow:
     """A window kept in a file that every process of this user on this machine
     uses for the same origin and limit (see _window_file).
 
-    The file is opened and locked (flock) only while it is read and written,
-    never while a request is on its way. Times are on the monotonic clock,
-    which the processes of one machine share; the header keeps its epoch
-    (wall time minus monotonic time), and a file whose epoch differs (another
-    boot, a clock stepped) starts afresh. A place held by a process that died
-    frees when its time is over, like any other.
+    The file, in native byte order (it never leaves the machine), holds a
+    header (_WINDOW_HEAD: magic, clock epoch, allowance, narrowed at, how many
+    places are on their way), those places (_WINDOW_PLACE: the latest each
+    frees, its token), then the times the answered places free, ascending
+    (_WINDOW_TIME). It is opened and locked (flock) only while it is read and
+    written, never while a request is on its way. Times are on the monotonic
+    clock, which the processes of one machine share; the header keeps its
+    epoch (wall time minus monotonic time), and a file whose epoch differs
+    (another boot, a clock stepped) starts afresh. A place held by a process
+    that died frees when its time is over, like any other.
     """
 
     def __init__(self, path: str, limit: int, period: float) -> None:
@@ -721,6 +728,11 @@ def _rate_limit(value: Any) -> Optional[Tuple[int, float]]:
     if not _is_int(limit) or limit < 1 or not _is_number(period) or not period > 0:
         raise ConfigError("rate_limit must be (requests, seconds) or None.")
     return limit, float(period)
+
+
+# --------------------------------------------------------------------------
+# HTTP plumbing: retries, deadlines, the session
+# --------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(eq=False)
