@@ -536,30 +536,74 @@ class _Window:
         bisect.insort(self.answered, frees)
 
 
-_WINDOW_HEAD = struct.Struct("=8sdddQ")
+_WINDOWS_FILE = "windows"  # the one file of every shared window, in the folder of _window_file
+_WINDOW_MAGIC = b"cxpace2\n"
+_FILE_HEAD = struct.Struct("=8sd")
+_WINDOW_HEAD = struct.Struct("=16sddddQQ")
 _WINDOW_PLACE = struct.Struct("=dQ")
 _WINDOW_TIME = struct.Struct("=d")  # array "d", native
-_WINDOW_MAGIC = b"cxpace1\n"
+
+
+class _Stored(NamedTuple):
+    """A window of the shared file, with the limit and period it paces to."""
+
+    limit: float
+    period: float
+    window: _Window
+
+    def sound(self, now: float) -> bool:
+        """Whether a process can have written it; one that cannot starts afresh."""
+        window = self.window
+        last = max(itertools.chain(window.answered, window.on_the_way.values()), default=now)
+        return (
+            1 <= window.allowance <= self.limit
+            and self.period > 0
+            and window.narrowed_at <= now
+            and last < now + _LONGEST_HOLD + self.period
+        )
+
+    def kept(self, now: float) -> bool:
+        """Whether the file keeps it (its freed places dropped): it holds a place,
+        or a narrowing not yet won back."""
+        window = self.window
+        window.expire(now)
+        recent = window.narrowed_at > now - _WIN_BACK * self.period
+        return window.held() > 0 or (window.allowance < self.limit and recent)
 
 
 class _SharedWindow:
-    """A window kept in a file that every process of this user on this machine
-    uses for the same origin and limit (see _window_file).
+    """The window of one origin and limit, kept with those of every other in
+    the one file that the processes of this user on this machine share (see
+    _window_file).
 
-    The file, in native byte order (it never leaves the machine), holds a
-    header (_WINDOW_HEAD: magic, clock epoch, allowance, narrowed at, how many
-    places are on their way), those places (_WINDOW_PLACE: the latest each
-    frees, its token), then the times the answered places free, ascending
-    (_WINDOW_TIME). It is opened and locked (flock) only while it is read and
-    written, never while a request is on its way. Times are on the monotonic
-    clock, which the processes of one machine share; the header keeps its
-    epoch (wall time minus monotonic time), and a file whose epoch differs
-    (another boot, a clock stepped) starts afresh. A place held by a process
-    that died frees when its time is over, like any other.
+    The file, in native byte order (it never leaves the machine), is a head
+    (_FILE_HEAD: magic, clock epoch) and then the windows one after the
+    other to its end, each a head (_WINDOW_HEAD: its key, limit, period,
+    allowance, narrowed at, how many places are on their way, how many are
+    answered), the places on their way (_WINDOW_PLACE: the latest each
+    frees, its token), then the times the answered ones free, ascending
+    (_WINDOW_TIME). The key is the first 16 bytes of the SHA-256 of the
+    origin, the limit and the period.
+
+    The file is opened and locked (flock) only while it is read and written,
+    never while a request is on its way. Times are on the monotonic clock,
+    which the processes of one machine share; the head keeps its epoch (wall
+    time minus monotonic time). A file whose epoch differs (another boot, a
+    clock stepped) or that is not whole starts afresh, and so does a window
+    that no process can have written. A place held by a process that died
+    frees when its time is over, like any other.
+
+    Each write leaves out the windows that hold no place (and no narrowing
+    younger than _WIN_BACK periods), so the file holds the windows in use
+    and no more. Being one file for every origin, it is never removed:
+    nothing piles up however many origins come and go (local servers on
+    random ports), and no process can lock a file that another has just
+    removed, with the places it then wrote seen by nobody.
     """
 
-    def __init__(self, path: str, limit: int, period: float) -> None:
+    def __init__(self, path: str, key: bytes, limit: int, period: float) -> None:
         self.path = path
+        self._key = key
         self._limit = limit
         self._period = period
 
@@ -572,48 +616,73 @@ class _SharedWindow:
             if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
                 raise PermissionError("the shared window file is not this user's alone")
             now = time.monotonic()
-            window = self._read(os.pread(fd, info.st_size, 0), now)
-            result = change(window, now)
-            head = (time.time() - now, window.allowance, window.narrowed_at)
-            data = b"".join(
-                [
-                    _WINDOW_HEAD.pack(_WINDOW_MAGIC, *head, len(window.on_the_way)),
-                    *(_WINDOW_PLACE.pack(f, t) for t, f in window.on_the_way.items()),
-                    window.answered.tobytes(),
-                ]
-            )
+            windows = self._read(os.pread(fd, info.st_size, 0), now)
+            fresh = _Stored(self._limit, self._period, _Window(float(self._limit)))
+            result = change(windows.setdefault(self._key, fresh).window, now)
+            data = self._file(windows, now)
             os.pwrite(fd, data, 0)
             os.ftruncate(fd, len(data))
             return result
         finally:
             os.close(fd)
 
-    def _read(self, data: bytes, now: float) -> _Window:
-        """The window in the file's `data`; a fresh one unless it holds a sound one."""
-        fresh = _Window(float(self._limit))
-        if len(data) < _WINDOW_HEAD.size:
-            return fresh
-        magic, epoch, allowance, narrowed_at, count = _WINDOW_HEAD.unpack_from(data)
-        answered_at = _WINDOW_HEAD.size + count * _WINDOW_PLACE.size
-        sound = magic == _WINDOW_MAGIC and 1 <= allowance <= self._limit and narrowed_at <= now
-        if not sound or not abs(epoch - (time.time() - now)) <= _EPOCH_SLACK:
-            return fresh
-        if len(data) < answered_at or (len(data) - answered_at) % _WINDOW_TIME.size:
-            return fresh
-        window = _Window(allowance, narrowed_at)
-        for frees, token in _WINDOW_PLACE.iter_unpack(data[_WINDOW_HEAD.size : answered_at]):
+    @staticmethod
+    def _read(data: bytes, now: float) -> Dict[bytes, _Stored]:
+        """The sound windows in use in the file's `data`, by key; none unless it is whole."""
+        if len(data) < _FILE_HEAD.size:
+            return {}
+        magic, epoch = _FILE_HEAD.unpack_from(data)
+        if magic != _WINDOW_MAGIC or not abs(epoch - (time.time() - now)) <= _EPOCH_SLACK:
+            return {}
+        windows = {}
+        offset = _FILE_HEAD.size
+        while offset < len(data):
+            read = _SharedWindow._window_at(data, offset)
+            if read is None:
+                return {}
+            key, stored, offset = read
+            if stored.sound(now) and stored.kept(now):  # else as good as fresh
+                windows[key] = stored
+        return windows
+
+    @staticmethod
+    def _window_at(data: bytes, offset: int) -> Optional[Tuple[bytes, _Stored, int]]:
+        """The key and window at `offset` of `data`, and where the next begins."""
+        if len(data) - offset < _WINDOW_HEAD.size:
+            return None
+        key, limit, period, *head, on_the_way, answered = _WINDOW_HEAD.unpack_from(data, offset)
+        places = offset + _WINDOW_HEAD.size
+        times = places + on_the_way * _WINDOW_PLACE.size
+        end = times + answered * _WINDOW_TIME.size
+        if end > len(data):
+            return None
+        window = _Window(*head)
+        for frees, token in _WINDOW_PLACE.iter_unpack(data[places:times]):
             window.on_the_way[token] = frees
-        window.answered.frombytes(data[answered_at:])
-        last = max(itertools.chain(window.answered, window.on_the_way.values()), default=now)
-        return window if last < now + _LONGEST_HOLD + self._period else fresh
+        window.answered.frombytes(data[times:end])
+        return key, _Stored(limit, period, window), end
+
+    @staticmethod
+    def _file(windows: Dict[bytes, _Stored], now: float) -> bytes:
+        """The file that holds `windows`, less those it no longer keeps."""
+        parts = [_FILE_HEAD.pack(_WINDOW_MAGIC, time.time() - now)]
+        for key, stored in windows.items():
+            window = stored.window
+            if stored.kept(now):
+                head = (key, stored.limit, stored.period, window.allowance, window.narrowed_at)
+                parts.append(_WINDOW_HEAD.pack(*head, len(window.on_the_way), len(window.answered)))
+                parts.extend(_WINDOW_PLACE.pack(f, t) for t, f in window.on_the_way.items())
+                parts.append(window.answered.tobytes())
+        return b"".join(parts)
 
 
 def _window_file(origin: str, limit: int, period: float) -> Optional[_SharedWindow]:
     """The shared window of this origin and limit, or None where there is none.
 
-    It is a file in a folder of this user's alone (mode 0700) under
-    $XDG_RUNTIME_DIR, else the temp directory; without fcntl (Windows), or
-    when that folder is not safely ours, each process paces alone.
+    Its file, the one of every window, is in a folder of this user's alone
+    (mode 0700) under $XDG_RUNTIME_DIR, else the temp directory; without
+    fcntl (Windows), or when that folder is not safely ours, each process
+    paces alone.
     """
     if fcntl is None:
         return None
@@ -630,8 +699,8 @@ def _window_file(origin: str, limit: int, period: float) -> Optional[_SharedWind
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
         logger.debug("Pacing is per process: %s is not this user's alone", folder)
         return None
-    key = hashlib.sha256(f"{origin} {limit} {period!r}".encode()).hexdigest()[:32]
-    return _SharedWindow(os.path.join(folder, f"window-{key}"), limit, period)
+    key = hashlib.sha256(f"{origin} {limit} {period!r}".encode()).digest()[:16]
+    return _SharedWindow(os.path.join(folder, _WINDOWS_FILE), key, limit, period)
 
 
 class _RateLimiter:
