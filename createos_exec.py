@@ -544,33 +544,6 @@ _WINDOW_PLACE = struct.Struct("=dQ")
 _WINDOW_TIME = struct.Struct("=d")  # array "d", native
 
 
-class _Stored(NamedTuple):
-    """A window of the shared file, with the limit and period it paces to."""
-
-    limit: float
-    period: float
-    window: _Window
-
-    def sound(self, now: float) -> bool:
-        """Whether a process can have written it; one that cannot starts afresh."""
-        window = self.window
-        last = max(itertools.chain(window.answered, window.on_the_way.values()), default=now)
-        return (
-            1 <= window.allowance <= self.limit
-            and self.period > 0
-            and window.narrowed_at <= now
-            and last < now + _LONGEST_HOLD + self.period
-        )
-
-    def kept(self, now: float) -> bool:
-        """Whether the file keeps it (its freed places dropped): it holds a place,
-        or a narrowing not yet won back."""
-        window = self.window
-        window.expire(now)
-        recent = window.narrowed_at > now - _WIN_BACK * self.period
-        return window.held() > 0 or (window.allowance < self.limit and recent)
-
-
 class _SharedWindow:
     """The window of one origin and limit, kept with those of every other in
     the one file that the processes of this user on this machine share (see
@@ -578,12 +551,12 @@ class _SharedWindow:
 
     The file, in native byte order (it never leaves the machine), is a head
     (_FILE_HEAD: magic, clock epoch) and then the windows one after the
-    other to its end, each a head (_WINDOW_HEAD: its key, limit, period,
-    allowance, narrowed at, how many places are on their way, how many are
-    answered), the places on their way (_WINDOW_PLACE: the latest each
-    frees, its token), then the times the answered ones free, ascending
-    (_WINDOW_TIME). The key is the first 16 bytes of the SHA-256 of the
-    origin, the limit and the period.
+    other to its end, each a head (_WINDOW_HEAD: its key, until when it is
+    of use, period, allowance, narrowed at, how many places are on their
+    way, how many are answered), the places on their way
+    (_WINDOW_PLACE: the latest each frees, its token), then the times the
+    answered ones free, ascending (_WINDOW_TIME). The key is the first 16
+    bytes of the SHA-256 of the origin, the limit and the period.
 
     The file is opened and locked (flock) only while it is read and written,
     never while a request is on its way. Times are on the monotonic clock,
@@ -593,12 +566,14 @@ class _SharedWindow:
     that no process can have written. A place held by a process that died
     frees when its time is over, like any other.
 
-    Each write leaves out the windows that hold no place (and no narrowing
-    younger than _WIN_BACK periods), so the file holds the windows in use
-    and no more. Being one file for every origin, it is never removed:
-    nothing piles up however many origins come and go (local servers on
-    random ports), and no process can lock a file that another has just
-    removed, with the places it then wrote seen by nobody.
+    Each write leaves out the windows that are of use no more (they hold no
+    place, and no narrowing younger than _WIN_BACK periods), so the file
+    holds the windows in use and no more; those of other origins and limits
+    are copied as they are, read no further than their heads. Being one
+    file for every origin, it is never removed: nothing piles up however
+    many origins come and go (local servers on random ports), and no
+    process can lock a file that another has just removed, with the places
+    it then wrote seen by nobody.
     """
 
     def __init__(self, path: str, key: bytes, limit: int, period: float) -> None:
@@ -616,64 +591,83 @@ class _SharedWindow:
             if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
                 raise PermissionError("the shared window file is not this user's alone")
             now = time.monotonic()
-            windows = self._read(os.pread(fd, info.st_size, 0), now)
-            fresh = _Stored(self._limit, self._period, _Window(float(self._limit)))
-            result = change(windows.setdefault(self._key, fresh).window, now)
-            data = self._file(windows, now)
+            window, others = self._read(os.pread(fd, info.st_size, 0), now)
+            result = change(window, now)
+            epoch = time.time() - now
+            data = b"".join(
+                [_FILE_HEAD.pack(_WINDOW_MAGIC, epoch), *others, self._record(window, now)]
+            )
             os.pwrite(fd, data, 0)
             os.ftruncate(fd, len(data))
             return result
         finally:
             os.close(fd)
 
-    @staticmethod
-    def _read(data: bytes, now: float) -> Dict[bytes, _Stored]:
-        """The sound windows in use in the file's `data`, by key; none unless it is whole."""
+    def _read(self, data: bytes, now: float) -> Tuple[_Window, List[bytes]]:
+        """This window in the file's `data` (a fresh one unless the file holds a
+        sound one), and the records of the other windows still of use."""
+        fresh = _Window(float(self._limit))
         if len(data) < _FILE_HEAD.size:
-            return {}
+            return fresh, []
         magic, epoch = _FILE_HEAD.unpack_from(data)
         if magic != _WINDOW_MAGIC or not abs(epoch - (time.time() - now)) <= _EPOCH_SLACK:
-            return {}
-        windows = {}
-        offset = _FILE_HEAD.size
-        while offset < len(data):
-            read = _SharedWindow._window_at(data, offset)
-            if read is None:
-                return {}
-            key, stored, offset = read
-            if stored.sound(now) and stored.kept(now):  # else as good as fresh
-                windows[key] = stored
-        return windows
+            return fresh, []
+        window, others, offset = fresh, [], _FILE_HEAD.size
+        while offset < len(data):  # each other window costs a look at its head, no more
+            if len(data) - offset < _WINDOW_HEAD.size:
+                return fresh, []  # torn, or not written by this code
+            head = _WINDOW_HEAD.unpack_from(data, offset)
+            key, until, period, _, _, on_the_way, answered = head
+            start, offset = offset, offset + _WINDOW_HEAD.size
+            offset += on_the_way * _WINDOW_PLACE.size + answered * _WINDOW_TIME.size
+            if offset > len(data):
+                return fresh, []
+            if not now < until < now + _LONGEST_HOLD + _WIN_BACK * period:
+                continue  # of no use any more, or written by no process
+            if key != self._key:
+                others.append(data[start:offset])
+            else:
+                window = self._window(data, start, head, now) or fresh
+        return window, others
 
-    @staticmethod
-    def _window_at(data: bytes, offset: int) -> Optional[Tuple[bytes, _Stored, int]]:
-        """The key and window at `offset` of `data`, and where the next begins."""
-        if len(data) - offset < _WINDOW_HEAD.size:
-            return None
-        key, limit, period, *head, on_the_way, answered = _WINDOW_HEAD.unpack_from(data, offset)
+    def _window(
+        self, data: bytes, offset: int, head: Tuple[Any, ...], now: float
+    ) -> Optional[_Window]:
+        """The window whose record is at `offset`; None unless some process can have written it."""
+        _, _, _, allowance, narrowed_at, on_the_way, answered = head
         places = offset + _WINDOW_HEAD.size
         times = places + on_the_way * _WINDOW_PLACE.size
-        end = times + answered * _WINDOW_TIME.size
-        if end > len(data):
-            return None
-        window = _Window(*head)
+        window = _Window(allowance, narrowed_at)
         for frees, token in _WINDOW_PLACE.iter_unpack(data[places:times]):
             window.on_the_way[token] = frees
-        window.answered.frombytes(data[times:end])
-        return key, _Stored(limit, period, window), end
+        window.answered.frombytes(data[times : times + answered * _WINDOW_TIME.size])
+        sound = 1 <= allowance <= self._limit and narrowed_at <= now
+        return window if sound and self._last(window) < now + _LONGEST_HOLD + self._period else None
+
+    def _record(self, window: _Window, now: float) -> bytes:
+        """The record of `window`, or nothing once it is of no use: it holds no
+        place, and no narrowing it has not won back."""
+        window.expire(now)
+        until = self._last(window)
+        if window.allowance < self._limit:
+            until = max(until, window.narrowed_at + _WIN_BACK * self._period)
+        if until <= now:
+            return b""
+        head = (self._key, until, self._period, window.allowance, window.narrowed_at)
+        return b"".join(
+            [
+                _WINDOW_HEAD.pack(*head, len(window.on_the_way), len(window.answered)),
+                *(_WINDOW_PLACE.pack(f, t) for t, f in window.on_the_way.items()),
+                window.answered.tobytes(),
+            ]
+        )
 
     @staticmethod
-    def _file(windows: Dict[bytes, _Stored], now: float) -> bytes:
-        """The file that holds `windows`, less those it no longer keeps."""
-        parts = [_FILE_HEAD.pack(_WINDOW_MAGIC, time.time() - now)]
-        for key, stored in windows.items():
-            window = stored.window
-            if stored.kept(now):
-                head = (key, stored.limit, stored.period, window.allowance, window.narrowed_at)
-                parts.append(_WINDOW_HEAD.pack(*head, len(window.on_the_way), len(window.answered)))
-                parts.extend(_WINDOW_PLACE.pack(f, t) for t, f in window.on_the_way.items())
-                parts.append(window.answered.tobytes())
-        return b"".join(parts)
+    def _last(window: _Window) -> float:
+        """When the last of its places frees: the answered ones free in order."""
+        return max(
+            itertools.chain(window.answered[-1:], window.on_the_way.values()), default=-math.inf
+        )
 
 
 def _window_file(origin: str, limit: int, period: float) -> Optional[_SharedWindow]:

@@ -115,8 +115,9 @@ def test_a_local_server_per_test_leaves_one_file(runtime_dir):
         with LocalServer() as server, make_client(server, rate_limit=(300, 60.0)) as client:
             client.execute(SANDBOX, ["true"])
     (path,) = files_in(runtime_dir)
-    windows = cx._SharedWindow._read(path.read_bytes(), time.monotonic())
-    assert len(windows) == 10  # each in use for a period (a minute) after its last answer
+    reader = cx._SharedWindow(str(path), bytes(16), 1, 1.0)
+    _, others = reader._read(path.read_bytes(), time.monotonic())
+    assert len(others) == 10  # each in use for a period (a minute) after its last answer
 
 
 def test_without_a_runtime_dir_the_file_is_in_the_temp_dir(runtime_dir, monkeypatch, tmp_path):
@@ -265,7 +266,8 @@ def read_window(path, limit=4):
 def write_window(path, *, epoch_shift=0.0, allowance=4.0, frees=(), tail=b""):
     now = time.monotonic()
     head = cx._FILE_HEAD.pack(cx._WINDOW_MAGIC, time.time() - now + epoch_shift)
-    window = cx._WINDOW_HEAD.pack(KEY, 4.0, 1.0, allowance, -math.inf, 0, len(frees))
+    until = now + max(frees, default=0.0)
+    window = cx._WINDOW_HEAD.pack(KEY, until, 1.0, allowance, -math.inf, 0, len(frees))
     answered = b"".join(struct.pack("=d", now + seconds) for seconds in frees)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with open(fd, "wb") as handle:
