@@ -432,7 +432,7 @@ class RetryPolicy:
 
 
 # --------------------------------------------------------------------------
-# Configuration and HTTP plumbing
+# Configuration: the API URL, the key, ids
 # --------------------------------------------------------------------------
 
 DEFAULT_API_URL = "https://api.sb.createos.sh"
@@ -444,10 +444,6 @@ _FRAME_LIMIT = 1024 * 1024  # longest NDJSON line accepted, in bytes
 _READ_SIZE = 256 * 1024  # most bytes taken at once from a body that is not chunked
 _WAIT_POLL_MS = 30_000  # server-side long-poll of one `wait`
 _TERMINATE_GRACE = 1.0  # seconds between SIGTERM and SIGKILL when terminating
-_PACING_POLL = 0.05  # seconds between looks at a full window
-_LONGEST_HOLD = 86_400.0  # seconds a request holds its place at most before it is answered
-_EPOCH_SLACK = 5.0  # seconds the epoch of the monotonic clock may move between two writers
-_WIN_BACK = 16  # periods a narrowed window takes at the fastest to win its whole limit back
 _CANCEL_POLL = 0.1  # seconds between looks at the cancel event while a read blocks
 _EXIT_CHECK_MS = 5_000  # how long an exit frame without status is checked against `wait`
 _LIVENESS_POLL_MS = 1_000  # the `wait` that tells a quiet process from an exited one
@@ -523,6 +519,15 @@ def _checked_id(kind: str, value: Any) -> str:
     return value
 
 
+# --------------------------------------------------------------------------
+# Pacing: a sliding window per API origin, shared by threads and processes
+# --------------------------------------------------------------------------
+
+_PACING_POLL = 0.05  # seconds between looks at a full window
+_LONGEST_HOLD = 86_400.0  # seconds a request holds its place at most before it is answered
+_EPOCH_SLACK = 5.0  # seconds the epoch of the monotonic clock may move between two writers
+_WIN_BACK = 16  # periods a narrowed window takes at the fastest to win its whole limit back
+
 _T = TypeVar("_T")
 
 
@@ -561,28 +566,49 @@ class _Window:
         bisect.insort(self.answered, frees)
 
 
-# The file of a shared window (native byte order: it never leaves the machine):
-# a header, the places on their way, then the times the answered ones free.
-_WINDOW_HEAD = struct.Struct("=8sdddQ")  # magic, clock epoch, allowance, narrowed at, on the way
-_WINDOW_PLACE = struct.Struct("=dQ")  # the latest it frees, token
-_WINDOW_TIME = struct.Struct("=d")  # when an answered place frees (array "d", native)
-_WINDOW_MAGIC = b"cxpace1\n"
+_WINDOWS_FILE = "windows"  # the one file of every shared window, in the folder of _window_file
+_WINDOW_MAGIC = b"cxpace2\n"
+_FILE_HEAD = struct.Struct("=8sd")
+_WINDOW_HEAD = struct.Struct("=16sddddQQ")
+_WINDOW_PLACE = struct.Struct("=dQ")
+_WINDOW_TIME = struct.Struct("=d")  # array "d", native
 
 
 class _SharedWindow:
-    """A window kept in a file that every process of this user on this machine
-    uses for the same origin and limit (see _window_file).
+    """The window of one origin and limit, kept with those of every other in
+    the one file that the processes of this user on this machine share (see
+    _window_file).
+
+    The file, in native byte order (it never leaves the machine), is a head
+    (_FILE_HEAD: magic, clock epoch) and then the windows one after the
+    other to its end, each a head (_WINDOW_HEAD: its key, until when it is
+    of use, period, allowance, narrowed at, how many places are on their
+    way, how many are answered), the places on their way
+    (_WINDOW_PLACE: the latest each frees, its token), then the times the
+    answered ones free, ascending (_WINDOW_TIME). The key is the first 16
+    bytes of the SHA-256 of the origin, the limit and the period.
 
     The file is opened and locked (flock) only while it is read and written,
     never while a request is on its way. Times are on the monotonic clock,
-    which the processes of one machine share; the header keeps its epoch
-    (wall time minus monotonic time), and a file whose epoch differs (another
-    boot, a clock stepped) starts afresh. A place held by a process that died
+    which the processes of one machine share; the head keeps its epoch (wall
+    time minus monotonic time). A file whose epoch differs (another boot, a
+    clock stepped) or that is not whole starts afresh, and so does a window
+    that no process can have written. A place held by a process that died
     frees when its time is over, like any other.
+
+    Each write leaves out the windows that are of use no more (they hold no
+    place, and no narrowing younger than _WIN_BACK periods), so the file
+    holds the windows in use and no more; those of other origins and limits
+    are copied as they are, read no further than their heads. Being one
+    file for every origin, it is never removed: nothing piles up however
+    many origins come and go (local servers on random ports), and no
+    process can lock a file that another has just removed, with the places
+    it then wrote seen by nobody.
     """
 
-    def __init__(self, path: str, limit: int, period: float) -> None:
+    def __init__(self, path: str, key: bytes, limit: int, period: float) -> None:
         self.path = path
+        self._key = key
         self._limit = limit
         self._period = period
 
@@ -595,15 +621,11 @@ class _SharedWindow:
             if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
                 raise PermissionError("the shared window file is not this user's alone")
             now = time.monotonic()
-            window = self._read(os.pread(fd, info.st_size, 0), now)
+            window, others = self._read(os.pread(fd, info.st_size, 0), now)
             result = change(window, now)
-            head = (time.time() - now, window.allowance, window.narrowed_at)
+            epoch = time.time() - now
             data = b"".join(
-                [
-                    _WINDOW_HEAD.pack(_WINDOW_MAGIC, *head, len(window.on_the_way)),
-                    *(_WINDOW_PLACE.pack(f, t) for t, f in window.on_the_way.items()),
-                    window.answered.tobytes(),
-                ]
+                [_FILE_HEAD.pack(_WINDOW_MAGIC, epoch), *others, self._record(window, now)]
             )
             os.pwrite(fd, data, 0)
             os.ftruncate(fd, len(data))
@@ -611,32 +633,80 @@ class _SharedWindow:
         finally:
             os.close(fd)
 
-    def _read(self, data: bytes, now: float) -> _Window:
-        """The window in the file's `data`; a fresh one unless it holds a sound one."""
+    def _read(self, data: bytes, now: float) -> Tuple[_Window, List[bytes]]:
+        """This window in the file's `data` (a fresh one unless the file holds a
+        sound one), and the records of the other windows still of use."""
         fresh = _Window(float(self._limit))
-        if len(data) < _WINDOW_HEAD.size:
-            return fresh
-        magic, epoch, allowance, narrowed_at, count = _WINDOW_HEAD.unpack_from(data)
-        answered_at = _WINDOW_HEAD.size + count * _WINDOW_PLACE.size
-        sound = magic == _WINDOW_MAGIC and 1 <= allowance <= self._limit and narrowed_at <= now
-        if not sound or not abs(epoch - (time.time() - now)) <= _EPOCH_SLACK:
-            return fresh
-        if len(data) < answered_at or (len(data) - answered_at) % _WINDOW_TIME.size:
-            return fresh
+        if len(data) < _FILE_HEAD.size:
+            return fresh, []
+        magic, epoch = _FILE_HEAD.unpack_from(data)
+        if magic != _WINDOW_MAGIC or not abs(epoch - (time.time() - now)) <= _EPOCH_SLACK:
+            return fresh, []
+        window, others, offset = fresh, [], _FILE_HEAD.size
+        while offset < len(data):  # each other window costs a look at its head, no more
+            if len(data) - offset < _WINDOW_HEAD.size:
+                return fresh, []  # torn, or not written by this code
+            head = _WINDOW_HEAD.unpack_from(data, offset)
+            key, until, period, _, _, on_the_way, answered = head
+            start, offset = offset, offset + _WINDOW_HEAD.size
+            offset += on_the_way * _WINDOW_PLACE.size + answered * _WINDOW_TIME.size
+            if offset > len(data):
+                return fresh, []
+            if not now < until < now + _LONGEST_HOLD + _WIN_BACK * period:
+                continue  # of no use any more, or written by no process
+            if key != self._key:
+                others.append(data[start:offset])
+            else:
+                window = self._window(data, start, head, now) or fresh
+        return window, others
+
+    def _window(
+        self, data: bytes, offset: int, head: Tuple[Any, ...], now: float
+    ) -> Optional[_Window]:
+        """The window whose record is at `offset`; None unless some process can have written it."""
+        _, _, _, allowance, narrowed_at, on_the_way, answered = head
+        places = offset + _WINDOW_HEAD.size
+        times = places + on_the_way * _WINDOW_PLACE.size
         window = _Window(allowance, narrowed_at)
-        for frees, token in _WINDOW_PLACE.iter_unpack(data[_WINDOW_HEAD.size : answered_at]):
+        for frees, token in _WINDOW_PLACE.iter_unpack(data[places:times]):
             window.on_the_way[token] = frees
-        window.answered.frombytes(data[answered_at:])
-        last = max(itertools.chain(window.answered, window.on_the_way.values()), default=now)
-        return window if last < now + _LONGEST_HOLD + self._period else fresh
+        window.answered.frombytes(data[times : times + answered * _WINDOW_TIME.size])
+        sound = 1 <= allowance <= self._limit and narrowed_at <= now
+        return window if sound and self._last(window) < now + _LONGEST_HOLD + self._period else None
+
+    def _record(self, window: _Window, now: float) -> bytes:
+        """The record of `window`, or nothing once it is of no use: it holds no
+        place, and no narrowing it has not won back."""
+        window.expire(now)
+        until = self._last(window)
+        if window.allowance < self._limit:
+            until = max(until, window.narrowed_at + _WIN_BACK * self._period)
+        if until <= now:
+            return b""
+        head = (self._key, until, self._period, window.allowance, window.narrowed_at)
+        return b"".join(
+            [
+                _WINDOW_HEAD.pack(*head, len(window.on_the_way), len(window.answered)),
+                *(_WINDOW_PLACE.pack(f, t) for t, f in window.on_the_way.items()),
+                window.answered.tobytes(),
+            ]
+        )
+
+    @staticmethod
+    def _last(window: _Window) -> float:
+        """When the last of its places frees: the answered ones free in order."""
+        return max(
+            itertools.chain(window.answered[-1:], window.on_the_way.values()), default=-math.inf
+        )
 
 
 def _window_file(origin: str, limit: int, period: float) -> Optional[_SharedWindow]:
     """The shared window of this origin and limit, or None where there is none.
 
-    It is a file in a folder of this user's alone (mode 0700) under
-    $XDG_RUNTIME_DIR, else the temp directory; without fcntl (Windows), or
-    when that folder is not safely ours, each process paces alone.
+    Its file, the one of every window, is in a folder of this user's alone
+    (mode 0700) under $XDG_RUNTIME_DIR, else the temp directory; without
+    fcntl (Windows), or when that folder is not safely ours, each process
+    paces alone.
     """
     if fcntl is None:
         return None
@@ -653,8 +723,8 @@ def _window_file(origin: str, limit: int, period: float) -> Optional[_SharedWind
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
         logger.debug("Pacing is per process: %s is not this user's alone", folder)
         return None
-    key = hashlib.sha256(f"{origin} {limit} {period!r}".encode()).hexdigest()[:32]
-    return _SharedWindow(os.path.join(folder, f"window-{key}"), limit, period)
+    key = hashlib.sha256(f"{origin} {limit} {period!r}".encode()).digest()[:16]
+    return _SharedWindow(os.path.join(folder, _WINDOWS_FILE), key, limit, period)
 
 
 class _RateLimiter:
@@ -751,6 +821,11 @@ def _rate_limit(value: Any) -> Optional[Tuple[int, float]]:
     if not _is_int(limit) or limit < 1 or not _is_number(period) or not period > 0:
         raise ConfigError("rate_limit must be (requests, seconds) or None.")
     return limit, float(period)
+
+
+# --------------------------------------------------------------------------
+# HTTP plumbing: retries, deadlines, the session
+# --------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(eq=False)

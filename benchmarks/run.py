@@ -820,7 +820,7 @@ def limiter_cost_us(shared: bool) -> float:
             window = None
             if shared:
                 path = os.path.join(folder, "window-%d" % n)
-                window = createos_exec._SharedWindow(path, 300, 60.0)
+                window = createos_exec._SharedWindow(path, bytes(16), 300, 60.0)
             limiter = createos_exec._RateLimiter(300, 60.0, window)
             started = time.perf_counter()
             for _ in range(300):

@@ -8,6 +8,7 @@ more than the server allows, and spawned processes behind one address
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import stat
@@ -51,28 +52,72 @@ def window_path(limiter):
     return limiter._file.path
 
 
+def files_in(runtime_dir):
+    return list((runtime_dir / f"createos_exec-{os.getuid()}").iterdir())
+
+
+def churn(origin, count):
+    """Windows that come and go beside others: each holds one place for a moment."""
+    for n in range(count):
+        limiter = shared_limiter(1, 0.001, f"{origin}/churn-{n}")
+        limiter.release(limiter.acquire(1.0), 200)
+
+
 # -- the window file ------------------------------------------------------------
 
 
-def test_the_window_file_is_private_and_one_per_origin_and_limit(runtime_dir):
-    limiter = shared_limiter(5, 1.0)
-    limiter.release(limiter.acquire(2.0), 200)
+def test_one_private_file_holds_a_window_per_origin_and_limit(runtime_dir):
+    limiters = [
+        shared_limiter(5, 1.0),
+        shared_limiter(5, 1.0, "https://other.example.test"),
+        shared_limiter(6, 1.0),
+        shared_limiter(5, 2.0),
+    ]
+    for limiter in limiters:
+        limiter.release(limiter.acquire(2.0), 200)
     folder = runtime_dir / f"createos_exec-{os.getuid()}"
     assert stat.S_IMODE(folder.stat().st_mode) == 0o700
     (path,) = folder.iterdir()
-    assert str(path) == window_path(limiter)
+    assert {window_path(limiter) for limiter in limiters} == {str(path)}
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     content = path.read_bytes()
     assert content.startswith(cx._WINDOW_MAGIC)
-    assert len(content) == cx._WINDOW_HEAD.size + 8  # one answered place: when it frees
-    same = cx._window_file(ORIGIN, 5, 1.0)
-    others = [
-        cx._window_file("https://other.example.test", 5, 1.0),
-        cx._window_file(ORIGIN, 6, 1.0),
-        cx._window_file(ORIGIN, 5, 2.0),
-    ]
-    assert same.path == str(path)
-    assert len({window.path for window in others} | {str(path)}) == 4
+    # Four windows, each with one answered place: when it frees.
+    assert len(content) == cx._FILE_HEAD.size + 4 * (cx._WINDOW_HEAD.size + 8)
+    assert len({limiter._file._key for limiter in limiters}) == 4
+    assert cx._window_file(ORIGIN, 5, 1.0)._key == limiters[0]._file._key
+
+
+def test_a_window_leaves_the_file_once_it_holds_no_place(runtime_dir):
+    for port in range(40000, 40050):  # a local server per test, each on a port of its own
+        limiter = shared_limiter(5, 0.05, f"http://127.0.0.1:{port}")
+        limiter.release(limiter.acquire(1.0), 200)
+    time.sleep(0.1)  # every place freed
+    limiter._update(lambda window, now: None)
+    (path,) = files_in(runtime_dir)
+    assert len(path.read_bytes()) == cx._FILE_HEAD.size  # the head alone
+
+
+def test_a_narrowed_window_stays_until_it_could_have_won_its_limit_back(runtime_dir):
+    period = 0.05
+    limiter = shared_limiter(4, period)
+    limiter.release(limiter.acquire(1.0), 429)
+    time.sleep(2 * period)  # no place held, the narrowing kept
+    assert limiter._update(lambda window, now: window.allowance) == 2
+    time.sleep(cx._WIN_BACK * period)
+    assert limiter._update(lambda window, now: window.allowance) == 4
+    (path,) = files_in(runtime_dir)
+    assert len(path.read_bytes()) == cx._FILE_HEAD.size
+
+
+def test_a_local_server_per_test_leaves_one_file(runtime_dir):
+    for _ in range(10):
+        with LocalServer() as server, make_client(server, rate_limit=(300, 60.0)) as client:
+            client.execute(SANDBOX, ["true"])
+    (path,) = files_in(runtime_dir)
+    reader = cx._SharedWindow(str(path), bytes(16), 1, 1.0)
+    _, others = reader._read(path.read_bytes(), time.monotonic())
+    assert len(others) == 10  # each in use for a period (a minute) after its last answer
 
 
 def test_without_a_runtime_dir_the_file_is_in_the_temp_dir(runtime_dir, monkeypatch, tmp_path):
@@ -110,6 +155,7 @@ def test_a_place_on_its_way_holds_in_the_file_until_answered(runtime_dir):
     admitted = []
     waiter = threading.Thread(target=lambda: admitted.append(second.acquire(5.0)))
     waiter.start()
+    churn(ORIGIN, 50)  # windows added and dropped beside it by a third limiter
     time.sleep(0.4)  # two periods: a place stamped when let through would have freed
     assert admitted == []
     first.release(place, 200)
@@ -144,6 +190,52 @@ def test_a_process_that_dies_holding_places_does_not_starve_the_others(runtime_d
     assert let_through + 1.5 <= place.let_through < let_through + 6
 
 
+RACER = """\
+import json, random, sys, time
+sys.path.insert(0, sys.argv[1])
+import createos_exec as cx
+origin, start, seed = sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
+rng = random.Random(seed)
+limiter = cx._RateLimiter(3, 0.15, cx._window_file(origin, 3, 0.15))
+time.sleep(max(0.0, start - time.monotonic()))
+places = []
+for n in range(12):
+    place = limiter.acquire(5.0)
+    time.sleep(rng.uniform(0.0, 0.03))
+    places.append((place.let_through, time.monotonic()))
+    limiter.release(place, 200)
+    for m in range(3):  # windows that come and go beside it
+        other = cx._RateLimiter(1, 0.001, cx._window_file(f"{origin}/{seed}-{n}-{m}", 1, 0.001))
+        other.release(other.acquire(1.0), 200)
+    time.sleep(rng.choice([0.0, rng.uniform(0.0, 0.4)]))  # at times the window empties
+print(json.dumps(places))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_racing_processes_never_exceed_the_window_while_windows_come_and_go(runtime_dir):
+    limit, period = 3, 0.15
+    start = time.monotonic() + 2.5  # the clock is the machine's: all begin at once
+    racers = [
+        subprocess.Popen(
+            [sys.executable, "-c", RACER, ROOT, ORIGIN, repr(start), str(seed)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for seed in range(4)
+    ]
+    places = [place for racer in racers for place in json.loads(racer.communicate(timeout=100)[0])]
+    assert [racer.returncode for racer in racers] == [0] * 4
+    # A place holds from when it was let through to a period after its answer
+    # (a little later than the racer's stamp): count those held at each start.
+    held = [sum(1 for t, answered in places if t <= then < answered + period) for then, _ in places]
+    assert max(held) == limit  # the window was full at times, and never more
+    (path,) = files_in(runtime_dir)
+    time.sleep(period)
+    shared_limiter(limit, period)._update(lambda window, now: None)
+    assert len(path.read_bytes()) == cx._FILE_HEAD.size
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork()")
 def test_a_forked_child_shares_the_window(runtime_dir):
     limiter = shared_limiter(5, 30.0)
@@ -160,19 +252,24 @@ def test_a_forked_child_shares_the_window(runtime_dir):
     assert held == 2  # the child's place is in the file too
 
 
+KEY = b"k" * 16
+
+
 def read_window(path, limit=4):
-    with open(path, "rb") as handle:
-        return cx._SharedWindow(path, limit, 1.0)._read(handle.read(), time.monotonic())
+    """(places held, allowance) of the window of KEY in the file at `path`."""
+    shared = cx._SharedWindow(path, KEY, limit, 1.0)
+    return shared.update(lambda window, now: (window.held(), window.allowance))
 
 
 def write_window(path, *, epoch_shift=0.0, allowance=4.0, frees=(), tail=b""):
     now = time.monotonic()
-    head = cx._WINDOW_HEAD.pack(
-        cx._WINDOW_MAGIC, time.time() - now + epoch_shift, allowance, -math.inf, 0
-    )
+    head = cx._FILE_HEAD.pack(cx._WINDOW_MAGIC, time.time() - now + epoch_shift)
+    until = now + max(frees, default=0.0)
+    window = cx._WINDOW_HEAD.pack(KEY, until, 1.0, allowance, -math.inf, 0, len(frees))
     answered = b"".join(struct.pack("=d", now + seconds) for seconds in frees)
-    with open(path, "wb") as handle:
-        handle.write(head + answered + tail)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with open(fd, "wb") as handle:
+        handle.write(head + window + answered + tail)
 
 
 @pytest.mark.parametrize(
@@ -189,11 +286,9 @@ def write_window(path, *, epoch_shift=0.0, allowance=4.0, frees=(), tail=b""):
 def test_a_window_file_that_is_not_sound_starts_afresh(tmp_path, arrange):
     path = str(tmp_path / "window")
     write_window(path, frees=(10.0, 20.0))
-    sound = read_window(path)
-    assert sound.held() == 2 and sound.allowance == 4.0
+    assert read_window(path) == (2, 4.0)
     write_window(path, **{"frees": (10.0, 20.0), **arrange})
-    window = read_window(path)
-    assert window.held() == 0 and window.allowance == 4.0
+    assert read_window(path) == (0, 4.0)
 
 
 def test_garbage_in_the_window_file_is_written_over(runtime_dir):
