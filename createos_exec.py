@@ -350,14 +350,18 @@ class CancelledError(CreateOSError):
 class CommandError(CreateOSError, subprocess.CalledProcessError):
     """check=True and the command did not exit 0 (including timeout and signal)."""
 
-    def __init__(self, result: ExecResult) -> None:
+    def __init__(self, result: ExecResult, *, timeout: Optional[float] = None) -> None:
+        who = _command_named(result.args, result.process_id)
         if result.timed_out:
-            message = "The command timed out and its remote process tree was terminated."
+            after = f" after {timeout:g} s" if timeout is not None else ""
+            ended = f"timed out{after} and its remote process tree was terminated"
         elif result.signal is not None:
-            message = f"The command was killed by {result.signal}."
+            ended = f"was killed by {result.signal}"
         else:
-            message = f"The command exited with status {result.exit_code}."
+            ended = f"exited with status {result.exit_code}"
+        message = f"{who} {ended}; what it printed is in .stderr and .stdout."
         super().__init__(message, process_id=result.process_id, result=result)
+        self.timeout = timeout  # the run's `timeout=`, when it is known
         # The attributes of subprocess.CalledProcessError, set by hand so that
         # its __init__ does not put the output into args.
         # None when the command timed out and then exited by itself.
@@ -365,6 +369,25 @@ class CommandError(CreateOSError, subprocess.CalledProcessError):
         self.cmd = result.args
         self.output = result.stdout
         self.stderr = result.stderr
+
+
+def _command_named(args: Any, process_id: Optional[str]) -> str:
+    """ "The command 'make' (process proc_1)": its program, as subprocess names a command.
+
+    Only the program (the first argument, or the string given): the other
+    arguments may carry secrets. A long script is cut to its start.
+    """
+    program = args if isinstance(args, str) else None
+    if isinstance(args, (list, tuple)) and args and isinstance(args[0], str):
+        program = args[0]
+    who = "The command" if program is None else f"The command {_shown(program)}"
+    return who + (f" (process {process_id})" if process_id else "")
+
+
+def _shown(value: Any, limit: int = 60) -> str:
+    """A value of the caller's as a message shows it: its repr, cut to `limit` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class WaitTimeout(CreateOSError, subprocess.TimeoutExpired):
@@ -1952,7 +1975,7 @@ class RemoteProcess:
             raise outcome
         assert outcome is not None
         if self._run.check and not outcome.ok:
-            raise CommandError(outcome)
+            raise CommandError(outcome, timeout=self._run.timeout)
         return outcome
 
     def terminate(self) -> None:
@@ -2650,6 +2673,7 @@ class _Run:
     ) -> None:
         self.follower = follower
         self.check = options.check
+        self.timeout = options.timeout
         self._transport = transport
         self._launch = launch
         self._deadline = options.deadline(follower.started)
