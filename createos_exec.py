@@ -64,6 +64,7 @@ from typing import (
     NamedTuple,
     Optional,
     Sequence,
+    Set,
     Tuple,
     Type,
     TypeVar,
@@ -264,9 +265,45 @@ def _advice(status: int, operation: str) -> str:
 class TransportError(CreateOSError):
     """CreateOS could not be reached within the retry policy."""
 
-    def __init__(self, operation: str, *, process_id: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        operation: str,
+        *,
+        process_id: Optional[str] = None,
+        address: Optional[str] = None,
+        reason: Optional[str] = None,
+    ) -> None:
         self.operation = operation
-        super().__init__(f"CreateOS could not be reached for {operation}.", process_id=process_id)
+        self.address = address  # "host:port" of the API URL
+        self.reason = reason  # a key of _UNREACHABLE: "dns", "refused", "tls", "timeout", ...
+        what, advice = _UNREACHABLE.get(reason or "", _UNREACHABLE[""])
+        where = f" at {address}" if address else ""
+        started = " No process was started." if operation in _BEFORE_THE_PROCESS else ""
+        super().__init__(
+            f"CreateOS could not be reached{where} for {operation}: {what}.{started} {advice}.",
+            process_id=process_id,
+        )
+
+
+# Why the API could not be reached, and what to look at, by TransportError.reason.
+_UNREACHABLE = {
+    "dns": ("the host name could not be resolved (DNS)", "Check the host in the API URL"),
+    "refused": (
+        "the connection was refused",
+        "Check the port in the API URL, and that the service listens there",
+    ),
+    "tls": (
+        "the TLS handshake failed",
+        "A proxy that intercepts TLS needs its CA bundle: set REQUESTS_CA_BUNDLE to its file",
+    ),
+    "timeout": (
+        "the connection timed out",
+        "Check the network, a proxy or a firewall on the way, then try again",
+    ),
+    "reset": ("the connection was reset", "Check the network or a proxy, then try again"),
+    "": ("the connection failed", "Check the API URL and the network, then try again"),
+}
+_BEFORE_THE_PROCESS = ("staging of env and stdin", "process creation")
 
 
 class StreamEndedError(TransportError):
@@ -754,12 +791,16 @@ class _Retryable(Exception):
     status: Optional[int] = None
     retry_after: Optional[float] = None
     maybe_sent: bool = True
+    address: Optional[str] = None  # of TransportError
+    reason: Optional[str] = None  # of TransportError
 
     def final(self, process_id: Optional[str]) -> CreateOSError:
         """The public error to raise once no attempt is left."""
         if self.status is not None:
             return APIError(self.status, self.operation, process_id=process_id)
-        return TransportError(self.operation, process_id=process_id)
+        return TransportError(
+            self.operation, process_id=process_id, address=self.address, reason=self.reason
+        )
 
 
 # What the HTTP stack raises: urllib3's and http.client's errors and OSError,
@@ -773,32 +814,80 @@ _TRANSIENT_REQUEST_ERRORS = (
 
 
 @contextlib.contextmanager
-def _transport_errors(operation: str) -> Iterator[None]:
+def _transport_errors(operation: str, origin: Optional[str] = None) -> Iterator[None]:
     """Exceptions of the HTTP stack raised inside, translated by _transport_failure."""
     try:
         yield
     except _LOW_LEVEL_ERRORS as exc:
-        raise _transport_failure(exc, operation) from exc
+        raise _transport_failure(exc, operation, origin) from exc
 
 
-def _transport_failure(exc: BaseException, operation: str) -> Exception:
+def _transport_failure(exc: BaseException, operation: str, origin: Optional[str]) -> Exception:
     """The one place where exceptions of the HTTP stack are translated.
 
     Their text is never copied: requests puts URLs (and so ids) into messages.
+    What is kept is the API's host and port, and the kind of failure.
     """
+    address, kind = _address(origin), _unreachable_reason(exc)
     if isinstance(exc, requests.exceptions.SSLError):
-        return TransportError(operation)
+        return TransportError(operation, address=address, reason=kind)
     if isinstance(exc, requests.exceptions.ConnectTimeout):
-        return _Retryable(operation, maybe_sent=False)
+        return _Retryable(operation, maybe_sent=False, address=address, reason=kind)
     if isinstance(exc, requests.exceptions.ConnectionError):
         reason = getattr(exc.args[0], "reason", None) if exc.args else None
         not_sent = isinstance(reason, urllib3.exceptions.NewConnectionError)
-        return _Retryable(operation, maybe_sent=not not_sent)
+        return _Retryable(operation, maybe_sent=not not_sent, address=address, reason=kind)
     if isinstance(exc, requests.exceptions.RequestException) and not isinstance(
         exc, _TRANSIENT_REQUEST_ERRORS
     ):
-        return TransportError(operation)  # a request that could not be made as asked
-    return _Retryable(operation)
+        # A request that could not be made as asked.
+        return TransportError(operation, address=address, reason=kind)
+    return _Retryable(operation, address=address, reason=kind)
+
+
+def _address(origin: Optional[str]) -> Optional[str]:
+    """host:port of an API URL (never a secret: _api_base refuses user information)."""
+    if origin is None:
+        return None
+    parts = urllib.parse.urlsplit(origin)
+    host = parts.hostname or ""
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+# The exceptions below an HTTP failure that say what kind it was, the most
+# telling first. Not urllib3's timeout classes: its NewConnectionError is one
+# too, whatever the failure; a real timeout has socket.timeout below it.
+_FAILURE_KINDS: Tuple[Tuple[str, Tuple[Type[BaseException], ...]], ...] = (
+    ("dns", (socket.gaierror, getattr(urllib3.exceptions, "NameResolutionError", socket.gaierror))),
+    ("refused", (ConnectionRefusedError,)),
+    ("tls", (urllib3.exceptions.SSLError, requests.exceptions.SSLError)),
+    ("timeout", (socket.timeout, requests.exceptions.Timeout)),
+    ("reset", (ConnectionResetError,)),
+)
+
+
+def _unreachable_reason(exc: BaseException) -> Optional[str]:
+    """The kind of an HTTP failure (a key of _UNREACHABLE), found in its chain of causes."""
+    causes = list(_causes(exc))
+    for kind, classes in _FAILURE_KINDS:
+        if any(isinstance(cause, classes) for cause in causes):
+            return kind
+    return None
+
+
+def _causes(exc: BaseException, most: int = 16) -> Iterator[BaseException]:
+    """exc and what lies below it: urllib3's `reason`, wrapped arguments, causes, contexts."""
+    pending: List[BaseException] = [exc]
+    seen: Set[int] = set()
+    while pending and len(seen) < most:
+        cause = pending.pop(0)
+        if id(cause) in seen:
+            continue
+        seen.add(id(cause))
+        yield cause
+        below = [getattr(cause, "reason", None), *cause.args, cause.__cause__, cause.__context__]
+        pending.extend(item for item in below if isinstance(item, BaseException))
 
 
 def _retry_after(value: Optional[str]) -> Optional[float]:
@@ -987,7 +1076,7 @@ class _Transport:
         place = self._limiter.acquire(sum(timeout)) if self._limiter is not None else None
         status: Optional[int] = None
         try:
-            with _transport_errors(operation):
+            with _transport_errors(operation, self.base):
                 response = self._session.request(
                     method,
                     self.base + path,
