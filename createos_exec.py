@@ -1749,6 +1749,31 @@ def _utf8(what: str, text: str) -> bytes:
     return encoded
 
 
+def _codec_error(encoding: Any, errors: Any) -> ConfigError:
+    """What is wrong with `encoding` or `errors`: output is always decoded to text."""
+    bytes_kept = (
+        'errors="surrogateescape" keeps undecodable bytes recoverable '
+        '(text.encode("utf-8", "surrogateescape") gives them back)'
+    )
+    if encoding is None:
+        return ConfigError(
+            f"encoding=None does not give bytes here: output is always text; {bytes_kept}."
+        )
+    if not _codec_known(codecs.getincrementaldecoder, encoding):
+        return ConfigError(f'Unknown encoding {_shown(encoding)}: name a codec such as "utf-8".')
+    return ConfigError(
+        f'Unknown error handler {_shown(errors)}: use "replace", "strict", or {bytes_kept}.'
+    )
+
+
+def _codec_known(lookup: Callable[[Any], Any], name: Any) -> bool:
+    try:
+        lookup(name)
+    except (LookupError, TypeError):
+        return False
+    return True
+
+
 @dataclasses.dataclass(frozen=True)
 class _Options:
     """The per-call options of execute() and attach(), checked when built."""
@@ -1772,7 +1797,7 @@ class _Options:
             codecs.getincrementaldecoder(self.encoding)
             codecs.lookup_error(self.errors)
         except (LookupError, TypeError):
-            raise ConfigError("Unknown encoding or error handler.") from None
+            raise _codec_error(self.encoding, self.errors) from None
         if self.cancel is not None and not callable(getattr(self.cancel, "is_set", None)):
             raise ConfigError("cancel must be a threading.Event.")
 
