@@ -2147,13 +2147,24 @@ class RemoteProcess:
             self._owner.close()
 
 
+# The signals of Linux, where the sandboxes run: a name outside them would be
+# refused by the service after the request.
+_LINUX_SIGNALS = frozenset(_SIGNAL_WORDS.values())
+
+
 def _signal_name(value: Any) -> str:
+    """The SIG name of a signal given as kill -l lists it ("SIGUSR1" or "USR1"), or its number."""
     if _is_int(value):
         with contextlib.suppress(ValueError):
             return _signal.Signals(value).name
-    elif isinstance(value, str) and _SIGNAL_NAME.match(value):
-        return value
-    raise ConfigError('The signal must be a name such as "SIGINT", or a signal number.')
+    elif isinstance(value, str):
+        name = value if value.startswith("SIG") else "SIG" + value
+        if name in _LINUX_SIGNALS:
+            return name
+    raise ConfigError(
+        f"Unknown signal {_shown(value)}: give a name in capitals as kill -l lists it "
+        '("TERM", "SIGUSR1", ...) or a signal number; nothing was sent.'
+    )
 
 
 def echo(stream: str, text: str) -> None:
