@@ -495,7 +495,7 @@ def _is_number(value: Any) -> bool:
 
 def _positive_seconds(name: str, value: Any) -> float:
     if not _is_number(value) or not value > 0 or value != value:
-        raise ConfigError(f"{name} must be a positive number of seconds.")
+        raise ConfigError(f"{name} must be a positive number of seconds, not {_shown(value)}.")
     return float(value)
 
 
@@ -535,21 +535,31 @@ def _is_loopback(hostname: str) -> bool:
         return False
 
 
+def _key_from_environment() -> Optional[str]:
+    return os.environ.get("CREATEOS_API_KEY") or os.environ.get("CREATEOS_SANDBOX_API_KEY") or None
+
+
 def _api_key(key: Optional[str]) -> str:
     if key is None:
-        key = os.environ.get("CREATEOS_API_KEY") or os.environ.get("CREATEOS_SANDBOX_API_KEY")
+        key = _key_from_environment()
     if not key:
         raise ConfigError(
-            "No API key: pass api_key= or set CREATEOS_API_KEY (or CREATEOS_SANDBOX_API_KEY)."
+            "No API key: pass api_key= to the Client, or set CREATEOS_API_KEY "
+            "(or CREATEOS_SANDBOX_API_KEY) in the environment."
         )
     if not isinstance(key, str) or not _HEADER_SAFE.match(key):
-        raise ConfigError("The API key contains characters that cannot be sent in a header.")
+        raise ConfigError(
+            "The API key contains characters that cannot be sent in a header (a space or a "
+            "newline copied with it?)."
+        )
     return key
 
 
 def _checked_id(kind: str, value: Any) -> str:
     if not isinstance(value, str) or not _ID.match(value):
-        raise ConfigError(f"Invalid {kind} id: expected 1-200 characters of A-Z a-z 0-9 _ -.")
+        raise ConfigError(
+            f"Invalid {kind} id {_shown(value)}: expected 1-200 characters of A-Z a-z 0-9 _ -."
+        )
     return value
 
 
@@ -1699,9 +1709,9 @@ _FIND_PROGRAM = (
 
 def _checked_text(what: str, value: Any) -> str:
     if not isinstance(value, str):
-        raise ConfigError(f"{what} must be a string.")
+        raise ConfigError(f"{what} must be a string, not {type(value).__name__}.")
     if "\0" in value:
-        raise ConfigError(f"{what} contains a NUL byte.")
+        raise ConfigError(f"{what} contains a NUL byte, which no argument or file name can hold.")
     return value
 
 
@@ -1713,9 +1723,11 @@ def _argv(command: Command, shell: bool) -> List[str]:
     if isinstance(command, str):
         command = [command]
     if isinstance(command, (bytes, bytearray)) or not isinstance(command, Sequence):
-        raise ConfigError("The command must be a sequence of strings (or one string).")
+        raise ConfigError(
+            f"The command must be a list of strings (or one string), not {type(command).__name__}."
+        )
     if not command:
-        raise ConfigError("The command is empty.")
+        raise ConfigError("The command is empty: give at least the program to run.")
     return [_checked_text("Each command argument", arg) for arg in command]
 
 
@@ -1726,7 +1738,9 @@ def _staged_bytes(env: Optional[Dict[str, str]], stdin: Union[str, bytes, None])
     entries = []
     for name, value in (env or {}).items():
         if not isinstance(name, str) or not _ENV_NAME.match(name):
-            raise ConfigError("Env names must match [A-Za-z_][A-Za-z0-9_]*.")
+            raise ConfigError(
+                f"Invalid env name {_shown(name)}: names must match [A-Za-z_][A-Za-z0-9_]*."
+            )
         what = f"The value of env {name}"
         entries.append(
             name.encode("ascii") + b"=" + _utf8(what, _checked_text(what, value)) + b"\0"
@@ -1734,7 +1748,7 @@ def _staged_bytes(env: Optional[Dict[str, str]], stdin: Union[str, bytes, None])
     if isinstance(stdin, str):
         stdin = _utf8("stdin", stdin)
     elif stdin is not None and not isinstance(stdin, (bytes, bytearray)):
-        raise ConfigError("stdin must be str, bytes or None.")
+        raise ConfigError(f"stdin must be str, bytes or None, not {type(stdin).__name__}.")
     return b"".join(entries) + b"\0" + bytes(stdin or b"")
 
 
