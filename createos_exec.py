@@ -243,8 +243,8 @@ _ADVICE = {
     409: "the sandbox is not running (paused or stopped?); resume it first",
     422: "the request was refused as invalid (an option this sandbox does not accept?)",
     429: (
-        "too many requests from this IP address; lower rate_limit if other programs "
-        "share the address"
+        "too many requests from this IP address; try again later, and give each program "
+        "that shares the address a lower rate limit"
     ),
 }
 _SANDBOX_OPERATIONS = ("process creation", "staging of env and stdin", "process listing")
@@ -324,7 +324,7 @@ class OutputIncompleteError(StreamEndedError):
         self.result = result
         self.args = (
             "The command ended with a known exit status, but its output could not be "
-            "read in full from CreateOS.",
+            "read in full from CreateOS; .result holds the status and the output received.",
         )
 
 
@@ -333,7 +333,11 @@ class ProtocolError(CreateOSError):
 
     def __init__(self, problem: str, *, process_id: Optional[str] = None) -> None:
         self.problem = problem
-        super().__init__(f"CreateOS sent an invalid answer: {problem}.", process_id=process_id)
+        super().__init__(
+            f"CreateOS sent an invalid answer: {problem}. Nothing was guessed; a proxy that "
+            "rewrites or buffers answers is a common cause.",
+            process_id=process_id,
+        )
 
 
 class OutputEvictedError(ProtocolError):
@@ -348,7 +352,8 @@ class OutputEvictedError(ProtocolError):
         self.oldest_available_seq = oldest_available_seq
         CreateOSError.__init__(
             self,
-            "Output this client had not read yet was evicted from the CreateOS journal.",
+            "Output this client had not read yet was evicted from the CreateOS journal; "
+            "print less, or write large output to a file in the sandbox and read that.",
             process_id=process_id,
         )
         self.problem = "output evicted"
@@ -361,15 +366,16 @@ class CleanupError(CreateOSError):
         self, *, process_id: Optional[str] = None, creation_unconfirmed: bool = False
     ) -> None:
         self.creation_unconfirmed = creation_unconfirmed
+        of = f" of {process_id}" if process_id else ""
         if creation_unconfirmed:
             message = (
-                "Process creation could not be confirmed; destroy the sandbox "
-                "(or audit its processes) before reusing it."
+                "Process creation could not be confirmed: the process may run unseen; destroy "
+                "the sandbox (or audit its processes) before reusing it."
             )
         else:
             message = (
-                "Termination of the remote process tree could not be confirmed; "
-                "destroy the sandbox before reusing it."
+                f"Termination of the remote process tree{of} could not be confirmed: it may "
+                "still run; destroy the sandbox before reusing it."
             )
         super().__init__(message, process_id=process_id)
 

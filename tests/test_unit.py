@@ -631,8 +631,8 @@ CREATION_REFUSALS = {
     409: "the sandbox is not running (paused or stopped?); resume it first",
     422: "the request was refused as invalid (an option this sandbox does not accept?)",
     429: (
-        "too many requests from this IP address; lower rate_limit if other programs "
-        "share the address"
+        "too many requests from this IP address; try again later, and give each program "
+        "that shares the address a lower rate limit"
     ),
 }
 
@@ -1377,7 +1377,7 @@ def test_recovery_replay_still_incomplete_is_output_incomplete(
         make_client().execute(SB, ["true"])
     assert str(info.value) == (
         "The command ended with a known exit status, but its output could not be "
-        "read in full from CreateOS."
+        "read in full from CreateOS; .result holds the status and the output received."
     )
     assert isinstance(info.value, cx.StreamEndedError)
     result = info.value.result
