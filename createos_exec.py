@@ -1707,9 +1707,14 @@ _WRAPPER_HEAD = [
     '_cx_fail() { printf \'createos_exec: %s\\n\' "$2" >&2; exit "$1"; }',
 ]
 _UNREADABLE = "cannot read the staged file of env and stdin"
+# A program name with blanks in it is most often a command line given as one
+# string ("echo hi"): the message says so, and what to give instead.
 _FIND_PROGRAM = (
-    'case $1 in */*) [ -e "$1" ] || _cx_fail 127 "$1: No such file or directory";; '
-    '*) type -P -- "$1" >/dev/null || _cx_fail 127 "$1: command not found";; esac'
+    '_cx_missing() { case $1 in *[[:space:]]*) _cx_fail 127 "$1: $2 (a string is ONE program '
+    'name: give the command as a list of arguments, or use shell=True or --shell)";; esac; '
+    '_cx_fail 127 "$1: $2"; }\n'
+    'case $1 in */*) [ -e "$1" ] || _cx_missing "$1" "No such file or directory";; '
+    '*) type -P -- "$1" >/dev/null || _cx_missing "$1" "command not found";; esac'
 )
 
 
