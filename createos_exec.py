@@ -3004,9 +3004,11 @@ examples:
   echo hello | {prog} --stdin - sb_123 -- cat
   {prog} --json sb_123 -- ls /    # one JSON object, for scripts
 
+Each ARG reaches the program as it is; with --shell, COMMAND is one bash script.
+
 exit status: the remote exit code; 128+N when killed by signal N; 124 on
 timeout; 130 after Ctrl-C (the remote tree is terminated first); 125 for
-errors of this tool, the API or the connection.
+errors of this tool, the API or the connection; 2 for a usage error.
 The API key is read from $CREATEOS_API_KEY (or $CREATEOS_SANDBOX_API_KEY).
 """
 
@@ -3031,9 +3033,16 @@ def _parser() -> argparse.ArgumentParser:
         metavar="K=V",
         help="extra environment variable (repeatable)",
     )
-    parser.add_argument("--timeout", type=float, metavar="S", help="seconds for the command")
+    parser.add_argument(
+        "--timeout",
+        type=_timeout_option,
+        metavar="S",
+        help="seconds the command may run; then its remote tree is terminated (exit status 124)",
+    )
     parser.add_argument("--shell", action="store_true", help="COMMAND is one bash script string")
-    parser.add_argument("--stdin", metavar="FILE|-", help="feed this file (- for our stdin)")
+    parser.add_argument(
+        "--stdin", metavar="FILE|-", help="feed FILE to the command's stdin (-: this tool's stdin)"
+    )
     parser.add_argument(
         "--json",
         action="store_true",
@@ -3042,6 +3051,19 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("sandbox_id", metavar="SANDBOX_ID")
     parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARG...]")
     return parser
+
+
+def _timeout_option(text: str) -> float:
+    """--timeout's value; argparse names the option in its usage error."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not seconds > 0:  # NaN too
+        raise argparse.ArgumentTypeError(
+            f"expected a positive number of seconds, not {_shown(text)}"
+        )
+    return seconds
 
 
 def _print_live(stream: str, text: str) -> None:
@@ -3065,32 +3087,26 @@ def _cli_exit_code(result: ExecResult) -> int:
     return int(result.exit_code if result.exit_code is not None else 125)
 
 
+# The command line has no api_key=: only the variables can give it a key.
+_NO_KEY_HERE = "no API key: set CREATEOS_API_KEY (or CREATEOS_SANDBOX_API_KEY) in the environment."
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The command line; returns the exit status (see --help)."""
     parser = _parser()
     options = parser.parse_args(argv)
     command, env = _command_and_env(parser, options)
+    report = _Report(parser.prog, options.json)
+    if _key_from_environment() is None:
+        return report.failure("ConfigError", _NO_KEY_HERE)
     try:
         stdin = _read_stdin_option(options.stdin)
-    except OSError:
-        print("createos_exec: cannot read the --stdin file.", file=sys.stderr)
-        return 125
+    except OSError as exc:
+        return report.failure(type(exc).__name__, _unreadable_stdin(options.stdin, exc))
     try:
-        with Client(api_url=options.api_url) as client:
-            result = client.execute(
-                options.sandbox_id,
-                command,
-                shell=options.shell,
-                cwd=options.cwd,
-                env=env,
-                stdin=stdin,
-                timeout=options.timeout,
-                on_output=None if options.json else _print_live,
-                # Live output passes through byte-exact; JSON needs valid text.
-                errors="replace" if options.json else "surrogateescape",
-            )
+        result = _run_command(options, command, env, stdin)
     except KeyboardInterrupt:
-        print("createos_exec: interrupted", file=sys.stderr)
+        report.line("interrupted")
         return 130
     except BrokenPipeError:
         # Our reader went away (`| head`): like a local pipeline, the command
@@ -3098,16 +3114,72 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + 13  # SIGPIPE, as a shell reports it
     except CreateOSError as exc:
-        if options.json:
-            error = {"type": type(exc).__name__, "message": str(exc), "process_id": exc.process_id}
-            print(json.dumps({"error": error}))
-        else:
-            print(f"createos_exec: {exc}", file=sys.stderr)
-        return 125
+        return report.failure(type(exc).__name__, str(exc), exc)
+    if result.timed_out and options.timeout is not None:
+        report.line(
+            f"the command timed out after {options.timeout:g} s; "
+            "its remote process tree was terminated."
+        )
     if options.json:
         derived = {"output_truncated": result.output_truncated, "returncode": result.returncode}
         print(json.dumps(dict(dataclasses.asdict(result), **derived)))
     return _cli_exit_code(result)
+
+
+def _run_command(
+    options: argparse.Namespace,
+    command: Command,
+    env: Optional[Dict[str, str]],
+    stdin: Optional[bytes],
+) -> ExecResult:
+    with Client(api_url=options.api_url) as client:
+        return client.execute(
+            options.sandbox_id,
+            command,
+            shell=options.shell,
+            cwd=options.cwd,
+            env=env,
+            stdin=stdin,
+            timeout=options.timeout,
+            on_output=None if options.json else _print_live,
+            # Live output passes through byte-exact; JSON needs valid text.
+            errors="replace" if options.json else "surrogateescape",
+        )
+
+
+class _Report:
+    """The command line's own lines on stderr, each after the program name as typed."""
+
+    def __init__(self, prog: str, as_json: bool) -> None:
+        self._prog = prog
+        self._as_json = as_json
+
+    def line(self, message: str) -> None:
+        print(f"{self._prog}: {message}", file=sys.stderr)
+
+    def failure(self, kind: str, message: str, error: Optional[BaseException] = None) -> int:
+        """An error of this tool, the API or the connection: one line, or with --json
+        one object a script can branch on (`status`, `operation`, where there are)."""
+        if not self._as_json:
+            self.line(message)
+            return 125
+        fields = {
+            "type": kind,
+            "message": message,
+            "process_id": getattr(error, "process_id", None),
+        }
+        for name in ("status", "operation"):
+            if hasattr(error, name):
+                fields[name] = getattr(error, name)
+        print(json.dumps({"error": fields}))
+        return 125
+
+
+def _unreadable_stdin(name: str, error: OSError) -> str:
+    why = error.strerror or "it could not be read"
+    if name == "-":
+        return f"cannot read this tool's stdin for --stdin -: {why}."
+    return f"cannot read the --stdin file {name}: {why}."
 
 
 def _command_and_env(
@@ -3115,14 +3187,14 @@ def _command_and_env(
 ) -> Tuple[Command, Optional[Dict[str, str]]]:
     command: List[str] = options.command
     if not command:
-        parser.error("no command given (put it after --)")
+        parser.error("no command given: put it after --, as in: SANDBOX_ID -- uname -a")
     if options.shell and len(command) != 1:
-        parser.error("with --shell, give the script as one argument")
+        parser.error("with --shell, give the script as one quoted argument: -- 'cd /app && ls'")
     env = {}
     for item in options.env:
         name, sep, value = item.partition("=")
         if not sep:
-            parser.error("--env takes K=V")
+            parser.error("argument --env: expected NAME=VALUE, as in --env CI=1")
         env[name] = value
     return (command[0] if options.shell else command), (env or None)
 

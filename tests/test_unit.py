@@ -2464,7 +2464,7 @@ def test_cli_api_error_is_125_with_one_line(
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err == (
-        "createos_exec: CreateOS answered HTTP 403 to process creation: the API key was "
+        "python -m createos_exec: CreateOS answered HTTP 403 to process creation: the API key was "
         "refused for this (another account's sandbox, or a spent quota).\n"
     )
     assert KEY not in captured.err and "SECRET-BODY" not in captured.err
@@ -2474,7 +2474,7 @@ def test_cli_config_errors_are_125(
     rsps: responses.RequestsMock, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert _cli(SB, "--", "true") == 125  # no key
-    assert capsys.readouterr().err.startswith("createos_exec: No API key")
+    assert capsys.readouterr().err.startswith("python -m createos_exec: no API key: set ")
     assert cx.main(["--api-url", "http://api.example.test", SB, "--", "true"]) == 125
     assert len(rsps.calls) == 0
 
@@ -2486,14 +2486,18 @@ def test_cli_invalid_sandbox_and_env_name_are_125(
     assert _cli("--env", "1A=x", SB, "--", "true") == 125
     assert len(rsps.calls) == 0
     lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 2 and all(line.startswith("createos_exec: ") for line in lines)
+    assert len(lines) == 2 and all(line.startswith("python -m createos_exec: ") for line in lines)
 
 
 def test_cli_unreadable_stdin_file_is_125(
     rsps: responses.RequestsMock, cli_env: None, capsys: pytest.CaptureFixture[str], tmp_path: Any
 ) -> None:
     assert _cli("--stdin", str(tmp_path / "missing"), SB, "--", "cat") == 125
-    assert capsys.readouterr().err == "createos_exec: cannot read the --stdin file.\n"
+    missing = tmp_path / "missing"
+    assert capsys.readouterr().err == (
+        f"python -m createos_exec: cannot read the --stdin file {missing}: "
+        "No such file or directory.\n"
+    )
     assert len(rsps.calls) == 0
 
 
