@@ -3194,7 +3194,7 @@ def _command_and_env(
     for item in options.env:
         name, sep, value = item.partition("=")
         if not sep:
-            parser.error("argument --env: expected NAME=VALUE, as in --env CI=1")
+            parser.error("argument --env: expected K=V, as in --env CI=1")
         env[name] = value
     return (command[0] if options.shell else command), (env or None)
 
