@@ -67,6 +67,7 @@ from typing import (
     NamedTuple,
     Optional,
     Sequence,
+    Set,
     Tuple,
     Type,
     TypeVar,
@@ -264,8 +265,8 @@ _ADVICE = {
     409: "the sandbox is not running (paused or stopped?); resume it first",
     422: "the request was refused as invalid (an option this sandbox does not accept?)",
     429: (
-        "too many requests from this IP address; lower rate_limit if other programs "
-        "share the address"
+        "too many requests from this IP address; try again later, and give each program "
+        "that shares the address a lower rate limit"
     ),
 }
 _SANDBOX_OPERATIONS = ("process creation", "staging of env and stdin", "process listing")
@@ -286,9 +287,45 @@ def _advice(status: int, operation: str) -> str:
 class TransportError(CreateOSError):
     """CreateOS could not be reached within the retry policy."""
 
-    def __init__(self, operation: str, *, process_id: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        operation: str,
+        *,
+        process_id: Optional[str] = None,
+        address: Optional[str] = None,
+        reason: Optional[str] = None,
+    ) -> None:
         self.operation = operation
-        super().__init__(f"CreateOS could not be reached for {operation}.", process_id=process_id)
+        self.address = address  # "host:port" of the API URL
+        self.reason = reason  # a key of _UNREACHABLE: "dns", "refused", "tls", "timeout", ...
+        what, advice = _UNREACHABLE.get(reason or "", _UNREACHABLE[""])
+        where = f" at {address}" if address else ""
+        started = " No process was started." if operation in _BEFORE_THE_PROCESS else ""
+        super().__init__(
+            f"CreateOS could not be reached{where} for {operation}: {what}.{started} {advice}.",
+            process_id=process_id,
+        )
+
+
+# Why the API could not be reached, and what to look at, by TransportError.reason.
+_UNREACHABLE = {
+    "dns": ("the host name could not be resolved (DNS)", "Check the host in the API URL"),
+    "refused": (
+        "the connection was refused",
+        "Check the port in the API URL, and that the service listens there",
+    ),
+    "tls": (
+        "the TLS handshake failed",
+        "A proxy that intercepts TLS needs its CA bundle: set REQUESTS_CA_BUNDLE to its file",
+    ),
+    "timeout": (
+        "the connection timed out",
+        "Check the network, a proxy or a firewall on the way, then try again",
+    ),
+    "reset": ("the connection was reset", "Check the network or a proxy, then try again"),
+    "": ("the connection failed", "Check the API URL and the network, then try again"),
+}
+_BEFORE_THE_PROCESS = ("staging of env and stdin", "process creation")
 
 
 class StreamEndedError(TransportError):
@@ -309,7 +346,7 @@ class OutputIncompleteError(StreamEndedError):
         self.result = result
         self.args = (
             "The command ended with a known exit status, but its output could not be "
-            "read in full from CreateOS.",
+            "read in full from CreateOS; .result holds the status and the output received.",
         )
 
 
@@ -318,7 +355,11 @@ class ProtocolError(CreateOSError):
 
     def __init__(self, problem: str, *, process_id: Optional[str] = None) -> None:
         self.problem = problem
-        super().__init__(f"CreateOS sent an invalid answer: {problem}.", process_id=process_id)
+        super().__init__(
+            f"CreateOS sent an invalid answer: {problem}. Nothing was guessed; a proxy that "
+            "rewrites or buffers answers is a common cause.",
+            process_id=process_id,
+        )
 
 
 class OutputEvictedError(ProtocolError):
@@ -333,7 +374,8 @@ class OutputEvictedError(ProtocolError):
         self.oldest_available_seq = oldest_available_seq
         CreateOSError.__init__(
             self,
-            "Output this client had not read yet was evicted from the CreateOS journal.",
+            "Output this client had not read yet was evicted from the CreateOS journal; "
+            "print less, or write large output to a file in the sandbox and read that.",
             process_id=process_id,
         )
         self.problem = "output evicted"
@@ -346,15 +388,16 @@ class CleanupError(CreateOSError):
         self, *, process_id: Optional[str] = None, creation_unconfirmed: bool = False
     ) -> None:
         self.creation_unconfirmed = creation_unconfirmed
+        of = f" of {process_id}" if process_id else ""
         if creation_unconfirmed:
             message = (
-                "Process creation could not be confirmed; destroy the sandbox "
-                "(or audit its processes) before reusing it."
+                "Process creation could not be confirmed: the process may run unseen; destroy "
+                "the sandbox (or audit its processes) before reusing it."
             )
         else:
             message = (
-                "Termination of the remote process tree could not be confirmed; "
-                "destroy the sandbox before reusing it."
+                f"Termination of the remote process tree{of} could not be confirmed: it may "
+                "still run; destroy the sandbox before reusing it."
             )
         super().__init__(message, process_id=process_id)
 
@@ -372,14 +415,18 @@ class CancelledError(CreateOSError):
 class CommandError(CreateOSError, subprocess.CalledProcessError):
     """check=True and the command did not exit 0 (including timeout and signal)."""
 
-    def __init__(self, result: ExecResult) -> None:
+    def __init__(self, result: ExecResult, *, timeout: Optional[float] = None) -> None:
+        who = _command_named(result.args, result.process_id)
         if result.timed_out:
-            message = "The command timed out and its remote process tree was terminated."
+            after = f" after {timeout:g} s" if timeout is not None else ""
+            ended = f"timed out{after} and its remote process tree was terminated"
         elif result.signal is not None:
-            message = f"The command was killed by {result.signal}."
+            ended = f"was killed by {result.signal}"
         else:
-            message = f"The command exited with status {result.exit_code}."
+            ended = f"exited with status {result.exit_code}"
+        message = f"{who} {ended}; what it printed is in .stderr and .stdout."
         super().__init__(message, process_id=result.process_id, result=result)
+        self.timeout = timeout  # the run's `timeout=`, when it is known
         # The attributes of subprocess.CalledProcessError, set by hand so that
         # its __init__ does not put the output into args.
         # None when the command timed out and then exited by itself.
@@ -387,6 +434,25 @@ class CommandError(CreateOSError, subprocess.CalledProcessError):
         self.cmd = result.args
         self.output = result.stdout
         self.stderr = result.stderr
+
+
+def _command_named(args: Any, process_id: Optional[str]) -> str:
+    """ "The command 'make' (process proc_1)": its program, as subprocess names a command.
+
+    Only the program (the first argument, or the string given): the other
+    arguments may carry secrets. A long script is cut to its start.
+    """
+    program = args if isinstance(args, str) else None
+    if isinstance(args, (list, tuple)) and args and isinstance(args[0], str):
+        program = args[0]
+    who = "The command" if program is None else f"The command {_shown(program)}"
+    return who + (f" (process {process_id})" if process_id else "")
+
+
+def _shown(value: Any, limit: int = 60) -> str:
+    """A value of the caller's as a message shows it: its repr, cut to `limit` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class WaitTimeout(CreateOSError, subprocess.TimeoutExpired):
@@ -461,7 +527,7 @@ def _is_number(value: Any) -> bool:
 
 def _positive_seconds(name: str, value: Any) -> float:
     if not _is_number(value) or not value > 0 or value != value:
-        raise ConfigError(f"{name} must be a positive number of seconds.")
+        raise ConfigError(f"{name} must be a positive number of seconds, not {_shown(value)}.")
     return float(value)
 
 
@@ -501,21 +567,31 @@ def _is_loopback(hostname: str) -> bool:
         return False
 
 
+def _key_from_environment() -> Optional[str]:
+    return os.environ.get("CREATEOS_API_KEY") or os.environ.get("CREATEOS_SANDBOX_API_KEY") or None
+
+
 def _api_key(key: Optional[str]) -> str:
     if key is None:
-        key = os.environ.get("CREATEOS_API_KEY") or os.environ.get("CREATEOS_SANDBOX_API_KEY")
+        key = _key_from_environment()
     if not key:
         raise ConfigError(
-            "No API key: pass api_key= or set CREATEOS_API_KEY (or CREATEOS_SANDBOX_API_KEY)."
+            "No API key: pass api_key= to the Client, or set CREATEOS_API_KEY "
+            "(or CREATEOS_SANDBOX_API_KEY) in the environment."
         )
     if not isinstance(key, str) or not _HEADER_SAFE.match(key):
-        raise ConfigError("The API key contains characters that cannot be sent in a header.")
+        raise ConfigError(
+            "The API key contains characters that cannot be sent in a header (a space or a "
+            "newline copied with it?)."
+        )
     return key
 
 
 def _checked_id(kind: str, value: Any) -> str:
     if not isinstance(value, str) or not _ID.match(value):
-        raise ConfigError(f"Invalid {kind} id: expected 1-200 characters of A-Z a-z 0-9 _ -.")
+        raise ConfigError(
+            f"Invalid {kind} id {_shown(value)}: expected 1-200 characters of A-Z a-z 0-9 _ -."
+        )
     return value
 
 
@@ -836,12 +912,16 @@ class _Retryable(Exception):
     status: Optional[int] = None
     retry_after: Optional[float] = None
     maybe_sent: bool = True
+    address: Optional[str] = None  # of TransportError
+    reason: Optional[str] = None  # of TransportError
 
     def final(self, process_id: Optional[str]) -> CreateOSError:
         """The public error to raise once no attempt is left."""
         if self.status is not None:
             return APIError(self.status, self.operation, process_id=process_id)
-        return TransportError(self.operation, process_id=process_id)
+        return TransportError(
+            self.operation, process_id=process_id, address=self.address, reason=self.reason
+        )
 
 
 # What the HTTP stack raises: urllib3's and http.client's errors and OSError,
@@ -855,32 +935,80 @@ _TRANSIENT_REQUEST_ERRORS = (
 
 
 @contextlib.contextmanager
-def _transport_errors(operation: str) -> Iterator[None]:
+def _transport_errors(operation: str, origin: Optional[str] = None) -> Iterator[None]:
     """Exceptions of the HTTP stack raised inside, translated by _transport_failure."""
     try:
         yield
     except _LOW_LEVEL_ERRORS as exc:
-        raise _transport_failure(exc, operation) from exc
+        raise _transport_failure(exc, operation, origin) from exc
 
 
-def _transport_failure(exc: BaseException, operation: str) -> Exception:
+def _transport_failure(exc: BaseException, operation: str, origin: Optional[str]) -> Exception:
     """The one place where exceptions of the HTTP stack are translated.
 
     Their text is never copied: requests puts URLs (and so ids) into messages.
+    What is kept is the API's host and port, and the kind of failure.
     """
+    address, kind = _address(origin), _unreachable_reason(exc)
     if isinstance(exc, requests.exceptions.SSLError):
-        return TransportError(operation)
+        return TransportError(operation, address=address, reason=kind)
     if isinstance(exc, requests.exceptions.ConnectTimeout):
-        return _Retryable(operation, maybe_sent=False)
+        return _Retryable(operation, maybe_sent=False, address=address, reason=kind)
     if isinstance(exc, requests.exceptions.ConnectionError):
         reason = getattr(exc.args[0], "reason", None) if exc.args else None
         not_sent = isinstance(reason, urllib3.exceptions.NewConnectionError)
-        return _Retryable(operation, maybe_sent=not not_sent)
+        return _Retryable(operation, maybe_sent=not not_sent, address=address, reason=kind)
     if isinstance(exc, requests.exceptions.RequestException) and not isinstance(
         exc, _TRANSIENT_REQUEST_ERRORS
     ):
-        return TransportError(operation)  # a request that could not be made as asked
-    return _Retryable(operation)
+        # A request that could not be made as asked.
+        return TransportError(operation, address=address, reason=kind)
+    return _Retryable(operation, address=address, reason=kind)
+
+
+def _address(origin: Optional[str]) -> Optional[str]:
+    """host:port of an API URL (never a secret: _api_base refuses user information)."""
+    if origin is None:
+        return None
+    parts = urllib.parse.urlsplit(origin)
+    host = parts.hostname or ""
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+# The exceptions below an HTTP failure that say what kind it was, the most
+# telling first. Not urllib3's timeout classes: its NewConnectionError is one
+# too, whatever the failure; a real timeout has socket.timeout below it.
+_FAILURE_KINDS: Tuple[Tuple[str, Tuple[Type[BaseException], ...]], ...] = (
+    ("dns", (socket.gaierror, getattr(urllib3.exceptions, "NameResolutionError", socket.gaierror))),
+    ("refused", (ConnectionRefusedError,)),
+    ("tls", (urllib3.exceptions.SSLError, requests.exceptions.SSLError)),
+    ("timeout", (socket.timeout, requests.exceptions.Timeout)),
+    ("reset", (ConnectionResetError,)),
+)
+
+
+def _unreachable_reason(exc: BaseException) -> Optional[str]:
+    """The kind of an HTTP failure (a key of _UNREACHABLE), found in its chain of causes."""
+    causes = list(_causes(exc))
+    for kind, classes in _FAILURE_KINDS:
+        if any(isinstance(cause, classes) for cause in causes):
+            return kind
+    return None
+
+
+def _causes(exc: BaseException, most: int = 16) -> Iterator[BaseException]:
+    """exc and what lies below it: urllib3's `reason`, wrapped arguments, causes, contexts."""
+    pending: List[BaseException] = [exc]
+    seen: Set[int] = set()
+    while pending and len(seen) < most:
+        cause = pending.pop(0)
+        if id(cause) in seen:
+            continue
+        seen.add(id(cause))
+        yield cause
+        below = [getattr(cause, "reason", None), *cause.args, cause.__cause__, cause.__context__]
+        pending.extend(item for item in below if isinstance(item, BaseException))
 
 
 def _retry_after(value: Optional[str]) -> Optional[float]:
@@ -1069,7 +1197,7 @@ class _Transport:
         place = self._limiter.acquire(sum(timeout)) if self._limiter is not None else None
         status: Optional[int] = None
         try:
-            with _transport_errors(operation):
+            with _transport_errors(operation, self.base):
                 response = self._session.request(
                     method,
                     self.base + path,
@@ -1840,13 +1968,38 @@ class _Options:
             codecs.getincrementaldecoder(self.encoding)
             codecs.lookup_error(self.errors)
         except (LookupError, TypeError):
-            raise ConfigError("Unknown encoding or error handler.") from None
+            raise _codec_error(self.encoding, self.errors) from None
         if self.cancel is not None and not callable(getattr(self.cancel, "is_set", None)):
             raise ConfigError("cancel must be a threading.Event.")
 
     @property
     def stdin_data(self) -> Union[str, bytes, None]:
         return self.stdin if self.input is None else self.input
+
+
+def _codec_error(encoding: Any, errors: Any) -> ConfigError:
+    """What is wrong with `encoding` or `errors`: output is always decoded to text."""
+    bytes_kept = (
+        'errors="surrogateescape" keeps undecodable bytes recoverable '
+        '(text.encode("utf-8", "surrogateescape") gives them back)'
+    )
+    if encoding is None:
+        return ConfigError(
+            f"encoding=None does not give bytes here: output is always text; {bytes_kept}."
+        )
+    if not _codec_known(codecs.getincrementaldecoder, encoding):
+        return ConfigError(f'Unknown encoding {_shown(encoding)}: name a codec such as "utf-8".')
+    return ConfigError(
+        f'Unknown error handler {_shown(errors)}: use "replace", "strict", or {bytes_kept}.'
+    )
+
+
+def _codec_known(lookup: Callable[[Any], Any], name: Any) -> bool:
+    try:
+        lookup(name)
+    except (LookupError, TypeError):
+        return False
+    return True
 
 
 class _Deadline(NamedTuple):
@@ -2193,9 +2346,14 @@ _WRAPPER_HEAD = [
     '_cx_fail() { printf \'createos_exec: %s\\n\' "$2" >&2; exit "$1"; }',
 ]
 _UNREADABLE = "cannot read the staged file of env and stdin"
+# A program name with blanks in it is most often a command line given as one
+# string ("echo hi"): the message says so, and what to give instead.
 _FIND_PROGRAM = (
-    'case $1 in */*) [ -e "$1" ] || _cx_fail 127 "$1: No such file or directory";; '
-    '*) type -P -- "$1" >/dev/null || _cx_fail 127 "$1: command not found";; esac'
+    '_cx_missing() { case $1 in *[[:space:]]*) _cx_fail 127 "$1: $2 (a string is ONE program '
+    'name: give the command as a list of arguments, or use shell=True or --shell)";; esac; '
+    '_cx_fail 127 "$1: $2"; }\n'
+    'case $1 in */*) [ -e "$1" ] || _cx_missing "$1" "No such file or directory";; '
+    '*) type -P -- "$1" >/dev/null || _cx_missing "$1" "command not found";; esac'
 )
 # The wrapper's last line, for a script (shell=True) or an argv.
 _RUN_SCRIPT = 'exec bash -c -- "$1"'
@@ -2225,9 +2383,9 @@ def _given_command(cmd: Any, args: Any) -> Tuple[Any, bool]:
 
 def _checked_text(what: str, value: Any) -> str:
     if not isinstance(value, str):
-        raise ConfigError(f"{what} must be a string.")
+        raise ConfigError(f"{what} must be a string, not {type(value).__name__}.")
     if "\0" in value:
-        raise ConfigError(f"{what} contains a NUL byte.")
+        raise ConfigError(f"{what} contains a NUL byte, which no argument or file name can hold.")
     return value
 
 
@@ -2239,9 +2397,11 @@ def _argv(command: Command, shell: bool) -> List[str]:
     if isinstance(command, str):
         command = [command]
     if isinstance(command, (bytes, bytearray)) or not isinstance(command, Sequence):
-        raise ConfigError("The command must be a sequence of strings (or one string).")
+        raise ConfigError(
+            f"The command must be a list of strings (or one string), not {type(command).__name__}."
+        )
     if not command:
-        raise ConfigError("The command is empty.")
+        raise ConfigError("The command is empty: give at least the program to run.")
     return [_checked_text("Each command argument", arg) for arg in command]
 
 
@@ -2252,7 +2412,9 @@ def _staged_bytes(env: Optional[Dict[str, str]], stdin: Union[str, bytes, None])
     entries = []
     for name, value in (env or {}).items():
         if not isinstance(name, str) or not _ENV_NAME.match(name):
-            raise ConfigError("Env names must match [A-Za-z_][A-Za-z0-9_]*.")
+            raise ConfigError(
+                f"Invalid env name {_shown(name)}: names must match [A-Za-z_][A-Za-z0-9_]*."
+            )
         what = f"The value of env {name}"
         entries.append(
             name.encode("ascii") + b"=" + _utf8(what, _checked_text(what, value)) + b"\0"
@@ -2260,7 +2422,7 @@ def _staged_bytes(env: Optional[Dict[str, str]], stdin: Union[str, bytes, None])
     if isinstance(stdin, str):
         stdin = _utf8("stdin", stdin)
     elif stdin is not None and not isinstance(stdin, (bytes, bytearray)):
-        raise ConfigError("stdin must be str, bytes or None.")
+        raise ConfigError(f"stdin must be str, bytes or None, not {type(stdin).__name__}.")
     return b"".join(entries) + b"\0" + bytes(stdin or b"")
 
 
@@ -2627,7 +2789,7 @@ class RemoteProcess:
             raise outcome
         assert outcome is not None
         if self._check and not outcome.ok:
-            raise CommandError(outcome)
+            raise CommandError(outcome, timeout=self._deadline.seconds)
         return outcome
 
     def terminate(self) -> None:
@@ -2894,13 +3056,24 @@ class _Handover:
                 yield name, text
 
 
+# The signals of Linux, where the sandboxes run: a name outside them would be
+# refused by the service after the request.
+_LINUX_SIGNALS = frozenset(_SIGNAL_WORDS.values())
+
+
 def _signal_name(value: Any) -> str:
+    """The SIG name of a signal given as kill -l lists it ("SIGUSR1" or "USR1"), or its number."""
     if _is_int(value):
         with contextlib.suppress(ValueError):
             return _signal.Signals(value).name
-    elif isinstance(value, str) and _SIGNAL_NAME.match(value):
-        return value
-    raise ConfigError('The signal must be a name such as "SIGINT", or a signal number.')
+    elif isinstance(value, str):
+        name = value if value.startswith("SIG") else "SIG" + value
+        if name in _LINUX_SIGNALS:
+            return name
+    raise ConfigError(
+        f"Unknown signal {_shown(value)}: give a name in capitals as kill -l lists it "
+        '("TERM", "SIGUSR1", ...) or a signal number; nothing was sent.'
+    )
 
 
 # -- following: read the stream, resume it after every failure, recover --------
@@ -3313,9 +3486,11 @@ examples:
   echo hello | {prog} --stdin - sb_123 -- cat
   {prog} --json sb_123 -- ls /    # one JSON object, for scripts
 
+Each ARG reaches the program as it is; with --shell, COMMAND is one bash script.
+
 exit status: the remote exit code; 128+N when killed by signal N; 124 on
 timeout; 130 after Ctrl-C (the remote tree is terminated first); 125 for
-errors of this tool, the API or the connection.
+errors of this tool, the API or the connection; 2 for a usage error.
 The API key is read from $CREATEOS_API_KEY (or $CREATEOS_SANDBOX_API_KEY).
 """
 
@@ -3340,9 +3515,16 @@ def _parser() -> argparse.ArgumentParser:
         metavar="K=V",
         help="extra environment variable (repeatable)",
     )
-    parser.add_argument("--timeout", type=float, metavar="S", help="seconds for the command")
+    parser.add_argument(
+        "--timeout",
+        type=_timeout_option,
+        metavar="S",
+        help="seconds the command may run; then its remote tree is terminated (exit status 124)",
+    )
     parser.add_argument("--shell", action="store_true", help="COMMAND is one bash script string")
-    parser.add_argument("--stdin", metavar="FILE|-", help="feed this file (- for our stdin)")
+    parser.add_argument(
+        "--stdin", metavar="FILE|-", help="feed FILE to the command's stdin (-: this tool's stdin)"
+    )
     parser.add_argument(
         "--json",
         action="store_true",
@@ -3351,6 +3533,19 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("sandbox_id", metavar="SANDBOX_ID")
     parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARG...]")
     return parser
+
+
+def _timeout_option(text: str) -> float:
+    """--timeout's value; argparse names the option in its usage error."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not seconds > 0:  # NaN too
+        raise argparse.ArgumentTypeError(
+            f"expected a positive number of seconds, not {_shown(text)}"
+        )
+    return seconds
 
 
 def _print_live(stream: str, text: str) -> None:
@@ -3374,32 +3569,26 @@ def _cli_exit_code(result: ExecResult) -> int:
     return int(result.exit_code if result.exit_code is not None else 125)
 
 
+# The command line has no api_key=: only the variables can give it a key.
+_NO_KEY_HERE = "no API key: set CREATEOS_API_KEY (or CREATEOS_SANDBOX_API_KEY) in the environment."
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The command line; returns the exit status (see --help)."""
     parser = _parser()
     options = parser.parse_args(argv)
     command, env = _command_and_env(parser, options)
+    report = _Report(parser.prog, options.json)
+    if _key_from_environment() is None:
+        return report.failure("ConfigError", _NO_KEY_HERE)
     try:
         stdin = _read_stdin_option(options.stdin)
-    except OSError:
-        print("createos_exec: cannot read the --stdin file.", file=sys.stderr)
-        return 125
+    except OSError as exc:
+        return report.failure(type(exc).__name__, _unreadable_stdin(options.stdin, exc))
     try:
-        with Client(api_url=options.api_url) as client:
-            result = client.execute(
-                options.sandbox_id,
-                command,
-                shell=options.shell,
-                cwd=options.cwd,
-                env=env,
-                stdin=stdin,
-                timeout=options.timeout,
-                on_output=None if options.json else _print_live,
-                # Live output passes through byte-exact; JSON needs valid text.
-                errors="replace" if options.json else "surrogateescape",
-            )
+        result = _run_command(options, command, env, stdin)
     except KeyboardInterrupt:
-        print("createos_exec: interrupted", file=sys.stderr)
+        report.line("interrupted")
         return 130
     except BrokenPipeError:
         # Our reader went away (`| head`): like a local pipeline, the command
@@ -3407,16 +3596,72 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + 13  # SIGPIPE, as a shell reports it
     except CreateOSError as exc:
-        if options.json:
-            error = {"type": type(exc).__name__, "message": str(exc), "process_id": exc.process_id}
-            print(json.dumps({"error": error}))
-        else:
-            print(f"createos_exec: {exc}", file=sys.stderr)
-        return 125
+        return report.failure(type(exc).__name__, str(exc), exc)
+    if result.timed_out and options.timeout is not None:
+        report.line(
+            f"the command timed out after {options.timeout:g} s; "
+            "its remote process tree was terminated."
+        )
     if options.json:
         derived = {"output_truncated": result.output_truncated, "returncode": result.returncode}
         print(json.dumps(dict(dataclasses.asdict(result), **derived)))
     return _cli_exit_code(result)
+
+
+def _run_command(
+    options: argparse.Namespace,
+    command: Command,
+    env: Optional[Dict[str, str]],
+    stdin: Optional[bytes],
+) -> ExecResult:
+    with Client(api_url=options.api_url) as client:
+        return client.execute(
+            options.sandbox_id,
+            command,
+            shell=options.shell,
+            cwd=options.cwd,
+            env=env,
+            stdin=stdin,
+            timeout=options.timeout,
+            on_output=None if options.json else _print_live,
+            # Live output passes through byte-exact; JSON needs valid text.
+            errors="replace" if options.json else "surrogateescape",
+        )
+
+
+class _Report:
+    """The command line's own lines on stderr, each after the program name as typed."""
+
+    def __init__(self, prog: str, as_json: bool) -> None:
+        self._prog = prog
+        self._as_json = as_json
+
+    def line(self, message: str) -> None:
+        print(f"{self._prog}: {message}", file=sys.stderr)
+
+    def failure(self, kind: str, message: str, error: Optional[BaseException] = None) -> int:
+        """An error of this tool, the API or the connection: one line, or with --json
+        one object a script can branch on (`status`, `operation`, where there are)."""
+        if not self._as_json:
+            self.line(message)
+            return 125
+        fields = {
+            "type": kind,
+            "message": message,
+            "process_id": getattr(error, "process_id", None),
+        }
+        for name in ("status", "operation"):
+            if hasattr(error, name):
+                fields[name] = getattr(error, name)
+        print(json.dumps({"error": fields}))
+        return 125
+
+
+def _unreadable_stdin(name: str, error: OSError) -> str:
+    why = error.strerror or "it could not be read"
+    if name == "-":
+        return f"cannot read this tool's stdin for --stdin -: {why}."
+    return f"cannot read the --stdin file {name}: {why}."
 
 
 def _command_and_env(
@@ -3424,14 +3669,14 @@ def _command_and_env(
 ) -> Tuple[Command, Optional[Dict[str, str]]]:
     command: List[str] = options.command
     if not command:
-        parser.error("no command given (put it after --)")
+        parser.error("no command given: put it after --, as in: SANDBOX_ID -- uname -a")
     if options.shell and len(command) != 1:
-        parser.error("with --shell, give the script as one argument")
+        parser.error("with --shell, give the script as one quoted argument: -- 'cd /app && ls'")
     env = {}
     for item in options.env:
         name, sep, value = item.partition("=")
         if not sep:
-            parser.error("--env takes K=V")
+            parser.error("argument --env: expected K=V, as in --env CI=1")
         env[name] = value
     return (command[0] if options.shell else command), (env or None)
 

@@ -212,12 +212,12 @@ def test_errors_say_what_to_do_in_the_librarys_own_sentences(server):
     done = run_cli(server, SANDBOX, "--", "true", CREATEOS_API_KEY="not-the-key")
     assert done.returncode == 125 and done.stdout == b""
     assert done.stderr == (
-        b"createos_exec: CreateOS answered HTTP 401 to process creation: "
+        b"python -m createos_exec: CreateOS answered HTTP 401 to process creation: "
         b"the API key was refused; check CREATEOS_API_KEY.\n"
     )
     assert b"not-the-key" not in done.stderr
     missing = run_cli(server, "sb_elsewhere", "--", "true")
     assert missing.stderr == (
-        b"createos_exec: CreateOS answered HTTP 404 to process creation: "
+        b"python -m createos_exec: CreateOS answered HTTP 404 to process creation: "
         b"no sandbox with this id here (a wrong id, or a sandbox in another region).\n"
     )

@@ -120,12 +120,12 @@ def test_ctrl_c_terminates_the_remote_tree_then_exits_130(server, cleanup):
     assert server.requests_to("delete") == []
     started = time.monotonic()
     child.sendintr()  # the terminal's INTR character: SIGINT to the foreground group
-    child.expect_exact("createos_exec: interrupted")
+    child.expect_exact("python -m createos_exec: interrupted")
     assert finish(child) == 130
     assert time.monotonic() - started < 15
     # (The terminal may echo the key itself as "^C".)
     shown = [line.replace("^C", "") for line in screen_lines(child)]
-    assert shown == ["ready", "createos_exec: interrupted"]
+    assert shown == ["ready", "python -m createos_exec: interrupted"]
     # Checked right after the exit, with no waiting: the CLI confirmed it first.
     assert not server.tree_alive(process_id)
     assert [r.path for r in server.requests_to("delete")] == [

@@ -183,7 +183,7 @@ def test_sigint_to_the_cli_terminates_the_tree_then_exits_130(server):
     finally:
         reap(child)
     assert child.returncode == 130
-    assert err == b"createos_exec: interrupted\n"
+    assert err == b"python -m createos_exec: interrupted\n"
     assert elapsed <= CLI_CLEANUP + SLACK
     assert_tree_gone(server, process_id, pids)
     assert len(server.requests_to("delete")) == 1
@@ -216,7 +216,7 @@ def test_a_second_sigint_aborts_a_slow_cleanup_at_once(server):
         reap(child)
     assert child.returncode == 130
     assert elapsed < 2.0
-    assert b"createos_exec: interrupted\n" in err and b"Traceback" not in err
+    assert b"python -m createos_exec: interrupted\n" in err and b"Traceback" not in err
     # The aborted cleanup left the tree running (what a second Ctrl-C means):
     # terminate it ourselves through the API, then check nothing survived.
     assert server.tree_alive(process_id)

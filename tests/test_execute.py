@@ -187,7 +187,8 @@ def test_timeout_with_check_raises_command_error(client, server):
 
 def test_check_raises_command_error_on_failure(client):
     with pytest.raises(cx.CommandError) as caught:
-        client.execute(SANDBOX, "echo partial; exit 3", shell=True, check=True)
+        # The message names the script, so the output is one the script does not spell.
+        client.execute(SANDBOX, "printf 'par%s\\n' tial; exit 3", shell=True, check=True)
     error = caught.value
     assert isinstance(error, cx.CreateOSError)
     assert error.returncode == 3 and error.output == "partial\n" and error.stdout == "partial\n"

@@ -124,9 +124,7 @@ def test_a_listing_that_never_ends_is_read_for_a_bounded_number_of_pages():
         assert len(listings) == cx._LISTING_PAGES
 
 
-def test_a_process_this_origin_never_had_is_the_404_itself_with_nothing_to_destroy(
-    server, caplog
-):
+def test_a_process_this_origin_never_had_is_the_404_itself_with_nothing_to_destroy(server, caplog):
     # Another region's API, or a wrong id: one lookup says so before anything
     # is followed, so there is no tree to contain and no warning to give.
     caplog.set_level("WARNING", logger="createos_exec")

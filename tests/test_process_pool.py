@@ -115,7 +115,11 @@ def test_a_command_error_arrives_as_a_command_error(server, pool):
     assert type(error) is cx.CommandError
     assert isinstance(error, subprocess.CalledProcessError)
     assert isinstance(error, cx.CreateOSError)
-    assert str(error) == str(same) == "The command exited with status 5."
+    assert str(error) == (
+        f"The command 'sh' (process {error.process_id}) exited with status 5; "
+        "what it printed is in .stderr and .stdout."
+    )
+    assert str(same).startswith("The command 'sh' (process proc_")
     assert error.returncode == 5
     assert error.cmd == command
     assert error.output == error.stdout == "partial\n"
@@ -145,7 +149,7 @@ def test_a_timeout_or_signal_with_check_arrives_as_a_command_error(pool):
         killed.result(timeout=RESULT_TIMEOUT)
     assert raised.value.returncode == -9
     assert raised.value.result.signal == "SIGKILL"
-    assert str(raised.value) == "The command was killed by SIGKILL."
+    assert f"(process {raised.value.process_id}) was killed by SIGKILL;" in str(raised.value)
 
 
 def test_a_config_error_arrives_as_a_config_error_and_value_error(server, pool):
@@ -195,7 +199,8 @@ def test_the_example_runs():
     assert re.search(r"exit_code=3 signal=None returncode=3 stdout='' stderr='to stderr\\n'", out)
     assert "exit_code=None signal=SIGTERM returncode=-15" in out
     assert re.search(
-        r"CommandError: The command exited with status 4\. returncode=4 "
+        r"CommandError: The command 'sh' \(process proc_[A-Za-z0-9_-]+\) exited with "
+        r"status 4; what it printed is in \.stderr and \.stdout\. returncode=4 "
         r"stdout='about to fail\\n' " + process_id,
         out,
     )

@@ -632,8 +632,8 @@ CREATION_REFUSALS = {
     409: "the sandbox is not running (paused or stopped?); resume it first",
     422: "the request was refused as invalid (an option this sandbox does not accept?)",
     429: (
-        "too many requests from this IP address; lower rate_limit if other programs "
-        "share the address"
+        "too many requests from this IP address; try again later, and give each program "
+        "that shares the address a lower rate limit"
     ),
 }
 
@@ -1257,7 +1257,8 @@ def test_eviction_nobody_reads_live_is_the_head_of_a_result(
         if restart == "410 body":
             data_410["oldest_available_seq"] = 5
         else:
-            rsps.add(responses.GET, PROC, json=ok(record(output={"oldest_seq": 5, "newest_seq": 6})))
+            kept = {"oldest_seq": 5, "newest_seq": 6}
+            rsps.add(responses.GET, PROC, json=ok(record(output=kept)))
         body = json.dumps({"status": "fail", "data": data_410})
         rsps.add(responses.GET, CONNECT, status=410, body=body, content_type="application/json")
     add_connect(rsps, nd(data(5, "stdout", b"kept "), data(6, "stderr", b"e"), EXIT0))
@@ -1265,7 +1266,7 @@ def test_eviction_nobody_reads_live_is_the_head_of_a_result(
     assert (result.stdout, result.stderr, result.output) == ("kept ", "e", "kept e")
     assert result.output_evicted and result.stdout_truncated and result.stderr_truncated
     assert result.exit_code == 0 and result.reconnects == 0
-    assert [query(c)["after"] for c in calls(rsps, "GET", CONNECT)] == ["0", "4"][: 2]
+    assert [query(c)["after"] for c in calls(rsps, "GET", CONNECT)] == ["0", "4"]
     assert not calls(rsps, "DELETE", PROC)
 
 
@@ -1426,7 +1427,7 @@ def test_recovery_replay_still_incomplete_is_output_incomplete(
         make_client().execute(SB, ["true"])
     assert str(info.value) == (
         "The command ended with a known exit status, but its output could not be "
-        "read in full from CreateOS."
+        "read in full from CreateOS; .result holds the status and the output received."
     )
     assert isinstance(info.value, cx.StreamEndedError)
     result = info.value.result
@@ -2506,7 +2507,7 @@ def test_cli_api_error_is_125_with_one_line(
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err == (
-        "createos_exec: CreateOS answered HTTP 403 to process creation: the API key was "
+        "python -m createos_exec: CreateOS answered HTTP 403 to process creation: the API key was "
         "refused for this (another account's sandbox, or a spent quota).\n"
     )
     assert KEY not in captured.err and "SECRET-BODY" not in captured.err
@@ -2516,7 +2517,7 @@ def test_cli_config_errors_are_125(
     rsps: responses.RequestsMock, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert _cli(SB, "--", "true") == 125  # no key
-    assert capsys.readouterr().err.startswith("createos_exec: No API key")
+    assert capsys.readouterr().err.startswith("python -m createos_exec: no API key: set ")
     assert cx.main(["--api-url", "http://api.example.test", SB, "--", "true"]) == 125
     assert len(rsps.calls) == 0
 
@@ -2528,14 +2529,18 @@ def test_cli_invalid_sandbox_and_env_name_are_125(
     assert _cli("--env", "1A=x", SB, "--", "true") == 125
     assert len(rsps.calls) == 0
     lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 2 and all(line.startswith("createos_exec: ") for line in lines)
+    assert len(lines) == 2 and all(line.startswith("python -m createos_exec: ") for line in lines)
 
 
 def test_cli_unreadable_stdin_file_is_125(
     rsps: responses.RequestsMock, cli_env: None, capsys: pytest.CaptureFixture[str], tmp_path: Any
 ) -> None:
     assert _cli("--stdin", str(tmp_path / "missing"), SB, "--", "cat") == 125
-    assert capsys.readouterr().err == "createos_exec: cannot read the --stdin file.\n"
+    missing = tmp_path / "missing"
+    assert capsys.readouterr().err == (
+        f"python -m createos_exec: cannot read the --stdin file {missing}: "
+        "No such file or directory.\n"
+    )
     assert len(rsps.calls) == 0
 
 
