@@ -30,6 +30,7 @@ import codecs
 import collections
 import contextlib
 import dataclasses
+import datetime
 import email.utils
 import functools
 import hashlib
@@ -1390,6 +1391,50 @@ def _exit_status(fields: Dict[str, Any]) -> Optional[_Exit]:
     return _Exit(code, None)
 
 
+def _ended_by_deadline(record: Dict[str, Any], timeout: float) -> bool:
+    """Whether an exited process's record shows its deadline ended it, not the program.
+
+    The sandbox's watchdog fires `timeout` after the wrapper starts, which is
+    after the record's created_at: a process that finished sooner than that
+    ended on its own. Both times are the sandbox's clock, so no local clock
+    is compared with them. A record that does not tell (a time missing or
+    unreadable) counts as ended by the deadline: the client's own view.
+    """
+    created, finished = (_rfc3339(record.get(name)) for name in ("created_at", "finished_at"))
+    if created is None or finished is None:
+        return True
+    return finished - created >= timeout
+
+
+_RFC3339 = re.compile(
+    r"([0-9]{4})-([0-9]{2})-([0-9]{2})[Tt ]([0-9]{2}):([0-9]{2}):([0-9]{2})"
+    r"(?:\.([0-9]{1,9}))?(?:[Zz]|([+-])([0-9]{2}):([0-9]{2}))\Z"
+)
+
+
+def _rfc3339(value: Any) -> Optional[float]:
+    """Seconds since the epoch of an RFC 3339 time ("…T…Z", Go's nanoseconds too), else None.
+
+    By hand: datetime.fromisoformat reads neither "Z" nor 9 digits before Python 3.11.
+    """
+    match = _RFC3339.match(value) if isinstance(value, str) else None
+    if match is None:
+        return None
+    year, month, day, hour, minute, second = (int(part) for part in match.groups()[:6])
+    fraction, sign, offset_hours, offset_minutes = match.groups()[6:]
+    try:
+        when = datetime.datetime(
+            year, month, day, hour, minute, min(second, 59), tzinfo=datetime.timezone.utc
+        )
+    except ValueError:
+        return None
+    seconds = when.timestamp() + (int(fraction) / 10 ** len(fraction) if fraction else 0.0)
+    if sign is not None:
+        offset = int(offset_hours) * 3600 + int(offset_minutes) * 60
+        seconds -= offset if sign == "+" else -offset
+    return seconds
+
+
 def _signal_from_words(words: str) -> Optional[str]:
     numbered = _SIGNAL_NUMBER_WORD.match(words)
     return "SIG" + numbered.group(1) if numbered else _SIGNAL_WORDS.get(words)
@@ -1533,6 +1578,8 @@ def _plan(
     cwd: Optional[str],
     env: Optional[Dict[str, str]],
     stdin: Union[str, bytes, None],
+    timeout: Optional[float] = None,
+    grace: float = _TERMINATE_GRACE,
 ) -> _Plan:
     """Build the bash wrapper that runs the command: `bash -c WRAPPER MARKER ARGV...`.
 
@@ -1541,6 +1588,10 @@ def _plan(
     Env values and stdin are secrets: anyone listing the sandbox's processes
     reads cmd/args. They travel in a private file instead, which the wrapper
     opens as its stdin, reads the variables from and removes at once.
+
+    With a `timeout`, the wrapper forks a watchdog (see _WATCHDOG) that keeps
+    the deadline in the sandbox, with `grace` seconds between SIGTERM and
+    SIGKILL; without one, nothing is added.
     """
     marker = "createos_exec-" + secrets.token_hex(12)
     argv = _argv(command, shell)
@@ -1566,7 +1617,11 @@ def _plan(
         )
     # The command travels as the wrapper's positional parameters, untouched by
     # any quoting, each its own exec string (Linux caps one at 128 KiB).
-    lines.append('exec bash -c -- "$1"' if shell else f'{_FIND_PROGRAM}\nexec -- "$@"')
+    if not shell:
+        lines.append(_FIND_PROGRAM)
+    if timeout is not None:
+        lines.append(_watchdog(timeout, grace))
+    lines.append('exec bash -c -- "$1"' if shell else 'exec -- "$@"')
     body = {"cmd": "bash", "args": ["-c", "\n".join(lines) + "\n", marker, *argv]}
     return _Plan(marker, body, staged_path, staged)
 
@@ -1583,6 +1638,65 @@ _FIND_PROGRAM = (
     'case $1 in */*) [ -e "$1" ] || _cx_fail 127 "$1: No such file or directory";; '
     '*) type -P -- "$1" >/dev/null || _cx_fail 127 "$1: command not found";; esac'
 )
+
+# The sandbox keeps a `timeout` itself, for a client that died or lost the
+# network. Just before the final exec, the wrapper forks a watchdog twice over:
+# the program (the wrapper's pid after exec, so its own exit code and signal
+# are reported) gains no child it did not start, and an orphan is reaped by
+# the sandbox's init. With its stdio on /dev/null it holds no output pipe.
+# Every 0.1 s it looks at the leader in /proc (a zombie, or a pid with
+# another start time, has ended) and leaves once the leader has ended, within
+# 0.2 s, leaving alone what the program put in the background. At the
+# deadline it sends SIGTERM to the tree: the leader's process group, where
+# the leader leads one (never a group it does not lead, which may hold the
+# sandbox's agent), and the descendants of its members, found by a scan of
+# /proc. It leaves as soon as nothing of the tree lives (so
+# `wait?scope=tree` is not held up): it looks at the processes it signalled
+# every 0.1 s, and scans again once they have all ended; else it sends
+# SIGKILL after the grace period, to a tree scanned afresh. It ignores the signals sent to the group,
+# and sets again what a caller's env (exported by the wrapper) could have
+# changed for it: IFS, GLOBIGNORE, POSIX mode. Bash builtins only: the clock
+# is /proc/uptime (in centiseconds) and a read -t on a pipe nobody writes to
+# is its sleep.
+_WATCHDOG = r"""IFS=$' \t\n'; unset GLOBIGNORE; set +o posix; trap '' HUP INT QUIT TERM USR1 USR2
+_cx_stat() { { read -r _cx_s </proc/"$1"/stat; } 2>/dev/null && _cx_f=(${_cx_s##*) }); }
+_cx_now() { read -r _cx_n _ </proc/uptime && _cx_n=$((10#${_cx_n/./})); }
+_cx_runs() { _cx_stat $$ && [[ ${_cx_f[0]} != [ZX] && ${_cx_f[19]} = "$_cx_born" ]]; }
+_cx_nap() { _cx_now; _cx_t=$(($1 - _cx_n)); ((_cx_t > 0)) || return 1; ((_cx_t < 10)) || _cx_t=10
+  printf -v _cx_t 0.%02d "$_cx_t"; read -r -t "$_cx_t" -u 3; return 0; }
+_cx_tree() { local p s i n=1 tree=' '; local -a pid ppid; _cx_live=(); ! _cx_runs || tree=" $$ "
+  for p in /proc/[0-9]*/stat; do { read -r s <"$p"; } 2>/dev/null || continue
+    p=${s%% *} s=(${s##*) }); [[ $p = "$BASHPID" || ${s[0]} = [ZX] ]] && continue
+    if [[ ${s[2]} = "$_cx_group" ]]; then _cx_live+=("$p") tree+="$p "
+    else pid+=("$p") ppid+=("${s[1]}"); fi; done
+  while ((n)); do n=0; for i in "${!pid[@]}"; do [[ $tree = *" ${ppid[i]} "* ]] || continue
+    _cx_live+=("${pid[i]}") tree+="${pid[i]} " n=1; unset "pid[i]"; done; done; }
+_cx_gone() { local p; for p in "${_cx_live[@]}"; do _cx_stat "$p" || continue
+  [[ ${_cx_f[0]} = [ZX] ]] || return 1; done; }
+_cx_kill() { _cx_tree; ((${#_cx_live[@]} == 0)) || kill -s "$1" -- "${_cx_live[@]}"
+  [ -z "$_cx_group" ] || kill -s "$1" -- "-$_cx_group"; }
+_cx_stat $$ || exit; _cx_born=${_cx_f[19]} _cx_group=; [ "${_cx_f[2]}" != $$ ] || _cx_group=$$
+exec 3<> <(:); _cx_now; _cx_end=$((_cx_n + _cx_due))
+while _cx_runs; do _cx_nap "$_cx_end" && continue
+  _cx_kill TERM; _cx_end=$((_cx_n + _cx_grace))
+  while _cx_nap "$_cx_end"; do _cx_gone || continue; _cx_tree; ((${#_cx_live[@]})) || exit; done
+  _cx_kill KILL; exit; done
+) </dev/null >/dev/null 2>&1 & )"""
+_LONGEST_WATCH = 1e9  # seconds; a longer deadline is kept as this one (31 years)
+
+
+def _termination_grace(cleanup_timeout: float) -> float:
+    """The grace period between SIGTERM and SIGKILL, capped so that a DELETE that
+    waits it out fits in the cleanup deadline; the watchdog keeps the same."""
+    return min(_TERMINATE_GRACE, cleanup_timeout / 2)
+
+
+def _watchdog(timeout: float, grace: float) -> str:
+    """The wrapper's lines that fork the watchdog: SIGTERM at `timeout`, SIGKILL `grace` later."""
+    due, kill_after = (
+        _quote(str(math.ceil(min(seconds, _LONGEST_WATCH) * 100))) for seconds in (timeout, grace)
+    )
+    return f"( ( _cx_due={due} _cx_grace={kill_after}\n{_WATCHDOG}"
 
 
 def _checked_text(what: str, value: Any) -> str:
@@ -1780,7 +1894,10 @@ class Client:
         options = _Options.of(locals())
         if env is not None and not isinstance(env, dict):
             raise ConfigError("env must be a dict of str to str.")
-        plan = _plan(command, shell=shell, cwd=cwd, env=env, stdin=stdin)
+        grace = _termination_grace(self._transport.cleanup_timeout)
+        plan = _plan(
+            command, shell=shell, cwd=cwd, env=env, stdin=stdin, timeout=timeout, grace=grace
+        )
         launch = _Launch(self._transport, sandbox_id, plan)
         launch.stage()
         process_id, recovered = launch.create(options.deadline(started))
@@ -2617,6 +2734,33 @@ def _newest_seq(record: Dict[str, Any]) -> int:
     return int(newest)
 
 
+def _on_its_own(transport: _Transport, follower: _Follower, timeout: Optional[float]) -> bool:
+    """Whether a process first followed after its deadline had ended on its own
+    before it: its whole tree gone, and its record's times shorter than the
+    timeout (_ended_by_deadline). One request; trouble with it says no, and
+    the run ends at its deadline as it would have without asking."""
+    if timeout is None:
+        return False
+    try:
+        answer = transport.attempt(
+            "GET",
+            _sandbox_path(follower.sandbox_id, f"/processes/{follower.process_id}"),
+            operation="process status",
+            timeout=(transport.request_timeout, transport.request_timeout),
+            process_id=follower.process_id,
+        )
+        if isinstance(answer, _Retryable):
+            return False
+        record = _jsend_data(answer, "process status")
+    except CreateOSError:
+        return False
+    return (
+        isinstance(record, dict)
+        and record.get("tree_exited") is True
+        and not _ended_by_deadline(record, timeout)
+    )
+
+
 # -- contain: end the run, terminate the remote tree, confirmed ------------------
 
 
@@ -2653,17 +2797,21 @@ class _Run:
         self._transport = transport
         self._launch = launch
         self._deadline = options.deadline(follower.started)
+        self._timeout = options.timeout
 
     def follow(self, until: Optional[float]) -> Optional[ExecResult]:
         """Follow the process to its end; None when `until` (a wait's own limit)
         passed first: the process goes on running, and the run with it."""
         deadline = self._deadline
+        late = self._launch is not None and deadline is not None and time.monotonic() >= deadline
         if until is not None and (deadline is None or until < deadline):
             deadline = until
         ending = self._follow_to_end(deadline)
         left = _remaining(self._deadline)
         if ending.timed_out and (left is None or left > 0):
             return None
+        if late and ending.timed_out and _on_its_own(self._transport, self.follower, self._timeout):
+            ending = self._follow_to_end(time.monotonic() + self._transport.cleanup_timeout)
         return self._end(ending)
 
     def terminate(self, grace: Optional[float]) -> ExecResult:
@@ -2769,7 +2917,7 @@ def _terminate(
     (gone) where `gone_if_absent`: from the origin that has held the process.
     """
     if grace is None:
-        grace = min(_TERMINATE_GRACE, transport.cleanup_timeout / 2)
+        grace = _termination_grace(transport.cleanup_timeout)
     try:
         response = transport.call(
             "DELETE",
