@@ -1649,31 +1649,34 @@ _FIND_PROGRAM = (
 # 0.2 s, leaving alone what the program put in the background. At the
 # deadline it sends SIGTERM to the tree: the leader's process group, where
 # the leader leads one (never a group it does not lead, which may hold the
-# sandbox's agent), and the descendants of its members, found by a scan of
-# /proc. It leaves as soon as nothing of the tree lives (so
-# `wait?scope=tree` is not held up): it looks at the processes it signalled
-# every 0.1 s, and scans again once they have all ended; else it sends
-# SIGKILL after the grace period, to a tree scanned afresh. It ignores the signals sent to the group,
-# and sets again what a caller's env (exported by the wrapper) could have
-# changed for it: IFS, GLOBIGNORE, POSIX mode. Bash builtins only: the clock
-# is /proc/uptime (in centiseconds) and a read -t on a pipe nobody writes to
-# is its sleep.
+# sandbox's agent), and the descendants of its members outside it, found by
+# a scan of /proc; each process once, so that a handler runs once. It leaves
+# as soon as nothing of the tree lives (so `wait?scope=tree` is not held up):
+# it looks at the processes it signalled every 0.1 s, and scans again once
+# they have all ended; else it sends SIGKILL after the grace period, to a
+# tree scanned afresh. It ignores the signals sent to the group, and sets
+# again what a caller's env (exported by the wrapper) could have changed for
+# it: IFS, GLOBIGNORE, POSIX mode. Bash builtins only: the clock is
+# /proc/uptime (in centiseconds) and a read -t on a pipe nobody writes to is
+# its sleep.
 _WATCHDOG = r"""IFS=$' \t\n'; unset GLOBIGNORE; set +o posix; trap '' HUP INT QUIT TERM USR1 USR2
 _cx_stat() { { read -r _cx_s </proc/"$1"/stat; } 2>/dev/null && _cx_f=(${_cx_s##*) }); }
 _cx_now() { read -r _cx_n _ </proc/uptime && _cx_n=$((10#${_cx_n/./})); }
 _cx_runs() { _cx_stat $$ && [[ ${_cx_f[0]} != [ZX] && ${_cx_f[19]} = "$_cx_born" ]]; }
 _cx_nap() { _cx_now; _cx_t=$(($1 - _cx_n)); ((_cx_t > 0)) || return 1; ((_cx_t < 10)) || _cx_t=10
   printf -v _cx_t 0.%02d "$_cx_t"; read -r -t "$_cx_t" -u 3; return 0; }
-_cx_tree() { local p s i n=1 tree=' '; local -a pid ppid; _cx_live=(); ! _cx_runs || tree=" $$ "
+_cx_tree() { local p s i n=1 tree=' '; local -a pid ppid; _cx_live=() _cx_out=()
   for p in /proc/[0-9]*/stat; do { read -r s <"$p"; } 2>/dev/null || continue
     p=${s%% *} s=(${s##*) }); [[ $p = "$BASHPID" || ${s[0]} = [ZX] ]] && continue
     if [[ ${s[2]} = "$_cx_group" ]]; then _cx_live+=("$p") tree+="$p "
     else pid+=("$p") ppid+=("${s[1]}"); fi; done
+  ! _cx_runs || [[ $tree = *" $$ "* ]] || _cx_live+=($$) _cx_out+=($$) tree+="$$ "
   while ((n)); do n=0; for i in "${!pid[@]}"; do [[ $tree = *" ${ppid[i]} "* ]] || continue
-    _cx_live+=("${pid[i]}") tree+="${pid[i]} " n=1; unset "pid[i]"; done; done; }
+    _cx_live+=("${pid[i]}") _cx_out+=("${pid[i]}") tree+="${pid[i]} " n=1; unset "pid[i]"
+  done; done; }
 _cx_gone() { local p; for p in "${_cx_live[@]}"; do _cx_stat "$p" || continue
   [[ ${_cx_f[0]} = [ZX] ]] || return 1; done; }
-_cx_kill() { _cx_tree; ((${#_cx_live[@]} == 0)) || kill -s "$1" -- "${_cx_live[@]}"
+_cx_kill() { _cx_tree; ((${#_cx_out[@]} == 0)) || kill -s "$1" -- "${_cx_out[@]}"
   [ -z "$_cx_group" ] || kill -s "$1" -- "-$_cx_group"; }
 _cx_stat $$ || exit; _cx_born=${_cx_f[19]} _cx_group=; [ "${_cx_f[2]}" != $$ ] || _cx_group=$$
 exec 3<> <(:); _cx_now; _cx_end=$((_cx_n + _cx_due))
@@ -2734,13 +2737,15 @@ def _newest_seq(record: Dict[str, Any]) -> int:
     return int(newest)
 
 
-def _on_its_own(transport: _Transport, follower: _Follower, timeout: Optional[float]) -> bool:
-    """Whether a process first followed after its deadline had ended on its own
-    before it: its whole tree gone, and its record's times shorter than the
-    timeout (_ended_by_deadline). One request; trouble with it says no, and
-    the run ends at its deadline as it would have without asking."""
+def _gone_by_deadline(
+    transport: _Transport, follower: _Follower, timeout: Optional[float]
+) -> Optional[bool]:
+    """For a process first followed after its deadline: None while its tree may
+    still run, else whether the deadline ended it (the sandbox's watchdog) or
+    it ended on its own before it (_ended_by_deadline). One request; trouble
+    with it says None, and the run is contained at its deadline as before."""
     if timeout is None:
-        return False
+        return None
     try:
         answer = transport.attempt(
             "GET",
@@ -2750,15 +2755,13 @@ def _on_its_own(transport: _Transport, follower: _Follower, timeout: Optional[fl
             process_id=follower.process_id,
         )
         if isinstance(answer, _Retryable):
-            return False
+            return None
         record = _jsend_data(answer, "process status")
     except CreateOSError:
-        return False
-    return (
-        isinstance(record, dict)
-        and record.get("tree_exited") is True
-        and not _ended_by_deadline(record, timeout)
-    )
+        return None
+    if not isinstance(record, dict) or record.get("tree_exited") is not True:
+        return None
+    return _ended_by_deadline(record, timeout)
 
 
 # -- contain: end the run, terminate the remote tree, confirmed ------------------
@@ -2810,8 +2813,12 @@ class _Run:
         left = _remaining(self._deadline)
         if ending.timed_out and (left is None or left > 0):
             return None
-        if late and ending.timed_out and _on_its_own(self._transport, self.follower, self._timeout):
+        late = late and ending.timed_out
+        gone = _gone_by_deadline(self._transport, self.follower, self._timeout) if late else None
+        if gone is not None:  # the tree is gone, nothing to contain: read it to its end
             ending = self._follow_to_end(time.monotonic() + self._transport.cleanup_timeout)
+            if ending.status is not None:
+                return self.follower.result(ending.status, timed_out=gone)
         return self._end(ending)
 
     def terminate(self, grace: Optional[float]) -> ExecResult:
