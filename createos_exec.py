@@ -30,6 +30,7 @@ import codecs
 import collections
 import contextlib
 import dataclasses
+import datetime
 import email.utils
 import functools
 import hashlib
@@ -1769,6 +1770,50 @@ def _process_info(record: Any) -> ProcessInfo:
     )
 
 
+def _ended_by_deadline(record: Dict[str, Any], timeout: float) -> bool:
+    """Whether an exited process's record shows its deadline ended it, not the program.
+
+    The sandbox's watchdog fires `timeout` after the wrapper starts, which is
+    after the record's created_at: a process that finished sooner than that
+    ended on its own. Both times are the sandbox's clock, so no local clock
+    is compared with them. A record that does not tell (a time missing or
+    unreadable) counts as ended by the deadline: the client's own view.
+    """
+    created, finished = (_rfc3339(record.get(name)) for name in ("created_at", "finished_at"))
+    if created is None or finished is None:
+        return True
+    return finished - created >= timeout
+
+
+_RFC3339 = re.compile(
+    r"([0-9]{4})-([0-9]{2})-([0-9]{2})[Tt ]([0-9]{2}):([0-9]{2}):([0-9]{2})"
+    r"(?:\.([0-9]{1,9}))?(?:[Zz]|([+-])([0-9]{2}):([0-9]{2}))\Z"
+)
+
+
+def _rfc3339(value: Any) -> Optional[float]:
+    """Seconds since the epoch of an RFC 3339 time ("…T…Z", Go's nanoseconds too), else None.
+
+    By hand: datetime.fromisoformat reads neither "Z" nor 9 digits before Python 3.11.
+    """
+    match = _RFC3339.match(value) if isinstance(value, str) else None
+    if match is None:
+        return None
+    year, month, day, hour, minute, second = (int(part) for part in match.groups()[:6])
+    fraction, sign, offset_hours, offset_minutes = match.groups()[6:]
+    try:
+        when = datetime.datetime(
+            year, month, day, hour, minute, min(second, 59), tzinfo=datetime.timezone.utc
+        )
+    except ValueError:
+        return None
+    seconds = when.timestamp() + (int(fraction) / 10 ** len(fraction) if fraction else 0.0)
+    if sign is not None:
+        offset = int(offset_hours) * 3600 + int(offset_minutes) * 60
+        seconds -= offset if sign == "+" else -offset
+    return seconds
+
+
 def _signal_from_words(words: str) -> Optional[str]:
     numbered = _SIGNAL_NUMBER_WORD.match(words)
     return "SIG" + numbered.group(1) if numbered else _SIGNAL_WORDS.get(words)
@@ -2153,7 +2198,7 @@ class Client:
         )  # fmt: skip
         deadline = _Deadline.after(options.timeout, "command", started)
         sandbox_id = _checked_id("sandbox", sandbox_id)
-        plan = _plan(command, options)
+        plan = _plan(command, options, _termination_grace(self._transport.cleanup_timeout))
         launch = _Launch(self._transport, sandbox_id, plan)
         launch.stage(deadline)
         process_id, recovered = launch.create(deadline)
@@ -2298,7 +2343,7 @@ class _Plan(NamedTuple):
     staged: Optional[bytes]
 
 
-def _plan(command: Command, options: _Options) -> _Plan:
+def _plan(command: Command, options: _Options, grace: float) -> _Plan:
     """Build the bash wrapper that runs the command: `bash -c WRAPPER MARKER ARGV...`.
 
     The random marker ($0) lets an ambiguously created process be found again.
@@ -2306,6 +2351,10 @@ def _plan(command: Command, options: _Options) -> _Plan:
     Env values and stdin are secrets: anyone listing the sandbox's processes
     reads cmd/args. They travel in a private file instead, which the wrapper
     opens as its stdin, reads the variables from and removes at once.
+
+    With a `timeout`, the wrapper forks a watchdog (see _WATCHDOG) that keeps
+    the deadline in the sandbox, with `grace` seconds between SIGTERM and
+    SIGKILL; without one, nothing is added.
     """
     marker = _MARKER_PREFIX + secrets.token_hex(12)
     argv = _argv(command, options.shell)
@@ -2331,7 +2380,11 @@ def _plan(command: Command, options: _Options) -> _Plan:
         )
     # The command travels as the wrapper's positional parameters, untouched by
     # any quoting, each its own exec string (Linux caps one at 128 KiB).
-    lines.append(_RUN_SCRIPT if options.shell else f"{_FIND_PROGRAM}\n{_RUN_ARGV}")
+    if not options.shell:
+        lines.append(_FIND_PROGRAM)
+    if options.timeout is not None:
+        lines.append(_watchdog(options.timeout, grace))
+    lines.append(_RUN_SCRIPT if options.shell else _RUN_ARGV)
     body = {"cmd": "bash", "args": ["-c", "\n".join(lines) + "\n", marker, *argv]}
     return _Plan(marker, body, staged_path, staged)
 
@@ -2355,6 +2408,69 @@ _FIND_PROGRAM = (
     'case $1 in */*) [ -e "$1" ] || _cx_missing "$1" "No such file or directory";; '
     '*) type -P -- "$1" >/dev/null || _cx_missing "$1" "command not found";; esac'
 )
+# The sandbox keeps a `timeout` itself, for a client that died or lost the
+# network. Just before the final exec, the wrapper forks a watchdog twice over:
+# the program (the wrapper's pid after exec, so its own exit code and signal
+# are reported) gains no child it did not start, and an orphan is reaped by
+# the sandbox's init. With its stdio on /dev/null it holds no output pipe.
+# Every 0.1 s it looks at the leader in /proc (a zombie, or a pid with
+# another start time, has ended) and leaves once the leader has ended, within
+# 0.2 s, leaving alone what the program put in the background. At the
+# deadline it sends SIGTERM to the tree: the leader's process group, where
+# the leader leads one (never a group it does not lead, which may hold the
+# sandbox's agent), and the descendants of its members outside it, found by
+# a scan of /proc; each process once, so that a handler runs once. It leaves
+# as soon as nothing of the tree lives (so `wait?scope=tree` is not held up):
+# it looks at the processes it signalled every 0.1 s, and scans again once
+# they have all ended; else it sends SIGKILL after the grace period, to a
+# tree scanned afresh. It ignores the signals sent to the group, and sets
+# again what a caller's env (exported by the wrapper) could have changed for
+# it: IFS, GLOBIGNORE, POSIX mode. Bash builtins only: the clock is
+# /proc/uptime (in centiseconds) and a read -t on a pipe nobody writes to is
+# its sleep.
+_WATCHDOG = r"""IFS=$' \t\n'; unset GLOBIGNORE; set +o posix; trap '' HUP INT QUIT TERM USR1 USR2
+_cx_stat() { { read -r _cx_s </proc/"$1"/stat; } 2>/dev/null && _cx_f=(${_cx_s##*) }); }
+_cx_now() { read -r _cx_n _ </proc/uptime && _cx_n=$((10#${_cx_n/./})); }
+_cx_runs() { _cx_stat $$ && [[ ${_cx_f[0]} != [ZX] && ${_cx_f[19]} = "$_cx_born" ]]; }
+_cx_nap() { _cx_now; _cx_t=$(($1 - _cx_n)); ((_cx_t > 0)) || return 1; ((_cx_t < 10)) || _cx_t=10
+  printf -v _cx_t 0.%02d "$_cx_t"; read -r -t "$_cx_t" -u 3; return 0; }
+_cx_tree() { local p s i n=1 tree=' '; local -a pid ppid; _cx_live=() _cx_out=()
+  for p in /proc/[0-9]*/stat; do { read -r s <"$p"; } 2>/dev/null || continue
+    p=${s%% *} s=(${s##*) }); [[ $p = "$BASHPID" || ${s[0]} = [ZX] ]] && continue
+    if [[ ${s[2]} = "$_cx_group" ]]; then _cx_live+=("$p") tree+="$p "
+    else pid+=("$p") ppid+=("${s[1]}"); fi; done
+  ! _cx_runs || [[ $tree = *" $$ "* ]] || _cx_live+=($$) _cx_out+=($$) tree+="$$ "
+  while ((n)); do n=0; for i in "${!pid[@]}"; do [[ $tree = *" ${ppid[i]} "* ]] || continue
+    _cx_live+=("${pid[i]}") _cx_out+=("${pid[i]}") tree+="${pid[i]} " n=1; unset "pid[i]"
+  done; done; }
+_cx_gone() { local p; for p in "${_cx_live[@]}"; do _cx_stat "$p" || continue
+  [[ ${_cx_f[0]} = [ZX] ]] || return 1; done; }
+_cx_kill() { _cx_tree; ((${#_cx_out[@]} == 0)) || kill -s "$1" -- "${_cx_out[@]}"
+  [ -z "$_cx_group" ] || kill -s "$1" -- "-$_cx_group"; }
+_cx_stat $$ || exit; _cx_born=${_cx_f[19]} _cx_group=; [ "${_cx_f[2]}" != $$ ] || _cx_group=$$
+exec 3<> <(:); _cx_now; _cx_end=$((_cx_n + _cx_due))
+while _cx_runs; do _cx_nap "$_cx_end" && continue
+  _cx_kill TERM; _cx_end=$((_cx_n + _cx_grace))
+  while _cx_nap "$_cx_end"; do _cx_gone || continue; _cx_tree; ((${#_cx_live[@]})) || exit; done
+  _cx_kill KILL; exit; done
+) </dev/null >/dev/null 2>&1 & )"""
+_LONGEST_WATCH = 1e9  # seconds; a longer deadline is kept as this one (31 years)
+
+
+def _termination_grace(cleanup_timeout: float) -> float:
+    """The grace period between SIGTERM and SIGKILL, capped so that a DELETE that
+    waits it out fits in the cleanup deadline; the watchdog keeps the same."""
+    return min(_TERMINATE_GRACE, cleanup_timeout / 2)
+
+
+def _watchdog(timeout: float, grace: float) -> str:
+    """The wrapper's lines that fork the watchdog: SIGTERM at `timeout`, SIGKILL `grace` later."""
+    due, kill_after = (
+        _quote(str(math.ceil(min(seconds, _LONGEST_WATCH) * 100))) for seconds in (timeout, grace)
+    )
+    return f"( ( _cx_due={due} _cx_grace={kill_after}\n{_WATCHDOG}"
+
+
 # The wrapper's last line, for a script (shell=True) or an argv.
 _RUN_SCRIPT = 'exec bash -c -- "$1"'
 _RUN_ARGV = 'exec -- "$@"'
@@ -2875,18 +2991,40 @@ class RemoteProcess:
     def _run(self, until: _Deadline) -> _Steps[Optional[ExecResult]]:
         """Follow the process to its end; None when `until` (a wait's own limit)
         passed first: the process goes on running, and the run with it."""
+        late = self._launch is not None and self._deadline.expired()
         try:
             status = yield from self._follower.follow(self._deadline.sooner(until))
             ending = _Ending(status=status)
         except _TimedOut as expired:
             if expired.args[0].limit != "command":
                 return None
+            gone = (yield from self._after_its_deadline()) if late else None
+            if gone is not None:
+                return gone
             ending = _Ending(timed_out=True)
         except GeneratorExit:  # a loop was left: nothing ends
             raise
         except BaseException as exc:  # contained by _end, then raised again
             ending = _Ending(error=exc)
         return (yield from self._end(ending))
+
+    def _after_its_deadline(self) -> _Steps[Optional[ExecResult]]:
+        """First followed after its deadline: a tree already gone (the sandbox's
+        watchdog, or its own end) needs no containment. Its output is read to
+        the end, and its record says whether the deadline ended it. None to
+        contain it as at any deadline (one that still runs, or trouble)."""
+        try:
+            record = self._endpoints.current_record()
+        except CreateOSError:
+            return None
+        if record.get("tree_exited") is not True:
+            return None
+        ended_by_deadline = _ended_by_deadline(record, self._deadline.seconds or 0.0)
+        try:
+            status = yield from self._follower.follow(self._follower.cleanup_deadline())
+        except (_TimedOut, CreateOSError):
+            return None
+        return self._follower.result(status, timed_out=ended_by_deadline)
 
     def _end(self, ending: _Ending) -> _Steps[Optional[ExecResult]]:
         """The one way a run ends. Unless the process ended by itself, its tree
@@ -3254,6 +3392,10 @@ class _Follower:
         self.exit_recovered = True
         return recovered
 
+    def cleanup_deadline(self) -> _Deadline:
+        """A fresh deadline for reading what is left once nothing is waited for."""
+        return _Deadline.after(self._endpoints.cleanup_timeout, "cleanup", time.monotonic())
+
     def raise_if_interrupted(self, deadline: _Deadline) -> None:
         if self._cancel is not None and self._cancel.is_set():
             raise CancelledError(process_id=self._process_id)
@@ -3274,9 +3416,8 @@ class _Follower:
         A cancel, a callback's error or Ctrl-C ends the reading and becomes
         how the run ended; trouble with the stream only ends the reading.
         """
-        cleanup = _Deadline.after(self._endpoints.cleanup_timeout, "cleanup", time.monotonic())
         try:
-            status = yield from self.follow(cleanup)
+            status = yield from self.follow(self.cleanup_deadline())
         except CancelledError as exc:
             return ending._replace(error=exc)
         except (_TimedOut, CreateOSError):
@@ -3404,11 +3545,14 @@ class _Endpoints:
         )
         return self._checked_record(_jsend_data(response, "process lookup"))
 
+    def current_record(self) -> Dict[str, Any]:
+        """The process record as it is now: one request, not retried."""
+        answer = self._once("GET", "", "process status")
+        return self._checked_record(_jsend_data(answer, "process status"))
+
     def status(self) -> Optional[_Exit]:
         """The exit status in the process record (one request), or None while its leader runs."""
-        record = self._checked_record(
-            _jsend_data(self._once("GET", "", "process status"), "process status")
-        )
+        record = self.current_record()
         if record.get("leader_exited") is not True:
             return None
         status = _exit_status(record)
@@ -3430,7 +3574,7 @@ class _Endpoints:
         """
         transport = self.transport
         if grace is None:
-            grace = min(_TERMINATE_GRACE, transport.cleanup_timeout / 2)
+            grace = _termination_grace(transport.cleanup_timeout)
         try:
             response = transport.call(
                 "DELETE",

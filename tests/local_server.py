@@ -341,12 +341,15 @@ class Process:
         journal_limit: int,
         frame_limit: int = FRAME_LIMIT,
         reading: str = CONSERVATIVE,
+        created_at: str | None = None,
     ):
         self.id = process_id
         self.sandbox_id = sandbox_id
         self.pid = popen.pid  # also the process group id (start_new_session)
         self.cmd, self.args, self.cwd = cmd, args, cwd
-        self.created_at = utc_now()
+        # Stamped before the spawn by the caller: a record is created before its
+        # process runs, so that finished_at - created_at bounds how long it ran.
+        self.created_at = created_at or utc_now()
         self._popen = popen
         assert popen.stdin and popen.stdout and popen.stderr  # started with three PIPEs
         self._stdin, self._stdout, self._stderr = popen.stdin, popen.stdout, popen.stderr
@@ -478,10 +481,11 @@ class Process:
             os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOWAIT)
         except ChildProcessError:
             pass
+        finished_at = utc_now()  # when it exited, not when cond came free
         with self.cond:
             self._popen.wait()
             self.returncode = self._popen.returncode
-            self.finished_at = utc_now()
+            self.finished_at = finished_at
             self.cond.notify_all()
         # Nobody may write after the leader exited. A write still blocked in
         # write_input holds the lock; it closes the pipe itself when done.
@@ -1585,6 +1589,7 @@ class LocalServer:
         if not os.path.isdir(cwd):
             raise ApiError(400, {"cwd": "no such directory"})
         env = environment_of(spec, sandbox)
+        created_at = utc_now()
         try:
             popen = subprocess.Popen(
                 [cmd] + args,
@@ -1608,6 +1613,7 @@ class LocalServer:
             self.journal_limit,
             self.frame_limit,
             self.reading,
+            created_at,
         )
         with self._lock:
             self._processes[proc.id] = proc

@@ -1,7 +1,8 @@
 """Rerun the reliability campaign and print its figures (the table in RELIABILITY.md).
 
-    python tests/reliability.py                          # the counts CI runs
-    CREATEOS_CHAOS_RUNS=5000 python tests/reliability.py # more chaos schedules
+    python tests/reliability.py                            # the counts CI runs
+    CREATEOS_CHAOS_RUNS=5000 python tests/reliability.py   # more chaos schedules
+    CREATEOS_DEADLINE_RUNS=200 python tests/reliability.py # more clients killed at random
 
 Every figure comes from the tests themselves, through the `figures` fixture
 of conftest.py: each test appends what it ran and what it checked.
@@ -26,6 +27,7 @@ CAMPAIGN = [
     "tests/test_hostile_input.py",
     "tests/test_load.py",
     "tests/test_reader_fuzz.py",
+    "tests/test_deadline.py",
 ]
 KEPT_LAST = ("seed", "limit", "threads")  # settings, not counts
 
