@@ -2343,7 +2343,7 @@ class _Plan(NamedTuple):
     staged: Optional[bytes]
 
 
-def _plan(command: Command, options: _Options, grace: float) -> _Plan:
+def _plan(command: Command, options: _Options, grace: float = _TERMINATE_GRACE) -> _Plan:
     """Build the bash wrapper that runs the command: `bash -c WRAPPER MARKER ARGV...`.
 
     The random marker ($0) lets an ambiguously created process be found again.

@@ -288,8 +288,8 @@ def test_the_watchdog_goes_with_the_program(client, server):
 
 
 def test_without_timeout_nothing_is_added_to_the_wrapper(client, server):
-    plain = cx._plan(["true"], cx._Options(), cx._TERMINATE_GRACE).body["args"][1]
-    kept = cx._plan(["true"], cx._Options(timeout=5.0), cx._TERMINATE_GRACE).body["args"][1]
+    plain = cx._plan(["true"], cx._Options()).body["args"][1]
+    kept = cx._plan(["true"], cx._Options(timeout=5.0)).body["args"][1]
     assert "_cx_due" not in plain and "/proc" not in plain
     assert kept.startswith(plain.rsplit("\n", 2)[0]) and "_cx_due" in kept
     result = client.execute(SANDBOX, ["true"])
@@ -298,7 +298,7 @@ def test_without_timeout_nothing_is_added_to_the_wrapper(client, server):
 
 @pytest.mark.parametrize("timeout", [1e-9, 1e12, float("inf")])
 def test_any_timeout_makes_a_valid_wrapper(timeout):
-    plan = cx._plan(["true"], cx._Options(timeout=timeout), cx._TERMINATE_GRACE)
+    plan = cx._plan(["true"], cx._Options(timeout=timeout))
     checked = subprocess.run(["bash", "-n", "-c", plan.body["args"][1]], capture_output=True)
     assert checked.returncode == 0, checked.stderr
 
