@@ -90,10 +90,14 @@ __all__ = [
     "CreateOSError",
     "ExecResult",
     "OutputEvictedError",
+    "InputUnconfirmedError",
     "OutputIncompleteError",
+    "PIPE",
+    "ProcessEndedError",
     "ProtocolError",
     "RemoteProcess",
     "RetryPolicy",
+    "StdinClosedError",
     "StreamEndedError",
     "TransportError",
     "WaitTimeout",
@@ -107,6 +111,21 @@ logger = logging.getLogger("createos_exec")
 
 OutputCallback = Callable[[str, str], Any]
 Command = Union[str, Sequence[str]]
+
+
+class _Pipe:
+    """The type of PIPE: a single value that pickles as itself."""
+
+    def __repr__(self) -> str:
+        return "createos_exec.PIPE"
+
+    def __reduce__(self) -> str:
+        return "PIPE"
+
+
+# start(..., stdin=PIPE) keeps the process's stdin open for RemoteProcess.write().
+PIPE = _Pipe()
+Stdin = Union[str, bytes, None, _Pipe]
 
 
 # --------------------------------------------------------------------------
@@ -380,6 +399,59 @@ class WaitTimeout(CreateOSError, subprocess.TimeoutExpired):
         self.timeout = timeout
         self.output = None
         self.stderr = None
+
+
+class StdinClosedError(CreateOSError, BrokenPipeError):
+    """write() after close_stdin() or after the process ended: a broken pipe, as locally."""
+
+    def __init__(self, *, process_id: Optional[str] = None) -> None:
+        super().__init__(
+            "The process's stdin is closed (by close_stdin(), or the process ended); "
+            "nothing was written.",
+            process_id=process_id,
+        )
+
+
+class InputUnconfirmedError(TransportError):
+    """A write to stdin stopped before all of it was confirmed; nothing is sent twice."""
+
+    # `confirmed_bytes` of this write() are known to have arrived. Where the
+    # answer to a piece was lost after it left (a broken connection, a 5xx, a
+    # timeout), that piece may or may not have reached the process and is
+    # never sent again. Where `unsent`, the rest certainly did not leave: the
+    # API could not be reached, or kept answering 429, within the retry policy.
+
+    def __init__(
+        self, confirmed_bytes: int, *, unsent: bool = False, process_id: Optional[str] = None
+    ) -> None:
+        super().__init__("stdin write", process_id=process_id)
+        self.confirmed_bytes = confirmed_bytes
+        self.unsent = unsent
+        if unsent:
+            message = (
+                f"CreateOS could not be reached to write to the process's stdin: "
+                f"{confirmed_bytes} bytes of this write arrived, the rest was not sent."
+            )
+        else:
+            message = (
+                f"The answer to a write to the process's stdin was lost: {confirmed_bytes} "
+                f"bytes of this write are confirmed, the next piece may or may not have "
+                f"arrived, and nothing is sent again."
+            )
+        self.args = (message,)
+
+
+class ProcessEndedError(CreateOSError):
+    """wait_for_port(): the process ended before the port opened; `.result` is its result."""
+
+    def __init__(
+        self, *, process_id: Optional[str] = None, result: Optional[ExecResult] = None
+    ) -> None:
+        super().__init__(
+            "The process ended before the port accepted a connection.",
+            process_id=process_id,
+            result=result,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1532,7 +1604,7 @@ def _plan(
     shell: bool,
     cwd: Optional[str],
     env: Optional[Dict[str, str]],
-    stdin: Union[str, bytes, None],
+    stdin: Stdin,
 ) -> _Plan:
     """Build the bash wrapper that runs the command: `bash -c WRAPPER MARKER ARGV...`.
 
@@ -1540,24 +1612,20 @@ def _plan(
 
     Env values and stdin are secrets: anyone listing the sandbox's processes
     reads cmd/args. They travel in a private file instead, which the wrapper
-    opens as its stdin, reads the variables from and removes at once.
+    opens as its stdin, reads the variables from and removes at once. With
+    stdin=PIPE the wrapper reads that file on a descriptor of its own and
+    leaves its stdin, the service's pipe, to the command.
     """
     marker = "createos_exec-" + secrets.token_hex(12)
     argv = _argv(command, shell)
-    staged = _staged_bytes(env, stdin)
+    piped = isinstance(stdin, _Pipe)
+    staged = _staged_bytes(env, None if isinstance(stdin, _Pipe) else stdin)
     staged_path = f"/tmp/.{marker}" if staged is not None else None
     lines = list(_WRAPPER_HEAD)
-    if staged_path is None:
+    if staged_path is not None:
+        lines.extend(_reading_staged(staged_path, marker, fd=3 if piped else 0))
+    elif not piped:
         lines.append("exec 0</dev/null")
-    else:
-        quoted = _quote(staged_path)
-        lines.append(f"{{ exec 0<{quoted}; }} 2>/dev/null || _cx_fail 125 '{_UNREADABLE}'")
-        lines.append(f"rm -f -- {quoted}")
-        var = "_" + marker.replace("-", "_")  # a name no caller's variable can have
-        lines.append(
-            f"while IFS= read -r -d '' {var} && [ -n \"${var}\" ]; "
-            f'do export "${var}"; done; unset {var}'
-        )
     if cwd is not None:
         quoted = _quote(_checked_text("cwd", cwd))
         lines.append(
@@ -1569,6 +1637,23 @@ def _plan(
     lines.append('exec bash -c -- "$1"' if shell else f'{_FIND_PROGRAM}\nexec -- "$@"')
     body = {"cmd": "bash", "args": ["-c", "\n".join(lines) + "\n", marker, *argv]}
     return _Plan(marker, body, staged_path, staged)
+
+
+def _reading_staged(path: str, marker: str, fd: int) -> List[str]:
+    """Wrapper lines that open the staged file on `fd`, remove it, and export
+    its variables; on fd 0 the rest of the file is the command's stdin."""
+    quoted = _quote(path)
+    var = "_" + marker.replace("-", "_")  # a name no caller's variable can have
+    read = "read" if fd == 0 else f"read -u {fd}"
+    lines = [
+        f"{{ exec {fd}<{quoted}; }} 2>/dev/null || _cx_fail 125 '{_UNREADABLE}'",
+        f"rm -f -- {quoted}",
+        f"while IFS= {read} -r -d '' {var} && [ -n \"${var}\" ]; "
+        f'do export "${var}"; done; unset {var}',
+    ]
+    if fd != 0:
+        lines.append(f"exec {fd}<&-")  # the command inherits nothing of the file
+    return lines
 
 
 # The wrapper's own failures read as a shell's would: they name the program
