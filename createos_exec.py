@@ -1834,6 +1834,10 @@ class Client:
         cancel: Optional[threading.Event] = None,
     ) -> ExecResult:  # fmt: skip
         """Run `command` in the sandbox and return how it ended: start(...).wait()."""
+        if isinstance(stdin, _Pipe):
+            raise ConfigError(
+                "stdin=cx.PIPE needs start(): nothing can write while execute() waits."
+            )
         arguments = dict(locals())
         del arguments["self"]
         return self.start(**arguments).wait()
@@ -1846,7 +1850,7 @@ class Client:
         shell: bool = False,
         cwd: Optional[str] = None,
         env: Optional[Dict[str, str]] = None,
-        stdin: Union[str, bytes, None] = None,
+        stdin: Stdin = None,
         timeout: Optional[float] = None,
         on_output: Optional[OutputCallback] = None,
         check: bool = False,
@@ -1858,7 +1862,8 @@ class Client:
         """Create the process (exactly once) and return at once, as subprocess.Popen does.
 
         The options are execute()'s; `timeout` counts from now and, when it
-        expires, terminates the tree during the wait that sees it.
+        expires, terminates the tree during the wait that sees it. With
+        stdin=cx.PIPE the process's stdin stays open for write().
         """
         started = time.monotonic()
         sandbox_id = _checked_id("sandbox", sandbox_id)
@@ -1879,11 +1884,15 @@ class Client:
             creation_recovered=recovered,
             created_here=True,
         )
-        return RemoteProcess(_Run(self._transport, follower, options, launch=launch))
+        process = RemoteProcess(_Run(self._transport, follower, options, launch=launch))
+        if isinstance(stdin, _Pipe):
+            path = _sandbox_path(sandbox_id, f"/processes/{process_id}")
+            process._stdin = _Stdin(self._transport, path, process_id, encoding)
+        return process
 
     def attach(
         self, sandbox_id: str, process_id: str, *,
-        after: int = 0,
+        after: int = 0, stdin: None = None,
         timeout: Optional[float] = None, on_output: Optional[OutputCallback] = None,
         check: bool = False, max_output_chars: int = 4 * 1024 * 1024,
         encoding: str = "utf-8", errors: str = "replace",
@@ -1895,6 +1904,8 @@ class Client:
         terminated on timeout, cancel, Ctrl-C or any error.
         """
         started = time.monotonic()
+        if stdin is not None:
+            raise ConfigError("attach() takes no stdin: it follows a process started elsewhere.")
         sandbox_id = _checked_id("sandbox", sandbox_id)
         process_id = _checked_id("process", process_id)
         if not _is_int(after) or after < 0:
@@ -1969,6 +1980,7 @@ class RemoteProcess:
         self._outcome: Union[ExecResult, BaseException, None] = None  # once the run has ended
         self._status: Optional[_Exit] = None  # learned by poll()
         self._owner: Optional[Client] = None  # the client of cx.start(), closed at the end
+        self._stdin: Optional[_Stdin] = None  # set by start(..., stdin=cx.PIPE)
 
     def __repr__(self) -> str:
         return (
@@ -2073,6 +2085,42 @@ class RemoteProcess:
         name = _signal_name(signal)
         if self._outcome is None:
             self._run.follower.send_signal(name)
+
+    def write(self, data: Union[str, bytes]) -> None:
+        """Write to stdin (start(..., stdin=cx.PIPE)); see _Stdin.write."""
+        if self._stdin is None:
+            raise ConfigError("write() needs a process started with stdin=cx.PIPE.")
+        self._stdin.write(data, ended=self._outcome is not None)
+
+    def close_stdin(self) -> None:
+        """EOF on stdin; idempotent, and nothing to do without stdin=cx.PIPE."""
+        if self._stdin is not None and self._outcome is None:
+            self._stdin.close()
+
+    def communicate(
+        self, input: Union[str, bytes, None] = None, timeout: Optional[float] = None
+    ) -> ExecResult:
+        """Write `input`, close stdin and wait(timeout), as Popen.communicate does
+        (which also lets a process that stopped reading its stdin end as it ends)."""
+        with contextlib.suppress(StdinClosedError):
+            if input is not None:
+                self.write(input)
+            self.close_stdin()
+        return self.wait(timeout)
+
+    def wait_for_port(self, port: int, *, host: str = "127.0.0.1", timeout: float = 30.0) -> None:
+        """Return once a TCP connect to host:port succeeds inside the sandbox; see _PortWait."""
+        transport = self._run._transport
+        probe = _PortWait(
+            transport,
+            self.sandbox_id,
+            self.process_id,
+            self.args,
+            port=port,
+            host=host,
+            timeout=timeout,
+        )
+        probe.wait(self.wait)
 
     def __enter__(self) -> "RemoteProcess":
         return self
@@ -2700,6 +2748,250 @@ def _newest_seq(record: Dict[str, Any]) -> int:
     if not _is_int(newest) or newest < 0:
         raise ProtocolError("the process record has no valid output.newest_seq")
     return int(newest)
+
+
+# -- input: the process's stdin, written in order and never twice ----------------
+
+# Raw bytes per input request: base64 makes 4 of every 3, and with the JSON
+# around them a request body stays under 256 KiB (protocol.md 5.5), whether
+# the service counts raw or encoded bytes.
+_INPUT_PIECE = 3 * 65_520
+
+
+class _Stdin:
+    """The stdin of one process, written piece by piece, each confirmed before the next.
+
+    A piece is sent again only when it certainly did not reach the process:
+    the connection was never made, or a 429. After any other failure it may
+    have arrived, so nothing is re-sent: InputUnconfirmedError says how much
+    of the write is confirmed. A 409 (stdin closed, the process ended) is a
+    broken pipe. Nothing written ever enters a message, a repr or a log record.
+    """
+
+    def __init__(
+        self, transport: _Transport, process_path: str, process_id: str, encoding: str
+    ) -> None:
+        self._transport = transport
+        self._path = process_path
+        self._process_id = process_id
+        self._encoding = encoding
+        self._lock = threading.Lock()  # one write or close at a time: the pieces keep their order
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"_Stdin(process_id={self._process_id!r}, closed={self._closed!r})"
+
+    def write(self, data: Union[str, bytes], *, ended: bool = False) -> None:
+        """Return once the service has accepted every byte of `data` (str is encoded
+        with the run's encoding). StdinClosedError once closed, or `ended` (the
+        run is known to be over); InputUnconfirmedError when a piece's fate is
+        unknown."""
+        payload = _input_bytes(data, self._encoding)
+        with self._lock:
+            if self._closed or ended:
+                raise StdinClosedError(process_id=self._process_id)
+            budget = _Budget(self._transport.retry)
+            view = memoryview(payload)
+            for confirmed in range(0, len(payload), _INPUT_PIECE):
+                self._send(view[confirmed : confirmed + _INPUT_PIECE], confirmed, budget)
+                budget.progress()
+
+    def close(self) -> None:
+        """EOF on the process's stdin; a second close, or one after the end, is fine."""
+        with self._lock:
+            if self._closed:
+                return
+            transport = self._transport
+            # Closing twice does no harm, so unlike a write it is retried.
+            transport.call(
+                "POST",
+                self._path + "/stdin/close",
+                operation="stdin close",
+                deadline=None,
+                process_id=self._process_id,
+                json_body={},  # a JSON body: the service's forwarder refuses a POST of no type
+                ok_statuses=(404, 409),
+            ).close()
+            self._closed = True
+
+    def _send(self, piece: memoryview, confirmed: int, budget: _Budget) -> None:
+        body = {"data_base64": binascii.b2a_base64(piece, newline=False).decode("ascii")}
+        transport = self._transport
+        while True:
+            answer = transport.attempt(
+                "POST",
+                self._path + "/input",
+                operation="stdin write",
+                timeout=(transport.request_timeout, transport.request_timeout),
+                process_id=self._process_id,
+                json_body=body,
+                ok_statuses=(404, 409),
+            )
+            if not isinstance(answer, _Retryable):
+                return self._accepted(answer)
+            if answer.maybe_sent and answer.status != 429:
+                raise InputUnconfirmedError(
+                    confirmed, process_id=self._process_id
+                ) from answer.__cause__
+            delay = budget.next_delay(answer.retry_after)
+            if delay is None:
+                raise InputUnconfirmedError(
+                    confirmed, unsent=True, process_id=self._process_id
+                ) from answer.__cause__
+            time.sleep(delay)
+
+    def _accepted(self, response: requests.Response) -> None:
+        """A 2xx accepted the piece (its input_seq is not needed); 404 or 409: no pipe."""
+        response.close()
+        if response.status_code in (404, 409):
+            self._closed = True
+            raise StdinClosedError(process_id=self._process_id)
+
+
+def _input_bytes(data: Any, encoding: str) -> bytes:
+    """The bytes of a write(); the error for text that cannot be encoded does not carry it."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return bytes(data)
+    if not isinstance(data, str):
+        raise ConfigError("write() takes str or bytes.")
+    try:
+        encoded: Optional[bytes] = data.encode(encoding)
+    except UnicodeEncodeError:
+        encoded = None  # raised below, outside the handler: no __context__ holding the text
+    if encoded is None:
+        raise ConfigError("The input cannot be encoded with the run's encoding; pass bytes.")
+    return encoded
+
+
+# -- wait_for_port: a probe inside the sandbox, ended before the call returns ----
+
+# The probe: bash alone (no curl or nc), one connect a round, each cut after
+# a second (a host that drops packets), and the target's pid watched between
+# rounds, so that its end is seen at once. Its own limit ends it even if
+# nobody deletes it. Sleeping is a read that times out: no /bin/sleep needed.
+_PROBE_SCRIPT = """\
+exec {nap}<> <(:)
+snooze() { read -r -t "$1" -u "$nap" _ || :; }
+pid=$1 host=$2 port=$3 limit=$4
+while (( SECONDS < limit )); do
+  ( : 3<>"/dev/tcp/$host/$port" ) 2>/dev/null & try=$!
+  for _ in 1 2 3 4 5 6 7 8 9 10; do kill -0 "$try" 2>/dev/null || break; snooze 0.1; done
+  kill "$try" 2>/dev/null; wait "$try" && exit 0
+  kill -0 "$pid" 2>/dev/null || exit 3
+  snooze 0.1
+done
+exit 4
+"""
+# The probe's exits: the port opened, the target's pid is gone, its own limit.
+_PROBE_OPEN, _PROBE_GONE, _PROBE_LIMIT = _Exit(0, None), _Exit(3, None), _Exit(4, None)
+_ENDED_GRACE = 5.0  # seconds at least to read the output of a process the probe saw end
+
+
+class _PortWait:
+    """wait_for_port(): until a TCP connect inside the sandbox succeeds.
+
+    A managed process probes (see _PROBE_SCRIPT) while the client follows its
+    output stream, which costs one request per stream (a stream lives as long
+    as the service keeps it), plus a look at the target's record, the probe's
+    creation and its DELETE, which always comes before the call returns.
+    """
+
+    def __init__(
+        self,
+        transport: _Transport,
+        sandbox_id: str,
+        process_id: str,
+        args: Any,
+        *,
+        port: Any,
+        host: Any,
+        timeout: Any,
+    ) -> None:
+        if not _is_int(port) or not 1 <= port <= 65535:
+            raise ConfigError("port must be an integer from 1 to 65535.")
+        if not isinstance(host, str) or not _HOST.match(host):
+            raise ConfigError("host must be a host name or an IP address.")
+        self._timeout = _positive_seconds("timeout", timeout)
+        self._transport = transport
+        self._sandbox_id = sandbox_id
+        self._process_id = process_id
+        self._args = args
+        self._port = port
+        self._host = host
+
+    def wait(self, finish: Callable[[float], ExecResult]) -> None:
+        """Return once the port accepts a connection. ProcessEndedError, with the
+        result `finish` (the process's wait) gives, when the process ends first;
+        WaitTimeout at the timeout, the process running on."""
+        deadline = time.monotonic() + self._timeout
+        pid = self._target_pid(deadline)
+        status = _PROBE_GONE if pid is None else self._probe(pid, deadline)
+        if status == _PROBE_OPEN:
+            return
+        if status == _PROBE_GONE:
+            self._ended(finish, deadline)
+        if status is not None and status != _PROBE_LIMIT:
+            raise CreateOSError(
+                "The port probe in the sandbox ended without an answer.",
+                process_id=self._process_id,
+            )
+        raise WaitTimeout(self._args, self._timeout, process_id=self._process_id)
+
+    def _target_pid(self, deadline: float) -> Optional[int]:
+        """The target's pid, or None once its leader has exited (or it is gone)."""
+        response = self._transport.call(
+            "GET",
+            _sandbox_path(self._sandbox_id, f"/processes/{self._process_id}"),
+            operation="process status",
+            deadline=deadline,
+            process_id=self._process_id,
+            ok_statuses=(404,),
+        )
+        if response.status_code == 404:
+            response.close()
+            return None
+        record = _jsend_data(response, "process status")
+        if not isinstance(record, dict):
+            raise ProtocolError("the process record is not an object", process_id=self._process_id)
+        if record.get("leader_exited") is True:
+            return None
+        pid: Any = record.get("pid")
+        if not _is_int(pid) or pid < 1:
+            raise ProtocolError("the process record has no valid pid", process_id=self._process_id)
+        return int(pid)
+
+    def _probe(self, pid: int, deadline: float) -> Optional[_Exit]:
+        """The probe's exit status, or None at the deadline; the probe is gone either way."""
+        limit = math.ceil(self._timeout) + 2  # a backstop: the DELETE comes first
+        argv = [str(pid), self._host, str(self._port), str(limit)]
+        command = ["bash", "-c", _PROBE_SCRIPT, "createos_exec-port-probe", *argv]
+        plan = _plan(command, shell=False, cwd=None, env=None, stdin=None)
+        transport = self._transport
+        probe_id, _ = _Launch(transport, self._sandbox_id, plan).create(deadline)
+        try:
+            follower = _Follower(
+                transport,
+                self._sandbox_id,
+                probe_id,
+                _Options(),
+                args=command,
+                started=time.monotonic(),
+                created_here=True,
+            )
+            return follower.follow(deadline)
+        except _TimedOut:
+            return None
+        finally:
+            with contextlib.suppress(CleanupError):  # logged; the probe's limit ends it
+                _terminate(transport, self._sandbox_id, probe_id, grace=0.0)
+
+    def _ended(self, finish: Callable[[float], ExecResult], deadline: float) -> None:
+        result: Optional[ExecResult]
+        try:
+            result = finish(max(_ENDED_GRACE, deadline - time.monotonic()))
+        except CommandError as failed:  # check=True: the result all the same
+            result = failed.result
+        raise ProcessEndedError(process_id=self._process_id, result=result)
 
 
 # -- contain: end the run, terminate the remote tree, confirmed ------------------
