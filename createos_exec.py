@@ -1027,12 +1027,19 @@ class _Transport:
         params: Optional[Dict[str, Any]] = None,
         json_body: Any = None,
         data: Optional[bytes] = None,
+        json_text: Optional[bytes] = None,
         stream: bool = False,
         ok_statuses: Tuple[int, ...] = (),
     ) -> requests.Response:
-        """One attempt: a 2xx (or an `ok_statuses`) response; any other status raises."""
+        """One attempt: a 2xx (or an `ok_statuses`) response; any other status raises.
+
+        `json_text` is a JSON body already encoded: a large one costs less built by hand.
+        """
         logger.debug("%s %s", method, path)
         headers = self._headers_for(raw_body=data is not None, stream=stream)
+        if json_text is not None:
+            headers["Content-Type"] = "application/json"
+            data = json_text
         place = self._limiter.acquire(sum(timeout)) if self._limiter is not None else None
         status: Optional[int] = None
         try:
@@ -2815,7 +2822,8 @@ class _Stdin:
             self._closed = True
 
     def _send(self, piece: memoryview, confirmed: int, budget: _Budget) -> None:
-        body = {"data_base64": binascii.b2a_base64(piece, newline=False).decode("ascii")}
+        # Base64 needs no JSON escaping: the body is built as bytes, not by json.dumps.
+        body = b'{"data_base64":"' + binascii.b2a_base64(piece, newline=False) + b'"}'
         transport = self._transport
         while True:
             answer = transport.attempt(
@@ -2824,7 +2832,7 @@ class _Stdin:
                 operation="stdin write",
                 timeout=(transport.request_timeout, transport.request_timeout),
                 process_id=self._process_id,
-                json_body=body,
+                json_text=body,
                 ok_statuses=(404, 409),
             )
             if not isinstance(answer, _Retryable):
