@@ -26,6 +26,7 @@ CAMPAIGN = [
     "tests/test_hostile_input.py",
     "tests/test_load.py",
     "tests/test_reader_fuzz.py",
+    "tests/test_stdin.py",
 ]
 KEPT_LAST = ("seed", "limit", "threads")  # settings, not counts
 

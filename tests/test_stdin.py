@@ -10,12 +10,14 @@ never answered by sending the piece twice.
 from __future__ import annotations
 
 import base64
+import collections
 import hashlib
 import json
 import logging
 import os
 import pickle
 import queue
+import random
 import socket
 import sys
 import threading
@@ -65,27 +67,29 @@ def refused():
 
 
 class FaultOnPiece(requests.Session):
-    """A session that injects `fault` just before the input request of piece `piece`
-    (0-based) leaves: on the server for a status or a lost answer, here for a
-    connection that is never made."""
+    """A session that injects a fault just before the input request of piece `piece`
+    (0-based; or of each request named in `faults`, by its number) leaves: on
+    the server for a status or a lost answer, here for a connection that is
+    never made."""
 
-    def __init__(self, server, piece, fault):
+    def __init__(self, server, piece=None, fault=None, faults=None):
         super().__init__()
-        self.server, self.piece, self.fault = server, piece, fault
+        self.server = server
+        self.faults = dict(faults or {piece: fault})
         self.inputs = 0
 
     def request(self, method, url, *args, **kwargs):
         if url.endswith("/input"):
             self.inputs += 1
-            if self.inputs == self.piece + 1:
-                if self.fault == "refused":
-                    raise refused()
-                if self.fault == "lost":
-                    self.server.lose_input_response()
-                elif self.fault == "timeout":
-                    self.server.lose_input_response(seconds=1.0)
-                else:
-                    self.server.fail("input", self.fault, retry_after="0")
+            fault = self.faults.get(self.inputs - 1)
+            if fault == "refused":
+                raise refused()
+            if fault == "lost":
+                self.server.lose_input_response()
+            elif fault == "timeout":
+                self.server.lose_input_response(seconds=1.0)
+            elif fault is not None:
+                self.server.fail("input", fault, retry_after="0")
         return super().request(method, url, *args, **kwargs)
 
 
@@ -211,6 +215,45 @@ def test_a_piece_refused_until_the_policy_runs_out_was_not_sent(server):
         assert caught.value.unsent and caught.value.confirmed_bytes == 0
         server._faults.clear()
         assert proc.communicate().stdout == digest(b"")
+
+
+# A bounded campaign for RELIABILITY.md (item 9): seeded schedules of faults on
+# the requests of writes of one to four pieces, each write checked against
+# what its process received.
+INPUT_RUNS = int(os.environ.get("CREATEOS_INPUT_RUNS", "100"))
+INPUT_FAULTS = (None, None, "refused", 429, "lost", 503)
+
+
+def test_writes_under_random_faults_arrive_once_or_are_reported(server, figures):
+    rng = random.Random(20261201)
+    tally = collections.Counter()
+    for _ in range(INPUT_RUNS):
+        data = os.urandom(rng.randint(1, 4 * PIECE))
+        faults = {n: rng.choice(INPUT_FAULTS) for n in range(8)}
+        faults = {n: fault for n, fault in faults.items() if fault is not None}
+        session = FaultOnPiece(server, faults=faults)
+        with make_client(server, session=session) as client:
+            proc = client.start(SANDBOX, DIGEST, stdin=cx.PIPE)
+            try:
+                proc.write(data)
+                possible = {len(data)}
+            except cx.InputUnconfirmedError as exc:
+                confirmed = exc.confirmed_bytes
+                possible = {confirmed, min(len(data), confirmed + PIECE)}
+                tally["unconfirmed"] += 1
+            received = proc.communicate(timeout=30).stdout
+        tally["faults"] += sum(1 for n in faults if n < session.inputs)
+        assert received in {digest(data[:n]) for n in possible}  # a prefix, never a repeat
+        tally["exact" if received == digest(data) else "prefix_reported"] += 1
+    assert tally["exact"] + tally["prefix_reported"] == INPUT_RUNS
+    figures.record(
+        "9. input",
+        runs=INPUT_RUNS,
+        faults=tally["faults"],
+        delivered_whole=tally["exact"],
+        reported_unconfirmed=tally["unconfirmed"],
+        duplicated=0,
+    )
 
 
 # -- a closed or ended stdin is a broken pipe ------------------------------------------
