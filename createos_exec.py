@@ -2976,20 +2976,27 @@ class _PortWait:
         plan = _plan(command, shell=False, cwd=None, env=None, stdin=None)
         transport = self._transport
         probe_id, _ = _Launch(transport, self._sandbox_id, plan).create(deadline)
+        # A stream read sees the deadline only when a byte or its read timeout
+        # comes, which heartbeats put off: the timer's event cuts the read at it.
+        expired = threading.Event()
+        timer = threading.Timer(max(0.0, deadline - time.monotonic()), expired.set)
+        timer.daemon = True
+        timer.start()
         try:
             follower = _Follower(
                 transport,
                 self._sandbox_id,
                 probe_id,
-                _Options(),
+                _Options(cancel=expired),
                 args=command,
                 started=time.monotonic(),
                 created_here=True,
             )
             return follower.follow(deadline)
-        except _TimedOut:
+        except (_TimedOut, CancelledError):
             return None
         finally:
+            timer.cancel()
             with contextlib.suppress(CleanupError):  # logged; the probe's limit ends it
                 _terminate(transport, self._sandbox_id, probe_id, grace=0.0)
 
