@@ -95,11 +95,15 @@ __all__ = [
     "CreateOSError",
     "ExecResult",
     "OutputEvictedError",
+    "InputUnconfirmedError",
     "OutputIncompleteError",
+    "PIPE",
+    "ProcessEndedError",
     "ProcessInfo",
     "ProtocolError",
     "RemoteProcess",
     "RetryPolicy",
+    "StdinClosedError",
     "StreamEndedError",
     "TransportError",
     "WaitTimeout",
@@ -113,6 +117,21 @@ logger = logging.getLogger("createos_exec")
 
 OutputCallback = Callable[[str, str], Any]
 Command = Union[str, Sequence[str]]
+
+
+class _Pipe:
+    """The type of PIPE: a single value that pickles as itself."""
+
+    def __repr__(self) -> str:
+        return "createos_exec.PIPE"
+
+    def __reduce__(self) -> str:
+        return "PIPE"
+
+
+# start(..., stdin=PIPE) keeps the process's stdin open for RemoteProcess.write().
+PIPE = _Pipe()
+Stdin = Union[str, bytes, None, _Pipe]
 
 
 # --------------------------------------------------------------------------
@@ -477,6 +496,59 @@ class WaitTimeout(CreateOSError, subprocess.TimeoutExpired):
         self.timeout = timeout
         self.output = output  # stdout read so far, where subprocess puts it
         self.stderr = stderr  # type: ignore[assignment]
+
+
+class StdinClosedError(CreateOSError, BrokenPipeError):
+    """write() after close_stdin() or after the process ended: a broken pipe, as locally."""
+
+    def __init__(self, *, process_id: Optional[str] = None) -> None:
+        super().__init__(
+            "The process's stdin is closed (by close_stdin(), or the process ended); "
+            "nothing was written.",
+            process_id=process_id,
+        )
+
+
+class InputUnconfirmedError(TransportError):
+    """A write to stdin stopped before all of it was confirmed; nothing is sent twice."""
+
+    # `confirmed_bytes` of this write() are known to have arrived. Where the
+    # answer to a piece was lost after it left (a broken connection, a 5xx, a
+    # timeout), that piece may or may not have reached the process and is
+    # never sent again. Where `unsent`, the rest certainly did not leave: the
+    # API could not be reached, or kept answering 429, within the retry policy.
+
+    def __init__(
+        self, confirmed_bytes: int, *, unsent: bool = False, process_id: Optional[str] = None
+    ) -> None:
+        super().__init__("stdin write", process_id=process_id)
+        self.confirmed_bytes = confirmed_bytes
+        self.unsent = unsent
+        if unsent:
+            message = (
+                f"CreateOS could not be reached to write to the process's stdin: "
+                f"{confirmed_bytes} bytes of this write arrived, the rest was not sent."
+            )
+        else:
+            message = (
+                f"The answer to a write to the process's stdin was lost: {confirmed_bytes} "
+                f"bytes of this write are confirmed, the next piece may or may not have "
+                f"arrived, and nothing is sent again."
+            )
+        self.args = (message,)
+
+
+class ProcessEndedError(CreateOSError):
+    """wait_for_port(): the process ended before the port opened; `.result` is its result."""
+
+    def __init__(
+        self, *, process_id: Optional[str] = None, result: Optional[ExecResult] = None
+    ) -> None:
+        super().__init__(
+            "The process ended before the port accepted a connection.",
+            process_id=process_id,
+            result=result,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1189,12 +1261,19 @@ class _Transport:
         params: Optional[Dict[str, Any]] = None,
         json_body: Any = None,
         data: Optional[bytes] = None,
+        json_text: Optional[bytes] = None,
         stream: bool = False,
         ok_statuses: Tuple[int, ...] = (),
     ) -> requests.Response:
-        """One attempt: a 2xx (or an `ok_statuses`) response; any other status raises."""
+        """One attempt: a 2xx (or an `ok_statuses`) response; any other status raises.
+
+        `json_text` is a JSON body already encoded: a large one costs less built by hand.
+        """
         logger.debug("%s %s", method, path)
         headers = self._headers_for(raw_body=data is not None, stream=stream)
+        if json_text is not None:
+            headers["Content-Type"] = "application/json"
+            data = json_text
         place = self._limiter.acquire(sum(timeout)) if self._limiter is not None else None
         status: Optional[int] = None
         try:
@@ -1981,7 +2060,7 @@ class _Options:
     shell: bool = False
     cwd: Optional[str] = None
     env: Optional[Dict[str, str]] = None
-    stdin: Union[str, bytes, None] = None
+    stdin: Stdin = None
     input: Union[str, bytes, None] = None
     timeout: Optional[float] = None
     on_output: Optional[OutputCallback] = None
@@ -2019,7 +2098,9 @@ class _Options:
 
     @property
     def stdin_data(self) -> Union[str, bytes, None]:
-        return self.stdin if self.input is None else self.input
+        """The data to stage for stdin, if any (none for a pipe kept open)."""
+        data = self.stdin if self.input is None else self.input
+        return None if isinstance(data, _Pipe) else data
 
 
 def _codec_error(encoding: Any, errors: Any) -> ConfigError:
@@ -2153,7 +2234,7 @@ class Client:
         self, sandbox_id: str, command: Command, *,
         shell: bool = _DEFAULT.shell, cwd: Optional[str] = _DEFAULT.cwd,
         env: Optional[Dict[str, str]] = _DEFAULT.env,
-        stdin: Union[str, bytes, None] = _DEFAULT.stdin,
+        stdin: Stdin = _DEFAULT.stdin,
         input: Union[str, bytes, None] = _DEFAULT.input,
         timeout: Optional[float] = _DEFAULT.timeout,
         on_output: Optional[OutputCallback] = _DEFAULT.on_output,
@@ -2163,6 +2244,10 @@ class Client:
         capture_output: bool = _DEFAULT.capture_output, text: bool = _DEFAULT.text,
     ) -> ExecResult:  # fmt: skip
         """Run `command` in the sandbox and return how it ended: start(...).wait()."""
+        if isinstance(stdin, _Pipe):
+            raise ConfigError(
+                "stdin=cx.PIPE needs start(): nothing can write while execute() waits."
+            )
         return self.start(
             sandbox_id, command, shell=shell, cwd=cwd, env=env, stdin=stdin, input=input,
             timeout=timeout, on_output=on_output, check=check,
@@ -2174,7 +2259,7 @@ class Client:
         self, sandbox_id: str, command: Command, *,
         shell: bool = _DEFAULT.shell, cwd: Optional[str] = _DEFAULT.cwd,
         env: Optional[Dict[str, str]] = _DEFAULT.env,
-        stdin: Union[str, bytes, None] = _DEFAULT.stdin,
+        stdin: Stdin = _DEFAULT.stdin,
         input: Union[str, bytes, None] = _DEFAULT.input,
         timeout: Optional[float] = _DEFAULT.timeout,
         on_output: Optional[OutputCallback] = _DEFAULT.on_output,
@@ -2214,7 +2299,7 @@ class Client:
 
     def process(
         self, sandbox_id: str, process_id: str, *,
-        after: int = 0,
+        after: int = 0, stdin: None = None,
         timeout: Optional[float] = _DEFAULT.timeout,
         on_output: Optional[OutputCallback] = _DEFAULT.on_output,
         check: bool = _DEFAULT.check, max_output_chars: int = _DEFAULT.max_output_chars,
@@ -2229,6 +2314,10 @@ class Client:
         from now; the handle does all that start()'s does.
         """
         started = time.monotonic()
+        if stdin is not None:
+            raise ConfigError(
+                "process() and attach() take no stdin: they follow a process started elsewhere."
+            )
         options = _Options(
             timeout=timeout, on_output=on_output, check=check,
             max_output_chars=max_output_chars, encoding=encoding, errors=errors, cancel=cancel,
@@ -2251,7 +2340,7 @@ class Client:
 
     def attach(
         self, sandbox_id: str, process_id: str, *,
-        after: int = 0,
+        after: int = 0, stdin: None = None,
         timeout: Optional[float] = _DEFAULT.timeout,
         on_output: Optional[OutputCallback] = _DEFAULT.on_output,
         check: bool = _DEFAULT.check, max_output_chars: int = _DEFAULT.max_output_chars,
@@ -2260,7 +2349,7 @@ class Client:
     ) -> ExecResult:  # fmt: skip
         """Follow a process started elsewhere to its end: process(...).wait()."""
         return self.process(
-            sandbox_id, process_id, after=after, timeout=timeout, on_output=on_output,
+            sandbox_id, process_id, after=after, stdin=stdin, timeout=timeout, on_output=on_output,
             check=check, max_output_chars=max_output_chars, encoding=encoding, errors=errors,
             cancel=cancel,
         ).wait()  # fmt: skip
@@ -2350,7 +2439,9 @@ def _plan(command: Command, options: _Options, grace: float = _TERMINATE_GRACE) 
 
     Env values and stdin are secrets: anyone listing the sandbox's processes
     reads cmd/args. They travel in a private file instead, which the wrapper
-    opens as its stdin, reads the variables from and removes at once.
+    opens as its stdin, reads the variables from and removes at once. With
+    stdin=PIPE the wrapper reads that file on a descriptor of its own and
+    leaves its stdin, the service's pipe, to the command.
 
     With a `timeout`, the wrapper forks a watchdog (see _WATCHDOG) that keeps
     the deadline in the sandbox, with `grace` seconds between SIGTERM and
@@ -2358,20 +2449,14 @@ def _plan(command: Command, options: _Options, grace: float = _TERMINATE_GRACE) 
     """
     marker = _MARKER_PREFIX + secrets.token_hex(12)
     argv = _argv(command, options.shell)
+    piped = isinstance(options.stdin, _Pipe)
     staged = _staged_bytes(options.env, options.stdin_data)
     staged_path = f"/tmp/.{marker}" if staged is not None else None
     lines = list(_WRAPPER_HEAD)
-    if staged_path is None:
+    if staged_path is not None:
+        lines.extend(_reading_staged(staged_path, marker, fd=3 if piped else 0))
+    elif not piped:
         lines.append("exec 0</dev/null")
-    else:
-        quoted = _quote(staged_path)
-        lines.append(f"{{ exec 0<{quoted}; }} 2>/dev/null || _cx_fail 125 '{_UNREADABLE}'")
-        lines.append(f"rm -f -- {quoted}")
-        var = "_" + marker.replace("-", "_")  # a name no caller's variable can have
-        lines.append(
-            f"while IFS= read -r -d '' {var} && [ -n \"${var}\" ]; "
-            f'do export "${var}"; done; unset {var}'
-        )
     if options.cwd is not None:
         quoted = _quote(_checked_text("cwd", options.cwd))
         lines.append(
@@ -2391,6 +2476,25 @@ def _plan(command: Command, options: _Options, grace: float = _TERMINATE_GRACE) 
 
 _MARKER_PREFIX = "createos_exec-"
 _MARKER = re.compile(re.escape(_MARKER_PREFIX) + r"[0-9a-f]{24}\Z")
+
+
+def _reading_staged(path: str, marker: str, fd: int) -> List[str]:
+    """Wrapper lines that open the staged file on `fd`, remove it, and export
+    its variables; on fd 0 the rest of the file is the command's stdin."""
+    quoted = _quote(path)
+    var = "_" + marker.replace("-", "_")  # a name no caller's variable can have
+    read = "read" if fd == 0 else f"read -u {fd}"
+    lines = [
+        f"{{ exec {fd}<{quoted}; }} 2>/dev/null || _cx_fail 125 '{_UNREADABLE}'",
+        f"rm -f -- {quoted}",
+        f"while IFS= {read} -r -d '' {var} && [ -n \"${var}\" ]; "
+        f'do export "${var}"; done; unset {var}',
+    ]
+    if fd != 0:
+        lines.append(f"exec {fd}<&-")  # the command inherits nothing of the file
+    return lines
+
+
 # The wrapper's own failures read as a shell's would: they name the program
 # or the directory, never the marker (its $0, which BASH_ARGV0 renames where
 # bash is 5.0 or newer, for whatever bash reports itself).
@@ -2742,6 +2846,15 @@ def _listed(
 _Steps = Generator[None, None, _T]  # a run's steps: one after each block a loop takes
 
 
+def _to_end(steps: _Steps[_T]) -> _T:
+    """Take every step; what the steps came to."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as end:
+            return end.value  # type: ignore[no-any-return]
+
+
 class _Ending(NamedTuple):
     """How following a process ended, before containment: a status, the
     deadline, an error (a callback's and Ctrl-C included), or a termination
@@ -2801,6 +2914,8 @@ class RemoteProcess:
         self._outcome: Union[ExecResult, BaseException, None] = None  # once the run has ended
         self._status: Optional[_Exit] = None  # learned by poll()
         self._owner: Optional[Client] = None  # the client of cx.start(), closed at the end
+        piped = isinstance(options.stdin, _Pipe)
+        self._stdin = _Stdin(endpoints, options.encoding) if piped else None
 
     def __repr__(self) -> str:
         return (
@@ -2939,6 +3054,33 @@ class RemoteProcess:
         name = _signal_name(signal)
         if self._outcome is None:
             self._endpoints.signal(name)
+
+    def write(self, data: Union[str, bytes]) -> None:
+        """Write to stdin (start(..., stdin=cx.PIPE)); see _Stdin.write."""
+        if self._stdin is None:
+            raise ConfigError("write() needs a process started with stdin=cx.PIPE.")
+        self._stdin.write(data, ended=self._outcome is not None)
+
+    def close_stdin(self) -> None:
+        """EOF on stdin; idempotent, and nothing to do without stdin=cx.PIPE."""
+        if self._stdin is not None and self._outcome is None:
+            self._stdin.close()
+
+    def communicate(
+        self, input: Union[str, bytes, None] = None, timeout: Optional[float] = None
+    ) -> ExecResult:
+        """Write `input`, close stdin and wait(timeout), as Popen.communicate does
+        (which also lets a process that stopped reading its stdin end as it ends)."""
+        with contextlib.suppress(StdinClosedError):
+            if input is not None:
+                self.write(input)
+            self.close_stdin()
+        return self.wait(timeout)
+
+    def wait_for_port(self, port: int, *, host: str = "127.0.0.1", timeout: float = 30.0) -> None:
+        """Return once a TCP connect to host:port succeeds inside the sandbox; see _PortWait."""
+        probe = _PortWait(self._endpoints, self.args, port=port, host=host, timeout=timeout)
+        probe.wait(self.wait)
 
     def __enter__(self) -> "RemoteProcess":
         return self
@@ -3597,6 +3739,33 @@ class _Endpoints:
             logger.warning("Termination of %s is unconfirmed", self.process_id)
             raise CleanupError(process_id=self.process_id)
 
+    def input(self, body: bytes) -> Union[requests.Response, _Retryable]:
+        """One attempt to write a piece to stdin (a JSON body): never sent twice here.
+        404 and 409 (closed, or the process ended) are answers too."""
+        transport = self.transport
+        return transport.attempt(
+            "POST",
+            self._path + "/input",
+            operation="stdin write",
+            timeout=(transport.request_timeout, transport.request_timeout),
+            process_id=self.process_id,
+            json_text=body,
+            ok_statuses=(404, 409),
+        )
+
+    def close_stdin(self) -> None:
+        """EOF on stdin; closing twice does no harm, so unlike a write it is retried.
+        404 and 409 (closed already, the process ended) are fine."""
+        self.transport.call(
+            "POST",
+            self._path + "/stdin/close",
+            operation="stdin close",
+            deadline=None,
+            process_id=self.process_id,
+            json_body={},  # a JSON body: the service's forwarder refuses a POST of no type
+            ok_statuses=(404, 409),
+        ).close()
+
     def _checked_record(self, record: Any) -> Dict[str, Any]:
         if not isinstance(record, dict):
             raise ProtocolError("the process record is not an object", process_id=self.process_id)
@@ -3616,6 +3785,213 @@ class _Endpoints:
         if isinstance(answer, _Retryable):
             raise answer.final(self.process_id) from answer.__cause__
         return answer
+
+
+# -- input: the process's stdin, written in order and never twice ----------------
+
+# Raw bytes per input request: base64 makes 4 of every 3, and with the JSON
+# around them a request body stays under 256 KiB (protocol.md 5.5), whether
+# the service counts raw or encoded bytes.
+_INPUT_PIECE = 3 * 65_520
+
+
+class _Stdin:
+    """The stdin of one process, written piece by piece, each confirmed before the next.
+
+    A piece is sent again only when it certainly did not reach the process:
+    the connection was never made, or a 429. After any other failure it may
+    have arrived, so nothing is re-sent: InputUnconfirmedError says how much
+    of the write is confirmed. A 409 (stdin closed, the process ended) is a
+    broken pipe. Nothing written ever enters a message, a repr or a log record.
+    """
+
+    def __init__(self, endpoints: _Endpoints, encoding: str) -> None:
+        self._endpoints = endpoints
+        self._process_id = endpoints.process_id
+        self._encoding = encoding
+        self._lock = threading.Lock()  # one write or close at a time: the pieces keep their order
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"_Stdin(process_id={self._process_id!r}, closed={self._closed!r})"
+
+    def write(self, data: Union[str, bytes], *, ended: bool = False) -> None:
+        """Return once the service has accepted every byte of `data` (str is encoded
+        with the run's encoding). StdinClosedError once closed, or `ended` (the
+        run is known to be over); InputUnconfirmedError when a piece's fate is
+        unknown."""
+        payload = _input_bytes(data, self._encoding)
+        with self._lock:
+            if self._closed or ended:
+                raise StdinClosedError(process_id=self._process_id)
+            budget = _Budget(self._endpoints.transport.retry)
+            view = memoryview(payload)
+            for confirmed in range(0, len(payload), _INPUT_PIECE):
+                self._send(view[confirmed : confirmed + _INPUT_PIECE], confirmed, budget)
+                budget.progress()
+
+    def close(self) -> None:
+        """EOF on the process's stdin; a second close, or one after the end, is fine."""
+        with self._lock:
+            if self._closed:
+                return
+            self._endpoints.close_stdin()
+            self._closed = True
+
+    def _send(self, piece: memoryview, confirmed: int, budget: _Budget) -> None:
+        # Base64 needs no JSON escaping: the body is built as bytes, not by json.dumps.
+        body = b'{"data_base64":"' + binascii.b2a_base64(piece, newline=False) + b'"}'
+        while True:
+            answer = self._endpoints.input(body)
+            if not isinstance(answer, _Retryable):
+                return self._accepted(answer)
+            if answer.maybe_sent and answer.status != 429:
+                raise InputUnconfirmedError(
+                    confirmed, process_id=self._process_id
+                ) from answer.__cause__
+            delay = budget.next_delay(answer.retry_after)
+            if delay is None:
+                raise InputUnconfirmedError(
+                    confirmed, unsent=True, process_id=self._process_id
+                ) from answer.__cause__
+            time.sleep(delay)
+
+    def _accepted(self, response: requests.Response) -> None:
+        """A 2xx accepted the piece (its input_seq is not needed); 404 or 409: no pipe."""
+        response.close()
+        if response.status_code in (404, 409):
+            self._closed = True
+            raise StdinClosedError(process_id=self._process_id)
+
+
+def _input_bytes(data: Any, encoding: str) -> bytes:
+    """The bytes of a write(); the error for text that cannot be encoded does not carry it."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return bytes(data)
+    if not isinstance(data, str):
+        raise ConfigError("write() takes str or bytes.")
+    try:
+        encoded: Optional[bytes] = data.encode(encoding)
+    except UnicodeEncodeError:
+        encoded = None  # raised below, outside the handler: no __context__ holding the text
+    if encoded is None:
+        raise ConfigError("The input cannot be encoded with the run's encoding; pass bytes.")
+    return encoded
+
+
+# -- wait_for_port: a probe inside the sandbox, ended before the call returns ----
+
+# The probe: bash alone (no curl or nc), one connect a round, each cut after
+# a second (a host that drops packets), and the target's pid watched between
+# rounds, so that its end is seen at once. Its own limit ends it even if
+# nobody deletes it. Sleeping is a read that times out: no /bin/sleep needed.
+_PROBE_SCRIPT = """\
+exec {nap}<> <(:)
+snooze() { read -r -t "$1" -u "$nap" _ || :; }
+pid=$1 host=$2 port=$3 limit=$4
+while (( SECONDS < limit )); do
+  ( : 3<>"/dev/tcp/$host/$port" ) 2>/dev/null & try=$!
+  for _ in 1 2 3 4 5 6 7 8 9 10; do kill -0 "$try" 2>/dev/null || break; snooze 0.1; done
+  kill "$try" 2>/dev/null; wait "$try" && exit 0
+  kill -0 "$pid" 2>/dev/null || exit 3
+  snooze 0.1
+done
+exit 4
+"""
+# The probe's exits: the port opened, the target's pid is gone, its own limit.
+_PROBE_OPEN, _PROBE_GONE, _PROBE_LIMIT = _Exit(0, None), _Exit(3, None), _Exit(4, None)
+_ENDED_GRACE = 5.0  # seconds at least to read the output of a process the probe saw end
+
+
+class _PortWait:
+    """wait_for_port(): until a TCP connect inside the sandbox succeeds.
+
+    A managed process probes (see _PROBE_SCRIPT) while the client follows its
+    output stream, which costs one request per stream (a stream lives as long
+    as the service keeps it), plus a look at the target's record, the probe's
+    creation and its DELETE, which always comes before the call returns.
+    """
+
+    def __init__(
+        self, endpoints: _Endpoints, args: Any, *, port: Any, host: Any, timeout: Any
+    ) -> None:
+        if not _is_int(port) or not 1 <= port <= 65535:
+            raise ConfigError("port must be an integer from 1 to 65535.")
+        if not isinstance(host, str) or not _HOST.match(host):
+            raise ConfigError("host must be a host name or an IP address.")
+        self._timeout = _positive_seconds("timeout", timeout)
+        self._endpoints = endpoints
+        self._process_id = endpoints.process_id
+        self._args = args
+        self._port = port
+        self._host = host
+
+    def wait(self, finish: Callable[[float], ExecResult]) -> None:
+        """Return once the port accepts a connection. ProcessEndedError, with the
+        result `finish` (the process's wait) gives, when the process ends first;
+        WaitTimeout at the timeout, the process running on."""
+        deadline = time.monotonic() + self._timeout
+        pid = self._target_pid(deadline)
+        status = _PROBE_GONE if pid is None else self._probe(pid, deadline)
+        if status == _PROBE_OPEN:
+            return
+        if status == _PROBE_GONE:
+            self._ended(finish, deadline)
+        if status is not None and status != _PROBE_LIMIT:
+            raise CreateOSError(
+                "The port probe in the sandbox ended without an answer.",
+                process_id=self._process_id,
+            )
+        raise WaitTimeout(self._args, self._timeout, process_id=self._process_id)
+
+    def _target_pid(self, deadline: float) -> Optional[int]:
+        """The target's pid, or None once its leader has exited (or it is gone)."""
+        try:
+            record = self._endpoints.record(deadline)
+        except APIError as refused:
+            if refused.status == 404:  # the service no longer keeps it: it has ended
+                return None
+            raise
+        if record.get("leader_exited") is True:
+            return None
+        pid: Any = record.get("pid")
+        if not _is_int(pid) or pid < 1:
+            raise ProtocolError("the process record has no valid pid", process_id=self._process_id)
+        return int(pid)
+
+    def _probe(self, pid: int, deadline: float) -> Optional[_Exit]:
+        """The probe's exit status, or None at the deadline; the probe is gone either way."""
+        limit = math.ceil(self._timeout) + 2  # a backstop: the DELETE comes first
+        argv = [str(pid), self._host, str(self._port), str(limit)]
+        command = ["bash", "-c", _PROBE_SCRIPT, "createos_exec-port-probe", *argv]
+        transport, sandbox_id = self._endpoints.transport, self._endpoints.sandbox_id
+        launch = _Launch(transport, sandbox_id, _plan(command, _Options()))
+        probe = _Endpoints(transport, sandbox_id, launch.create(_Deadline(deadline))[0])
+        # A stream read sees the deadline only when a byte or its read timeout
+        # comes, which heartbeats put off: the timer's event cuts the read at it.
+        expired = threading.Event()
+        timer = threading.Timer(max(0.0, deadline - time.monotonic()), expired.set)
+        timer.daemon = True
+        timer.start()
+        try:
+            follower = _Follower(
+                probe, _Options(cancel=expired), args=command, started=time.monotonic()
+            )
+            return _to_end(follower.follow(_Deadline(deadline)))
+        except (_TimedOut, CancelledError):
+            return None
+        finally:
+            timer.cancel()
+            with contextlib.suppress(CleanupError):  # logged; the probe's limit ends it
+                probe.delete(grace=0.0)
+
+    def _ended(self, finish: Callable[[float], ExecResult], deadline: float) -> None:
+        result: Optional[ExecResult]
+        try:
+            result = finish(max(_ENDED_GRACE, deadline - time.monotonic()))
+        except CommandError as failed:  # check=True: the result all the same
+            result = failed.result
+        raise ProcessEndedError(process_id=self._process_id, result=result)
 
 
 # --------------------------------------------------------------------------

@@ -58,12 +58,22 @@ pacing      Against tests/local_server.py answering 429 to the address over
             Exact results, processes created, errors, 429s, the most
             arrivals in any window, and the wall time against the floor (two
             requests a command at the limit).
+stdin       Against tests/local_server.py: 16 MiB written to a process's
+            stdin through RemoteProcess.write() and through the official
+            SDK's processes.input_bytes() (in pieces as large as write()'s,
+            the most a request may carry), interleaved, into one process
+            each that hashes what it reads: requests per MiB and MB/s of
+            raw input, medians, and write()'s throughput against the SDK's.
+            Both unpaced (rate_limit=None), as the SDK is; the server runs
+            in a process of its own.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import hashlib
 import json
 import os
 import platform
@@ -73,7 +83,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -91,7 +101,7 @@ import createos_exec  # noqa: E402
 KiB = 1024
 MiB = 1024 * KiB
 GiB = 1024 * MiB
-SECTIONS = ("throughput", "memory", "tail", "latency", "pacing")
+SECTIONS = ("throughput", "memory", "tail", "latency", "pacing", "stdin")
 
 SHAPE_64K = "frames-64KiB"
 SHAPE_100B = "frames-100B-chunk-each"
@@ -985,6 +995,118 @@ def pacing_line(report: Report, label: str, figures: Any) -> None:
 
 
 # --------------------------------------------------------------------------
+# Stdin
+
+STDIN_SINK = (
+    "import hashlib, sys\n"
+    "data = sys.stdin.buffer.read()\n"
+    "print(len(data), hashlib.sha256(data).hexdigest())\n"
+)
+
+
+def run_stdin(report: Report, repeat: int, scale: float) -> None:
+    size = scaled(16 * MiB, scale, 64 * KiB)
+    data = os.urandom(size)
+    expected = "%d %s\n" % (size, hashlib.sha256(data).hexdigest())
+    report.heading(
+        "Stdin: %s written to a process, median and min-max of %d interleaved repetitions"
+        % (size_label(size), repeat)
+    )
+    sdk_module = readers.load_sdk()
+    timings: Dict[str, List[float]] = {"write": [], "sdk": []}
+    requests_per_mib: List[float] = []
+    with local_server_process() as url:
+        session = CountingSession()
+        client = createos_exec.Client(url, LOCAL_KEY, rate_limit=None, session=session)
+        sdk_client = sandbox = None
+        if sdk_module is not None:
+            sdk_client = sdk_module.Client(api_key=LOCAL_KEY, base_url=url)
+            sandbox = sdk_client.get_sandbox(LOCAL_SANDBOX)
+        try:
+            for rep in range(repeat):
+                progress("stdin: repetition %d of %d" % (rep + 1, repeat))
+                before = session.inputs
+                timings["write"].append(time_one_write(report, client, data, expected, None))
+                requests_per_mib.append((session.inputs - before) / (size / MiB))
+                if sandbox is not None:
+                    timings["sdk"].append(time_one_write(report, client, data, expected, sandbox))
+        finally:
+            client.close()
+            if sdk_client is not None:
+                sdk_client.close()
+    report_stdin(report, size, timings, requests_per_mib)
+
+
+LOCAL_KEY = "local-dev-key"  # tests/local_server.py's default
+
+
+@contextlib.contextmanager
+def local_server_process() -> Iterator[str]:
+    """tests/local_server.py in a process of its own (its work does not compete with the
+    writers' for one interpreter); its base URL."""
+    server = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "tests", "local_server.py"), "--port", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert server.stdout is not None
+        yield server.stdout.readline().strip()
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+class CountingSession(requests.Session):
+    """Counts the input requests that leave, to report requests per MiB."""
+
+    inputs = 0
+
+    def request(self, method: Any, url: Any, *args: Any, **kwargs: Any) -> Any:
+        if str(url).endswith("/input"):
+            self.inputs += 1
+        return super().request(method, url, *args, **kwargs)
+
+
+def time_one_write(report: Report, client: Any, data: bytes, expected: str, sandbox: Any) -> float:
+    """Seconds to write `data` to a fresh process (by write(), or the SDK's pieces), verified."""
+    proc = client.start(LOCAL_SANDBOX, [sys.executable, "-c", STDIN_SINK], stdin=createos_exec.PIPE)
+    piece = createos_exec._INPUT_PIECE
+    started = time.perf_counter()
+    if sandbox is None:
+        proc.write(data)
+    else:
+        for offset in range(0, len(data), piece):
+            sandbox.processes.input_bytes(proc.process_id, data[offset : offset + piece])
+    seconds = time.perf_counter() - started
+    if proc.communicate().stdout != expected:
+        report.failure("stdin: the process did not receive exactly what was written")
+    return seconds
+
+
+def report_stdin(
+    report: Report, size: int, timings: Dict[str, List[float]], requests_per_mib: List[float]
+) -> None:
+    report.line("  %-44s %11s   %s" % ("writer", "MB/s", "min-max"))
+    medians: Dict[str, Optional[float]] = {}
+    for name, label in (("write", "RemoteProcess.write()"), ("sdk", "SDK processes.input_bytes()")):
+        if not timings[name]:
+            report.line("  %-44s n/a (SDK not importable)" % label)
+            medians[name] = None
+            continue
+        rates = [size / 1e6 / seconds for seconds in timings[name]]
+        report.line("  %-44s %s" % (label, median_min_max(rates)))
+        medians[name] = statistics.median(rates)
+    report.line("  write() requests per MiB: %s" % median_min_max(requests_per_mib).strip())
+    report.target(
+        Target("write() requests per MiB", statistics.median(requests_per_mib), 8, True, "")
+    )
+    write, sdk = medians["write"], medians["sdk"]
+    ratio_value = write / sdk if write is not None and sdk else None
+    report.target(Target("write() MB/s / SDK input MB/s", ratio_value, 1.0))
+
+
+# --------------------------------------------------------------------------
 # Main
 
 
@@ -1032,6 +1154,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         run_latency(report, runs=50, resume_runs=15)
     if "pacing" in options.sections:
         run_pacing(report, options.scale)
+    if "stdin" in options.sections:
+        run_stdin(report, options.repeat, options.scale)
     report.heading("Summary")
     met = sum(1 for target in report.targets if target.verdict == "met")
     missed = [target for target in report.targets if target.verdict == "MISSED"]

@@ -28,7 +28,13 @@ FAST_RETRY = cx.RetryPolicy(max_attempts=6, budget=10.0, initial_backoff=0.01, m
 # LocalServer): each test that uses `server` (or `client`) runs twice, with ids
 # [conservative] and [alternative]. Other modules keep the conservative
 # reading only: doubling them all would cost CI more than it finds.
-BOTH_READINGS = ("test_execute", "test_resilience", "test_sdk_fidelity", "test_process")
+BOTH_READINGS = (
+    "test_execute",
+    "test_resilience",
+    "test_sdk_fidelity",
+    "test_process",
+    "test_stdin",
+)
 
 
 def pytest_generate_tests(metafunc):

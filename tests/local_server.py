@@ -10,8 +10,9 @@ NDJSON output streams over chunked HTTP/1.1 with heartbeats, a bounded
 replay journal with whole-frame eviction, ``wait`` long-polls and
 process-group termination with a grace period. Tests can also inject faults
 (error statuses, dropped / ended / stalled / corrupted streams, eviction, a
-lost create response), and turn on strict POST framing and a per-address
-rate limit (``LocalServer(strict=True, rate_limit=(N, seconds))``).
+lost create response, a lost answer to a delivered input), and turn on strict
+POST framing and a per-address rate limit
+(``LocalServer(strict=True, rate_limit=(N, seconds))``).
 
 Where protocol.md §11 leaves the service open, ``LocalServer(reading=...)``
 answers the conservative way (the default) or the alternative way (see
@@ -168,7 +169,8 @@ ROUTES = (
 
 # Fault kinds. The faults of one endpoint wait in one FIFO and each is
 # consumed at the moment it applies to: a status fault at request start, a
-# stream fault once a stream has started, a lost response after a create. A
+# stream fault once a stream has started, a lost response after a create or
+# after an input written to the process. A
 # head fault that does not apply yet holds back those behind it, so
 # drop_stream() then fail("connect", 503) breaks the first stream and answers
 # 503 to the next connect. A replay fault only moves a connect's starting
@@ -1440,6 +1442,14 @@ class LocalServer:
         """Start the next created processes, then close the socket without an answer."""
         self._queue("create", Fault("lose", count))
 
+    def lose_input_response(self, *, count: int = 1, seconds: float = 0.0) -> None:
+        """Write the next `count` inputs to the process's stdin, then close the socket
+        without an answer, after `seconds` (longer than a client's read timeout: a
+        timeout rather than a reset)."""
+        if seconds < 0:
+            raise ValueError("seconds must be >= 0")
+        self._queue("input", Fault("lose", count, seconds=seconds))
+
     def evict(self, process_id: str) -> None:
         """Drop every retained data frame of the process (older cursors then get 410)."""
         self._get_process(process_id).evict_all()
@@ -1651,7 +1661,7 @@ class LocalServer:
             raise_expired(self.reading, evicted_through + 1, finished)
         OutputStream(self, req, proc, after, self._take_fault("connect", STREAM_FAULTS)).run()
 
-    def _ep_input(self, req: _Handler, sandbox_id: str, process_id: str) -> dict[str, Any]:
+    def _ep_input(self, req: _Handler, sandbox_id: str, process_id: str) -> dict[str, Any] | None:
         proc = self._process(sandbox_id, process_id)
         encoded = req.json_body().get("data_base64")
         if not isinstance(encoded, str):
@@ -1660,7 +1670,14 @@ class LocalServer:
             data = base64.b64decode(encoded, validate=True)
         except (binascii.Error, ValueError):
             raise ApiError(400, {"data_base64": "invalid base64"}) from None
-        return {"input_seq": proc.write_input(data)}
+        input_seq = proc.write_input(data)
+        lost = self._take_fault("input", ("lose",))
+        if lost is not None:  # delivered, but the answer never leaves
+            if lost.seconds:
+                self._stopping.wait(lost.seconds)
+            req.abort()
+            return None
+        return {"input_seq": input_seq}
 
     def _ep_stdin_close(self, req: _Handler, sandbox_id: str, process_id: str) -> dict[str, Any]:
         self._process(sandbox_id, process_id).close_stdin()

@@ -28,6 +28,7 @@ CAMPAIGN = [
     "tests/test_load.py",
     "tests/test_reader_fuzz.py",
     "tests/test_deadline.py",
+    "tests/test_stdin.py",
 ]
 KEPT_LAST = ("seed", "limit", "threads")  # settings, not counts
 

@@ -41,6 +41,7 @@ HEADINGS = (
     "== Tail",
     "== Latency",
     "== Pacing",
+    "== Stdin",
     "== Summary",
 )
 NUMBER = r"[0-9]+(?:\.[0-9]+)?"

@@ -406,6 +406,24 @@ def test_sdk_and_createos_exec_follow_each_others_processes(sdk, sandbox, server
     assert b"".join(e.data for e in events) == b"from-cx\n" and exit_event.exit_code == 0
 
 
+def test_the_sdk_and_createos_exec_write_to_one_stdin(sdk, sandbox, server):
+    piece = bytes(range(256)) * (cx._INPUT_PIECE // 256)  # as large as createos_exec sends
+    with make_client(server) as client:
+        proc = client.start(SANDBOX, ["cat"], stdin=cx.PIPE, encoding="latin-1")
+        first = sandbox.processes.input_bytes(proc.process_id, piece)
+        proc.write(b"\x00 from cx ")
+        second = sandbox.processes.input(proc.process_id, "from sdk")
+        assert 0 <= first < second
+        sandbox.processes.close_standard_input(proc.process_id)
+        with pytest.raises(cx.StdinClosedError):  # closed by the SDK: the service says 409
+            proc.write("late")
+        result = proc.wait()
+    assert result.stdout.encode("latin-1") == piece + b"\x00 from cx from sdk"
+    with pytest.raises(sdk.APIError) as caught:
+        sandbox.processes.input(proc.process_id, "after the end")
+    assert caught.value.status_code == 409
+
+
 # -- createos_exec against the switches of the alternative reading ----------------------
 
 

@@ -1704,6 +1704,10 @@ def _error_samples() -> List[BaseException]:
         cx.CommandError(_sample_result(exit_code=None, timed_out=True)),
         cx.CommandError(_sample_result(exit_code=None, signal="SIGKILL")),
         cx.WaitTimeout(["sleep", "9"], 0.5, process_id=PID),
+        cx.StdinClosedError(process_id=PID),
+        cx.InputUnconfirmedError(393120, process_id=PID),
+        cx.InputUnconfirmedError(0, unsent=True, process_id=PID),
+        cx.ProcessEndedError(process_id=PID, result=_sample_result()),
     ]
 
 
@@ -1739,6 +1743,8 @@ def test_error_pickle_round_trip(error: BaseException) -> None:
         "output",
         "stderr",
         "timeout",
+        "confirmed_bytes",
+        "unsent",
     ):
         assert getattr(copy, attr, None) == getattr(error, attr, None)
     assert len(error.args) == 1 and isinstance(error.args[0], str)
