@@ -34,6 +34,7 @@ BOTH_READINGS = (
     "test_sdk_fidelity",
     "test_process",
     "test_stdin",
+    "test_background",
 )
 
 

@@ -1,0 +1,399 @@
+"""A background process one can live with: iter_output(), returncode,
+client.process() and client.processes(), a log nobody reads, a dropped handle.
+
+From the user's side: a real local server, real sockets, real processes,
+under both readings of the local server (see conftest.BOTH_READINGS).
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import sys
+import threading
+import time
+import warnings
+
+import pytest
+import requests
+from conftest import SANDBOX, make_client
+from local_server import LocalServer
+
+import createos_exec as cx
+
+PYTHON = sys.executable
+
+
+def python(code):
+    """argv of a Python program that prints unbuffered."""
+    return [PYTHON, "-u", "-c", code]
+
+
+# Numbered lines on both pipes, 20 ms apart, then exit 3.
+LOG = python(
+    "import sys, time\n"
+    "for i in range(12):\n"
+    "    print('out', i)\n"
+    "    if i % 3 == 0: print('err', i, file=sys.stderr)\n"
+    "    time.sleep(0.02)\n"
+    "sys.exit(3)\n"
+)
+LOG_OUT = "".join(f"out {i}\n" for i in range(12))
+LOG_ERR = "".join(f"err {i}\n" for i in range(0, 12, 3))
+# Says it is up, then waits to be told to go; SIGTERM alone does not end it.
+WAITS = python(
+    "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "print('up')\ntime.sleep(60)\n"
+)
+
+
+def connects(server):
+    return len(server.requests_to("connect"))
+
+
+def by_stream(pieces):
+    return {name: "".join(t for s, t in pieces if s == name) for name in ("stdout", "stderr")}
+
+
+# -- iter_output ---------------------------------------------------------------
+
+
+def test_output_is_iterated_while_the_process_runs(client):
+    proc = client.start(SANDBOX, python("import time\nprint('first')\ntime.sleep(1)\nprint('x')"))
+    loop = proc.iter_output(lines=True)
+    assert next(loop) == ("stdout", "first\n")
+    assert proc.poll() is None  # it runs on: the piece came as it arrived
+    assert list(loop) == [("stdout", "x\n")]
+    assert proc.wait().stdout == "first\nx\n"
+
+
+def test_each_piece_once_in_order_and_the_result_is_what_was_iterated(client, server):
+    proc = client.start(SANDBOX, LOG)
+    pieces = list(proc.iter_output())
+    assert by_stream(pieces) == {"stdout": LOG_OUT, "stderr": LOG_ERR}
+    reads = connects(server)
+    result = proc.wait()  # at once, without reading again
+    assert connects(server) == reads
+    assert (result.stdout, result.stderr, result.exit_code) == (LOG_OUT, LOG_ERR, 3)
+    assert result.output == "".join(text for _, text in pieces)
+    assert proc.returncode == 3 and list(proc.iter_output()) == []
+
+
+def test_leaving_the_loop_only_stops_reading(client, server):
+    proc = client.start(SANDBOX, LOG)
+    seen = []
+    for piece in proc.iter_output():
+        seen.append(piece)
+        break
+    assert proc.poll() is None and server.tree_alive(proc.process_id)
+    seen.extend(proc.iter_output())  # goes on at the cursor: nothing lost, nothing twice
+    assert by_stream(seen) == {"stdout": LOG_OUT, "stderr": LOG_ERR}
+    assert proc.wait().exit_code == 3
+
+
+def test_a_loop_left_with_its_iterator_kept_gives_way_to_wait(client):
+    proc = client.start(SANDBOX, LOG)
+    loop = proc.iter_output()
+    first = next(loop)
+    result = proc.wait(timeout=30)  # the same thread: no deadlock on the kept loop
+    assert result.output.startswith(first[1]) and result.stdout == LOG_OUT
+    assert list(loop) == []  # that loop was closed
+
+
+def test_a_loop_survives_broken_connections(client, server):
+    server.drop_stream(after_frames=2)
+    server.drop_stream(after_frames=3, mid_frame=True)
+    proc = client.start(SANDBOX, LOG)
+    pieces = list(proc.iter_output())
+    assert by_stream(pieces) == {"stdout": LOG_OUT, "stderr": LOG_ERR}
+    result = proc.wait()
+    assert result.reconnects >= 2 and result.exit_code == 3
+
+
+def test_lines_are_whole_across_frames_and_reconnects(client, server):
+    code = (
+        "import sys, time\n"
+        "for part in ['hel', 'lo\\nwor', 'ld\\n', 'no end']:\n"
+        "    sys.stdout.write(part); sys.stdout.flush(); time.sleep(0.1)\n"
+        "sys.stderr.write('e1\\ne'); sys.stderr.flush()\n"
+    )
+    server.drop_stream(after_frames=1)
+    proc = client.start(SANDBOX, python(code))
+    lines = list(proc.iter_output(lines=True))
+    assert [t for s, t in lines if s == "stdout"] == ["hello\n", "world\n", "no end"]
+    assert [t for s, t in lines if s == "stderr"] == ["e1\n", "e"]
+    assert proc.wait().stdout == "hello\nworld\nno end"
+
+
+def test_the_loop_timeout_only_stops_waiting(client, server):
+    proc = client.start(SANDBOX, WAITS)
+    seen = []
+    with pytest.raises(cx.WaitTimeout) as caught:
+        for piece in proc.iter_output(timeout=0.5):
+            seen.append(piece)
+    assert by_stream(seen)["stdout"] == "up\n" and caught.value.timeout == 0.5
+    assert isinstance(caught.value, cx.subprocess.TimeoutExpired)
+    assert proc.poll() is None and server.tree_alive(proc.process_id)
+    proc.kill()
+    assert proc.wait().signal == "SIGKILL"
+
+
+def test_on_output_sees_the_pieces_the_loop_sees(client):
+    called = []
+    proc = client.start(SANDBOX, LOG, on_output=lambda stream, text: called.append((stream, text)))
+    assert list(proc.iter_output()) == called
+
+
+def test_the_command_timeout_contains_the_tree_during_a_loop(client, server):
+    proc = client.start(SANDBOX, WAITS, timeout=1.0)
+    pieces = list(proc.iter_output())  # ends with the run
+    result = proc.wait()
+    assert by_stream(pieces)["stdout"] == "up\n" and result.timed_out and result.exit_code is None
+    assert server.wait_tree_gone(proc.process_id)
+
+
+def test_eviction_during_a_loop_raises_with_what_was_read(client, server):
+    server.drop_stream(after_frames=1)  # the connection breaks after "one"
+    code = (
+        "import os, time\nos.write(1, b'one\\n')\ntime.sleep(0.1)\nprint('two')\nprint('three')\n"
+    )
+    proc = client.start(SANDBOX, python(code + "time.sleep(60)"))
+    loop = proc.iter_output()
+    assert next(loop) == ("stdout", "one\n")
+    time.sleep(0.5)  # the loop's body takes its time; "two" and "three" are journalled
+    server.evict(proc.process_id)  # and lost before the loop reads them
+    with pytest.raises(cx.OutputEvictedError) as caught:
+        list(loop)  # a live reader is never handed output after a gap
+    assert caught.value.result is not None and caught.value.result.stdout == "one\n"
+    assert server.wait_tree_gone(proc.process_id)  # contained, as any error after creation
+
+
+def test_wait_timeout_carries_the_output_read_so_far(client):
+    proc = client.start(
+        SANDBOX,
+        python(
+            "import sys\nprint('so far')\nprint('e', file=sys.stderr)\nimport time; time.sleep(60)"
+        ),
+    )
+    deadline = time.monotonic() + 10
+    while True:
+        with pytest.raises(cx.WaitTimeout) as caught:
+            proc.wait(timeout=0.3)
+        if caught.value.output and caught.value.stderr:
+            break
+        assert time.monotonic() < deadline
+    assert (caught.value.output, caught.value.stderr) == ("so far\n", "e\n")
+    proc.kill()
+
+
+def test_bad_loop_timeouts_are_refused_before_anything_is_read(client):
+    proc = client.start(SANDBOX, ["true"])
+    for bad in (-1, "1", float("nan")):
+        with pytest.raises(cx.ConfigError):
+            proc.iter_output(timeout=bad)
+    assert proc.wait().exit_code == 0
+
+
+# -- returncode ------------------------------------------------------------------
+
+
+def test_returncode_is_none_until_the_status_is_learned(client):
+    proc = client.start(SANDBOX, ["sh", "-c", "exit 5"])
+    assert proc.returncode is None
+    while proc.poll() is None:
+        time.sleep(0.05)
+    assert proc.returncode == 5 == proc.wait().returncode
+    killed = client.start(SANDBOX, WAITS)
+    assert next(killed.iter_output(lines=True)) == ("stdout", "up\n")  # SIGTERM is ignored now
+    killed.kill()
+    assert killed.returncode == killed.wait().returncode == -9
+
+
+# -- process() and processes() ----------------------------------------------------
+
+
+def test_a_process_started_earlier_is_taken_up_as_a_handle(client, server):
+    started = client.start(SANDBOX, LOG)
+    with make_client(server) as later:  # a restarted kernel: another client, the id kept
+        proc = later.process(SANDBOX, started.process_id)
+        assert proc.args == LOG and proc.returncode is None
+        pieces = list(proc.iter_output())
+        assert by_stream(pieces) == {"stdout": LOG_OUT, "stderr": LOG_ERR}
+        assert proc.wait().exit_code == 3 and proc.poll() == 3
+    started.wait()
+
+
+def test_a_handle_taken_up_later_terminates_and_signals(client, server):
+    first = client.start(SANDBOX, WAITS)
+    proc = client.process(SANDBOX, first.process_id, after=0)
+    proc.send_signal("SIGKILL")
+    assert proc.wait().signal == "SIGKILL"
+    assert server.wait_tree_gone(first.process_id)
+    first.wait()
+
+
+def test_a_wrong_process_id_is_the_404_itself(client, server, caplog):
+    caplog.set_level("WARNING", logger="createos_exec")
+    with pytest.raises(cx.APIError) as caught:
+        client.process(SANDBOX, "proc_" + "w" * 22)
+    assert caught.value.status == 404 and not isinstance(caught.value, cx.CleanupError)
+    assert server.requests_to("delete") == [] and caplog.records == []
+
+
+def test_processes_lists_what_createos_exec_started_as_it_was_given(client, server):
+    argv = ["printf", "%s|", "two words", "it's"]
+    script = "echo 'a b' | wc -w"
+    done = client.execute(SANDBOX, argv)
+    shelled = client.execute(SANDBOX, script, shell=True)
+    running = client.start(SANDBOX, WAITS)
+    foreign = requests.post(
+        server.url + f"/v1/sandboxes/{SANDBOX}/processes",
+        json={"cmd": "sleep", "args": ["0"]},
+        headers={"X-Api-Key": server.api_key},
+        timeout=10,
+    ).json()["data"]["process_id"]
+    listed = {info.process_id: info for info in client.processes(SANDBOX)}
+    assert listed[done.process_id] == cx.ProcessInfo(done.process_id, argv, "exited", 0, None, True)
+    assert listed[shelled.process_id].args == script and listed[shelled.process_id].ours
+    assert listed[running.process_id].state == "running"
+    assert listed[running.process_id].exit_code is None
+    assert listed[foreign].args == ["sleep", "0"] and not listed[foreign].ours
+    running.kill()
+    assert running.wait().signal == "SIGKILL"
+
+
+def test_processes_follows_the_pages_of_a_paginated_listing(server):
+    with LocalServer(reading="alternative", list_page_size=2) as paged:
+        with make_client(paged) as client:
+            ids = [client.execute(SANDBOX, ["true"]).process_id for _ in range(5)]
+            assert [info.process_id for info in client.processes(SANDBOX)][-5:] == ids
+    with pytest.raises(cx.ConfigError):
+        make_client(server).processes("bad id")
+
+
+# -- a log nobody reads keeps its ending --------------------------------------------
+
+
+# Prints far more than the journal holds, quickly, then exits 3.
+FLOOD = python(
+    "import sys\n"
+    "for i in range(40000):\n"
+    "    sys.stdout.write('%07d\\n' % i)\n"
+    "sys.stdout.flush()\n"
+    "sys.exit(3)\n"
+)
+FLOOD_OUT = "".join("%07d\n" % i for i in range(40000))
+
+
+@pytest.fixture
+def small_journal(server):
+    with LocalServer(heartbeat_interval=0.5, reading=server.reading, journal_limit=32768) as local:
+        yield local
+
+
+def test_evicted_output_nobody_read_is_the_head_of_the_result(small_journal):
+    with make_client(small_journal) as client:
+        proc = client.start(SANDBOX, FLOOD)
+        while proc.poll() is None:  # nobody reads: the journal drops its oldest frames
+            time.sleep(0.05)
+        result = proc.wait()
+    assert result.exit_code == 3 and result.output_evicted
+    assert result.stdout_truncated and result.output_truncated
+    assert 0 < len(result.stdout) < len(FLOOD_OUT) and FLOOD_OUT.endswith(result.stdout)
+    assert result.output == result.stdout
+
+
+# -- a dropped handle ------------------------------------------------------------------
+
+
+def test_a_handle_dropped_while_its_process_runs_warns(client, server):
+    proc = client.start(SANDBOX, WAITS)
+    process_id = proc.process_id
+    with pytest.warns(ResourceWarning, match=process_id):
+        del proc
+        gc.collect()
+    client.process(SANDBOX, process_id).kill()
+
+
+def test_no_warning_once_the_run_has_ended(client):
+    proc = client.start(SANDBOX, ["true"])
+    proc.wait()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResourceWarning)
+        del proc
+        gc.collect()
+
+
+# -- the signatures hold the options they build -----------------------------------------
+
+
+PROCESS_OPTIONS = ("timeout", "on_output", "check", "max_output_chars", "encoding", "errors")
+ALL_OPTIONS = {field.name for field in cx.dataclasses.fields(cx._Options)}
+
+
+@pytest.mark.parametrize(
+    "method, own",
+    [
+        (cx.Client.execute, {"sandbox_id", "command"}),
+        (cx.Client.start, {"sandbox_id", "command"}),
+        (cx.Client.process, {"sandbox_id", "process_id", "after", "stdin"}),
+        (cx.Client.attach, {"sandbox_id", "process_id", "after", "stdin"}),
+    ],
+)
+def test_each_default_is_the_options_own(method, own):
+    parameters = dict(inspect.signature(method).parameters)
+    del parameters["self"]
+    options = set(parameters) - own
+    expected = ALL_OPTIONS if "command" in own else {*PROCESS_OPTIONS, "cancel"}
+    assert options == expected
+    for name in options:
+        assert parameters[name].default == getattr(cx._DEFAULT, name), name
+
+
+def test_every_keyword_reaches_the_options(client, monkeypatch):
+    built = []
+    real = cx._Options.__init__
+
+    def spy(self, **given):
+        built.append(given)
+        real(self, **given)
+
+    monkeypatch.setattr(cx._Options, "__init__", spy)
+    cancel = threading.Event()
+    values = dict(
+        shell=True, cwd="/", env={"A": "1"}, input="in", timeout=30.0, on_output=print,
+        check=True, max_output_chars=7, encoding="latin-1", errors="strict", cancel=cancel,
+        capture_output=True, text=True,
+    )  # fmt: skip
+    result = client.execute(SANDBOX, "cat", **values)
+    assert built[-1] == dict(values, stdin=None) and result.stdout == "in"
+    proc = client.process(SANDBOX, result.process_id, after=0, timeout=9.0, check=True)
+    assert built[-1] == dict(
+        timeout=9.0, on_output=None, check=True, max_output_chars=cx._DEFAULT.max_output_chars,
+        encoding="utf-8", errors="replace", cancel=None,
+    )  # fmt: skip
+    assert proc.wait().stdout == "in"
+
+
+# -- ported from subprocess.run ----------------------------------------------------------
+
+
+def test_subprocess_run_keywords_are_accepted(client):
+    result = client.execute(
+        SANDBOX, ["cat"], input=b"ported\n", capture_output=True, text=True, check=True
+    )
+    assert result.stdout == "ported\n"
+
+
+@pytest.mark.parametrize(
+    "keywords, part",
+    [
+        (dict(capture_output=False), "always captured"),
+        (dict(text=False), "always captured"),
+        (dict(stdin="a", input="b"), "input="),
+    ],
+)
+def test_ported_keywords_that_cannot_hold_are_refused_first(client, server, keywords, part):
+    with pytest.raises(cx.ConfigError, match=part):
+        client.execute(SANDBOX, ["cat"], **keywords)
+    assert server.requests_to("create") == []
