@@ -1241,10 +1241,10 @@ class _Transport:
             return failure
 
     @staticmethod
-    def _headers_for(*, raw_body: bool, stream: bool) -> Dict[str, str]:
+    def _headers_for(*, data_type: Optional[str], stream: bool) -> Dict[str, str]:
         headers = {}
-        if raw_body:
-            headers["Content-Type"] = "application/octet-stream"
+        if data_type is not None:
+            headers["Content-Type"] = data_type
         if stream:
             # Compression on the way (gzip in a proxy) would hold live output back.
             headers["Accept-Encoding"] = "identity"
@@ -1261,19 +1261,16 @@ class _Transport:
         params: Optional[Dict[str, Any]] = None,
         json_body: Any = None,
         data: Optional[bytes] = None,
-        json_text: Optional[bytes] = None,
+        data_type: str = "application/octet-stream",
         stream: bool = False,
         ok_statuses: Tuple[int, ...] = (),
     ) -> requests.Response:
         """One attempt: a 2xx (or an `ok_statuses`) response; any other status raises.
 
-        `json_text` is a JSON body already encoded: a large one costs less built by hand.
+        `data` is a raw body of `data_type` (a JSON body built by hand costs less).
         """
         logger.debug("%s %s", method, path)
-        headers = self._headers_for(raw_body=data is not None, stream=stream)
-        if json_text is not None:
-            headers["Content-Type"] = "application/json"
-            data = json_text
+        headers = self._headers_for(data_type=None if data is None else data_type, stream=stream)
         place = self._limiter.acquire(sum(timeout)) if self._limiter is not None else None
         status: Optional[int] = None
         try:
@@ -1294,13 +1291,24 @@ class _Transport:
         finally:
             if place is not None and self._limiter is not None:
                 self._limiter.release(place, status)
-        if 200 <= status < 300 or status in ok_statuses:
-            return response
-        retry_after = _retry_after(response.headers.get("Retry-After"))
-        response.close()
-        if status in (408, 429) or status >= 500:
-            raise _Retryable(operation, status=status, retry_after=retry_after)
-        raise APIError(status, operation, process_id=process_id)
+        return _triaged(response, operation, process_id, ok_statuses)
+
+
+def _triaged(
+    response: requests.Response,
+    operation: str,
+    process_id: Optional[str],
+    ok_statuses: Tuple[int, ...],
+) -> requests.Response:
+    """A 2xx (or an `ok_statuses`) response; a retryable status, or any other, raises."""
+    status = response.status_code
+    if 200 <= status < 300 or status in ok_statuses:
+        return response
+    retry_after = _retry_after(response.headers.get("Retry-After"))
+    response.close()
+    if status in (408, 429) or status >= 500:
+        raise _Retryable(operation, status=status, retry_after=retry_after)
+    raise APIError(status, operation, process_id=process_id)
 
 
 def _jsend_data(response: requests.Response, operation: str) -> Any:
@@ -2287,15 +2295,14 @@ class Client:
         launch = _Launch(self._transport, sandbox_id, plan)
         launch.stage(deadline)
         process_id, recovered = launch.create(deadline)
-        return RemoteProcess(
+        follower = _Follower(
             _Endpoints(self._transport, sandbox_id, process_id),
             options,
-            deadline,
             args=command if isinstance(command, str) else list(command),
             started=started,
             creation_recovered=recovered,
-            launch=launch,
         )
+        return RemoteProcess(follower, options, deadline, launch)
 
     def process(
         self, sandbox_id: str, process_id: str, *,
@@ -2329,14 +2336,9 @@ class Client:
         if not _is_int(after) or after < 0:
             raise ConfigError("after must be an integer >= 0.")
         record = endpoints.record(deadline.at)
-        return RemoteProcess(
-            endpoints,
-            options,
-            deadline,
-            args=_process_info(record).args,
-            started=started,
-            cursor=after,
-        )
+        args = _process_info(record).args
+        follower = _Follower(endpoints, options, args=args, started=started, cursor=after)
+        return RemoteProcess(follower, options, deadline)
 
     def attach(
         self, sandbox_id: str, process_id: str, *,
@@ -2884,28 +2886,16 @@ class RemoteProcess:
 
     def __init__(
         self,
-        endpoints: _Endpoints,
+        follower: _Follower,
         options: _Options,
         deadline: _Deadline,
-        *,
-        args: Any,
-        started: float,
-        cursor: int = 0,
-        creation_recovered: bool = False,
         launch: Optional[_Launch] = None,
     ) -> None:
+        endpoints = self._endpoints = follower.endpoints
         self.sandbox_id = endpoints.sandbox_id
         self.process_id = endpoints.process_id
-        self.args = args
-        self._endpoints = endpoints
-        self._follower = _Follower(
-            endpoints,
-            options,
-            args=args,
-            started=started,
-            cursor=cursor,
-            creation_recovered=creation_recovered,
-        )
+        self.args = follower.args
+        self._follower = follower
         self._check = options.check
         self._deadline = deadline
         self._launch = launch  # its staged file is removed when the run fails
@@ -3140,7 +3130,7 @@ class RemoteProcess:
         except _TimedOut as expired:
             if expired.args[0].limit != "command":
                 return None
-            gone = (yield from self._after_its_deadline()) if late else None
+            gone = (yield from self._follower.after_deadline(self._deadline)) if late else None
             if gone is not None:
                 return gone
             ending = _Ending(timed_out=True)
@@ -3149,24 +3139,6 @@ class RemoteProcess:
         except BaseException as exc:  # contained by _end, then raised again
             ending = _Ending(error=exc)
         return (yield from self._end(ending))
-
-    def _after_its_deadline(self) -> _Steps[Optional[ExecResult]]:
-        """First followed after its deadline: a tree already gone (the sandbox's
-        watchdog, or its own end) needs no containment. Its output is read to
-        the end, and its record says whether the deadline ended it. None to
-        contain it as at any deadline (one that still runs, or trouble)."""
-        try:
-            record = self._endpoints.current_record()
-        except CreateOSError:
-            return None
-        if record.get("tree_exited") is not True:
-            return None
-        ended_by_deadline = _ended_by_deadline(record, self._deadline.seconds or 0.0)
-        try:
-            status = yield from self._follower.follow(self._follower.cleanup_deadline())
-        except (_TimedOut, CreateOSError):
-            return None
-        return self._follower.result(status, timed_out=ended_by_deadline)
 
     def _end(self, ending: _Ending) -> _Steps[Optional[ExecResult]]:
         """The one way a run ends. Unless the process ended by itself, its tree
@@ -3190,31 +3162,35 @@ class RemoteProcess:
         termination = _Termination(self._endpoints, ending.grace)
         if ending.timed_out or ending.asked:
             ending = yield from self._follower.through_termination(ending)
-        unconfirmed = termination.outcome()
-        error = ending.error
-        if isinstance(error, CreateOSError):
-            _with_partial_result(error, follower, ending)
-        if isinstance(error, KeyboardInterrupt):
-            return ending  # Ctrl-C is raised itself; a failed cleanup was logged
-        if unconfirmed is not None:
-            if error is None:
-                unconfirmed.result = follower.result(
-                    ending.status, timed_out=ending.timed_out, partial=True
-                )
-            else:
-                unconfirmed.result = getattr(error, "result", None)
-                unconfirmed.__cause__ = error
-            return _Ending(error=unconfirmed)
-        if error is not None and self._launch is not None:
-            self._launch.unstage()
+        first = ending.error
+        ending = _contained(ending, termination.outcome(), follower)
+        confirmed = first is not None and ending.error is first
+        if confirmed and not isinstance(first, KeyboardInterrupt) and self._launch is not None:
+            self._launch.unstage()  # the wrapper may not have come to remove it
         return ending
 
 
-def _with_partial_result(error: CreateOSError, follower: _Follower, ending: _Ending) -> None:
-    """Name the process in `error` and attach what was read, where anything was."""
-    error.process_id = error.process_id or follower.process_id
-    if error.result is None and (ending.timed_out or follower.cursor > follower.first_seq):
-        error.result = follower.result(ending.status, timed_out=ending.timed_out, partial=True)
+def _contained(
+    ending: _Ending, unconfirmed: Optional[CleanupError], follower: _Follower
+) -> _Ending:
+    """How a run ended once its termination was waited for: its error names the
+    process and carries what was read; an unconfirmed termination is the error
+    then, chained from the first (but for Ctrl-C, which is raised itself)."""
+    error = ending.error
+    if isinstance(error, CreateOSError):
+        error.process_id = error.process_id or follower.process_id
+        if error.result is None and (ending.timed_out or follower.cursor > follower.first_seq):
+            error.result = follower.result(ending.status, timed_out=ending.timed_out, partial=True)
+    if unconfirmed is None or isinstance(error, KeyboardInterrupt):
+        return ending  # Ctrl-C is raised itself; a failed cleanup was logged
+    if error is None:
+        unconfirmed.result = follower.result(
+            ending.status, timed_out=ending.timed_out, partial=True
+        )
+    else:
+        unconfirmed.result = getattr(error, "result", None)
+        unconfirmed.__cause__ = error
+    return _Ending(error=unconfirmed)
 
 
 class _Turn:
@@ -3381,7 +3357,7 @@ class _Follower:
         cursor: int = 0,
         creation_recovered: bool = False,
     ) -> None:
-        self._endpoints = endpoints
+        self.endpoints = endpoints
         self.process_id = self._process_id = endpoints.process_id
         self._cancel = options.cancel
         self._output = _Output(
@@ -3466,7 +3442,7 @@ class _Follower:
                 self._record = record = self._when_spent(record, deadline, ended)
                 if record is not None and self._caught_up(record):
                     return self._recovered(record)
-                self._budget = _Budget(self._endpoints.transport.retry)
+                self._budget = _Budget(self.endpoints.transport.retry)
                 delay = 0.0
             logger.info(
                 "Output stream of %s broke after %d new frames and %d heartbeats; "
@@ -3487,7 +3463,7 @@ class _Follower:
         status, None once the output reached `until`, the failure, or an
         eviction that nobody reading live would see."""
         try:
-            response = self._endpoints.connect(self._reader.cursor, deadline.at)
+            response = self.endpoints.connect(self._reader.cursor, deadline.at)
             with contextlib.closing(response), _unblocked_by(self._cancel, response):
                 interrupted = functools.partial(self.raise_if_interrupted, deadline)
                 return (yield from self._reader.read(_arriving(response), interrupted, until))
@@ -3503,7 +3479,7 @@ class _Follower:
         hole in it. Drop what was read and go on from the oldest output kept."""
         oldest = evicted.oldest_available_seq
         if oldest is None:
-            oldest = _oldest_seq(self._endpoints.record(deadline.at))
+            oldest = _oldest_seq(self.endpoints.record(deadline.at))
         if oldest <= self._reader.cursor + 1:
             raise evicted  # the next frame is kept after all: fail closed
         logger.info(
@@ -3524,7 +3500,7 @@ class _Follower:
             "the exit frame carries no exit status", process_id=self._process_id
         )
         try:
-            record = self._endpoints.exit_record("leader", _EXIT_CHECK_MS, deadline.at)
+            record = self.endpoints.exit_record("leader", _EXIT_CHECK_MS, deadline.at)
         except CreateOSError as exc:
             self.raise_if_interrupted(deadline)  # the deadline cut the wait short
             raise problem from exc
@@ -3534,9 +3510,27 @@ class _Follower:
         self.exit_recovered = True
         return recovered
 
+    def after_deadline(self, deadline: _Deadline) -> _Steps[Optional[ExecResult]]:
+        """First followed after its deadline: a tree already gone (the sandbox's
+        watchdog, or its own end) needs no containment. Its output is read to
+        the end, and its record says whether the deadline ended it. None to
+        contain it as at any deadline (one that still runs, or trouble)."""
+        try:
+            record = self.endpoints.current_record()
+        except CreateOSError:
+            return None
+        if record.get("tree_exited") is not True:
+            return None
+        ended_by_deadline = _ended_by_deadline(record, deadline.seconds or 0.0)
+        try:
+            status = yield from self.follow(self.cleanup_deadline())
+        except (_TimedOut, CreateOSError):
+            return None
+        return self.result(status, timed_out=ended_by_deadline)
+
     def cleanup_deadline(self) -> _Deadline:
         """A fresh deadline for reading what is left once nothing is waited for."""
-        return _Deadline.after(self._endpoints.cleanup_timeout, "cleanup", time.monotonic())
+        return _Deadline.after(self.endpoints.cleanup_timeout, "cleanup", time.monotonic())
 
     def raise_if_interrupted(self, deadline: _Deadline) -> None:
         if self._cancel is not None and self._cancel.is_set():
@@ -3588,7 +3582,7 @@ class _Follower:
             )
         logger.info("Output stream of %s keeps failing; asking whether it runs", self._process_id)
         try:
-            record = self._endpoints.exit_record("tree", _LIVENESS_POLL_MS, deadline.at)
+            record = self.endpoints.exit_record("tree", _LIVENESS_POLL_MS, deadline.at)
         except (TransportError, APIError) as exc:
             self.raise_if_interrupted(deadline)  # the deadline cut the wait short
             raise StreamEndedError(process_id=self._process_id) from exc
@@ -3749,7 +3743,8 @@ class _Endpoints:
             operation="stdin write",
             timeout=(transport.request_timeout, transport.request_timeout),
             process_id=self.process_id,
-            json_text=body,
+            data=body,
+            data_type="application/json",
             ok_statuses=(404, 409),
         )
 
