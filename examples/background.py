@@ -1,4 +1,5 @@
-"""Background processes: start a web server in the sandbox, use it, leave it.
+"""Background processes: a web server used and left, a log followed as it
+grows and taken up again by another client, and a REPL driven line by line.
 
     python examples/background.py
 
@@ -26,6 +27,10 @@ SANDBOX = "sb_local"
 # Small programs the sandbox runs: ask the system for a free port, and fetch a URL.
 FREE_PORT = "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"
 FETCH = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1]).read().decode())"
+# A build that logs its steps, a tenth of a second apart.
+BUILD = (
+    "import time\nfor step in range(1, 6):\n    print('step', step, 'done')\n    time.sleep(0.1)"
+)
 
 
 def demo(client: cx.Client) -> None:
@@ -50,10 +55,43 @@ def demo(client: cx.Client) -> None:
     # -- end --
 
 
+def follow_a_log(client: cx.Client, later: cx.Client) -> None:
+    # -- README: follow a log --
+    build = client.start(SANDBOX, ["python3", "-u", "-c", BUILD])
+    for stream, line in build.iter_output(lines=True):  # as it arrives
+        print(f"{stream}: {line}", end="")
+        if line.startswith("step 2"):
+            break  # only stops reading: the build runs on
+    # Another client (a restarted kernel, another script) takes it up by its id:
+    # the journal replays its log from the start (or from seq `after=`).
+    again = later.process(SANDBOX, build.process_id)
+    last = [line for stream, line in again.iter_output(lines=True)][-1]
+    print("taken up:", again.args == build.args, "| last:", last.strip(), "| rc", again.returncode)
+    build.wait()  # the first handle sees the same end
+    # -- end --
+
+
+def drive_a_repl(client: cx.Client) -> None:
+    # -- README: a REPL --
+    with client.start(SANDBOX, ["python3", "-i", "-u", "-q"], stdin=cx.PIPE) as repl:
+        answers = repl.iter_output(lines=True)
+        repl.write("6 * 7\n")
+        answer = next(text for stream, text in answers if stream == "stdout")
+        print("6 * 7 ->", answer.strip())
+        repl.write(f"{answer.strip()} + 1\n")  # the next line depends on the last answer
+        print("... ->", next(text for stream, text in answers if stream == "stdout").strip())
+        result = repl.communicate("print('bye')\n")  # write, close stdin, wait
+    print("the REPL said", result.stdout.split()[-1], "and exited", result.exit_code)
+    # -- end --
+
+
 def main() -> None:
     with LocalServer() as local:
         with cx.Client(api_url=local.url, api_key=local.api_key) as client:
             demo(client)
+            with cx.Client(api_url=local.url, api_key=local.api_key) as later:
+                follow_a_log(client, later)
+            drive_a_repl(client)
 
 
 if __name__ == "__main__":

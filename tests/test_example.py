@@ -6,6 +6,7 @@ import os
 import re
 import textwrap
 
+import pytest
 from conftest import ROOT, run_example
 
 
@@ -26,17 +27,24 @@ def test_background_example_starts_a_server_uses_it_and_leaves_it():
     done = run_example("background.py")
     assert done.returncode == 0, done.stderr.decode()
     lines = done.stdout.decode().splitlines()
-    assert len(lines) == 4, lines
+    assert len(lines) == 10, lines
     assert re.fullmatch(r"server started: proc_[A-Za-z0-9_-]+ poll\(\) -> None", lines[0])
     assert lines[1] == "fetched: hello from the sandbox"
     assert lines[2] == "server ended by SIGTERM poll() -> -15"
     assert re.fullmatch(r'its log: 127\.0\.0\.1 - - \[.+\] "GET / HTTP/1\.1" 200 -', lines[3])
+    assert lines[4:7] == [
+        "stdout: step 1 done",
+        "stdout: step 2 done",
+        "taken up: True | last: step 5 done | rc 0",
+    ]
+    assert lines[7:] == ["6 * 7 -> 42", "... -> 43", "the REPL said bye and exited 0"]
 
 
-def test_the_readme_shows_the_background_example_that_runs():
+@pytest.mark.parametrize("part", ["background processes", "follow a log", "a REPL"])
+def test_the_readme_shows_the_background_examples_that_run(part):
     with open(os.path.join(ROOT, "examples", "background.py"), encoding="utf-8") as handle:
         example = handle.read()
-    shown = example.split("# -- README: background processes --\n")[1].split("    # -- end --")[0]
+    shown = example.split(f"# -- README: {part} --\n")[1].split("    # -- end --")[0]
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as handle:
         readme = handle.read()
     section = readme.split("\n## Background processes\n")[1].split("\n## ")[0]
