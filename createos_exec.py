@@ -2984,8 +2984,7 @@ class RemoteProcess:
             try:
                 yield from handover.pieces(lines)
                 if self._outcome is None:
-                    for _ in self._settled(self._run(until)):
-                        yield from handover.pieces(lines)
+                    yield from handover.as_taken(self._settled(self._run(until)), lines)
             finally:
                 self._follower.hand_to(None)
         yield from handover.pieces(lines, end=self._outcome is not None)
@@ -3267,6 +3266,18 @@ class _Handover:
         for name in _STREAMS:
             self._partial[name].clear()
             self._partial_size[name] = 0
+
+    def as_taken(self, steps: Iterator[None], lines: bool) -> Iterator[Tuple[str, str]]:
+        """What each step takes, handed on after it (a step is one block read)."""
+        pending = self._pieces
+        if lines:
+            for _ in steps:
+                while pending:
+                    yield from self._lines(*pending.popleft())
+            return
+        for _ in steps:  # the usual loop: nothing between a block and its pieces
+            while pending:
+                yield pending.popleft()
 
     def pieces(self, lines: bool, end: bool = False) -> Iterator[Tuple[str, str]]:
         """What was taken, in order; with `end`, the unterminated last lines too."""

@@ -1,6 +1,10 @@
 """Child process of the memory benchmark: peak RSS while execute() streams one shape.
 
-    python memory_probe.py '{"url": ..., "shape": ..., "warmup": ..., "chars": ..., "tail": ...}'
+    python memory_probe.py '{"url": ..., "shape": ..., "warmup": ..., "chars": ..., "tail": ...,
+                             "route": "on_output" or "iter_output"}'
+
+The route is how the output is taken live: execute()'s on_output callback,
+or start() and a loop over iter_output() that keeps nothing, then wait().
 
 After the imports, the Client and one trivial warm-up execute(), it reads its
 idle RSS, resets the RSS high-water mark (Linux: "5" written to
@@ -74,7 +78,13 @@ def main(argv: list) -> int:
         nonlocal chars
         chars += len(text)
 
-    result = client.execute(SANDBOX, spec["shape"], on_output=count)
+    if spec.get("route") == "iter_output":
+        process = client.start(SANDBOX, spec["shape"])
+        for stream, text in process.iter_output():
+            count(stream, text)
+        result = process.wait()
+    else:
+        result = client.execute(SANDBOX, spec["shape"], on_output=count)
     after = status_kib()
     peak = after["VmHWM"] if reset and after else lifetime_peak_kib()
     verified = (

@@ -8,7 +8,8 @@
 - ``read_batched``: the same, but one ``json.loads`` per block of complete
   lines (``[line,line,…]``).
 - ``ExecuteReader``: ``createos_exec.Client.execute`` end to end, with an
-  ``on_output`` callback that counts characters.
+  ``on_output`` callback that counts characters; or ``start()`` and a loop
+  over ``iter_output()`` that counts them.
 - ``SdkReader``: the official SDK (``createos``): ``processes.create`` and the
   ``processes.connect`` iteration, decoding each data event with the same
   incremental UTF-8 decoder.
@@ -326,12 +327,18 @@ def read_ndjson(
 
 
 class ExecuteReader:
-    """createos_exec.Client(...).execute(sandbox, shape, on_output=count): one client, reused."""
+    """createos_exec.Client(...).execute(sandbox, shape, on_output=count): one client, reused.
 
-    def __init__(self, url: str) -> None:
+    With `iterate`, the same command through start() and a loop over
+    iter_output() that counts, then wait(): the two routes to live output.
+    """
+
+    def __init__(self, url: str, iterate: bool = False) -> None:
         import createos_exec
 
         self.client = createos_exec.Client(url, API_KEY)
+        self.iterate = iterate
+        self.label = "iter_output" if iterate else "execute"
 
     def read(self, shape_name: str) -> Received:
         out_chars = err_chars = 0
@@ -346,17 +353,25 @@ class ExecuteReader:
             else:
                 strangers.append(stream)
 
-        result = self.client.execute(SANDBOX, shape_name, on_output=count)
+        if self.iterate:
+            process = self.client.start(SANDBOX, shape_name)
+            for stream, text in process.iter_output():
+                count(stream, text)
+            result = process.wait()
+        else:
+            result = self.client.execute(SANDBOX, shape_name, on_output=count)
         kept = {"stdout": result.stdout, "stderr": result.stderr, "output": result.output}
         counted = {"stdout": out_chars, "stderr": err_chars, "output": out_chars + err_chars}
         for name, text in kept.items():
             if len(text) != min(counted[name], MAX_OUTPUT_CHARS):
                 raise VerificationError(
-                    "execute: %s holds %d characters of %d" % (name, len(text), counted[name])
+                    "%s: %s holds %d characters of %d"
+                    % (self.label, name, len(text), counted[name])
                 )
         if strangers or result.reconnects:
             raise VerificationError(
-                "execute: output of streams %r, %d reconnects" % (strangers, result.reconnects)
+                "%s: output of streams %r, %d reconnects"
+                % (self.label, strangers, result.reconnects)
             )
         return Received(
             None,

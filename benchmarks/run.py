@@ -30,7 +30,9 @@ throughput  A synthetic CreateOS server (stream_server.py, a process of its
             base64, incremental UTF-8, one decoder per stream, heartbeats
             skipped), the batched ceiling (one json.loads
             per block of lines), createos_exec's Client.execute() end to end,
-            and the official SDK's processes.connect(). Every reader's output
+            and the official SDK's processes.connect(), and start() with a
+            loop over iter_output() (at least 0.9x of execute()'s on_output
+            on the 64 KiB and the 100-byte frames). Every reader's output
             is verified, each stream on its own. MB/s = 10^6 bytes of decoded
             payload (both streams) per second. Besides execute() against
             the other readers on each shape, a target compares execute()
@@ -38,7 +40,8 @@ throughput  A synthetic CreateOS server (stream_server.py, a process of its
             its MB/s on the stdout-only 100-byte frames in 64 KiB chunks.
 memory      Peak RSS of a child process (memory_probe.py) while execute()
             streams 64 MiB and 1 GiB of output with the default
-            max_output_chars, against the same process idle.
+            max_output_chars, against the same process idle; and the same
+            through start() and a loop over iter_output() that keeps nothing.
 tail        createos_exec's output capture (_Output: the UTF-8 decoder and
             the tails of 4 Mi characters, as execute() keeps output) fed
             8, 16 and 32 Mi characters in 100-character chunks (ns per
@@ -126,6 +129,7 @@ SERVER_ALONE = "server alone (drain, no parsing)"
 PER_LINE = "per-line ceiling (raw socket)"
 BATCHED = "batched ceiling (raw socket)"
 EXECUTE = "createos_exec Client.execute()"
+ITERATE = "createos_exec iter_output() loop"
 SDK = "official SDK processes.connect()"
 
 
@@ -264,7 +268,10 @@ def throughput_shapes(scale: float) -> List[Shape]:
 
 
 def make_readers(
-    server: StreamServer, execute: readers.ExecuteReader, sdk: Optional[readers.SdkReader]
+    server: StreamServer,
+    execute: readers.ExecuteReader,
+    iterate: readers.ExecuteReader,
+    sdk: Optional[readers.SdkReader],
 ) -> Dict[str, Optional[Callable[[str], readers.Received]]]:
     """Each reader as a function of the shape name (None: not available)."""
     address = server.address
@@ -277,6 +284,7 @@ def make_readers(
         PER_LINE: lambda name: readers.read_per_line(address, connect_path(name)),
         BATCHED: lambda name: readers.read_batched(address, connect_path(name)),
         EXECUTE: execute.read,
+        ITERATE: iterate.read,
         SDK: sdk.read if sdk is not None else None,
     }
 
@@ -291,10 +299,11 @@ def run_throughput(report: Report, repeat: int, scale: float) -> None:
     medians: Dict[str, Dict[str, Optional[float]]] = {}
     with StreamServer(list(WARMUP_SHAPES) + shapes) as server:
         execute = readers.ExecuteReader(server.url)
+        iterate = readers.ExecuteReader(server.url, iterate=True)
         sdk_module = readers.load_sdk()
         sdk = readers.SdkReader(sdk_module, server.url) if sdk_module is not None else None
         try:
-            reader_of = make_readers(server, execute, sdk)
+            reader_of = make_readers(server, execute, iterate, sdk)
             warm_up(report, reader_of, server)
             timings = {shape.name: Timings(reader_of) for shape in shapes}
             for rep in range(repeat):
@@ -305,6 +314,7 @@ def run_throughput(report: Report, repeat: int, scale: float) -> None:
                 medians[shape.name] = report_shape(report, server, shape, timings[shape.name])
         finally:
             execute.close()
+            iterate.close()
             if sdk is not None:
                 sdk.close()
     throughput_targets(report, medians)
@@ -418,6 +428,7 @@ def ratio_texts(medians: Dict[str, Optional[float]]) -> List[str]:
         ("execute/per-line", EXECUTE, PER_LINE),
         ("execute/batched", EXECUTE, BATCHED),
         ("execute/SDK", EXECUTE, SDK),
+        ("iter_output/execute", ITERATE, EXECUTE),
         ("server alone/per-line", SERVER_ALONE, PER_LINE),
     )
     texts = []
@@ -446,6 +457,15 @@ THROUGHPUT_TARGETS = (
         3.5,
     ),
 )
+# The loop over iter_output() against execute()'s on_output, on one shape.
+ITERATE_TARGETS = (
+    ("iter_output() loop / on_output callback (execute), 64 KiB frames", SHAPE_64K, 0.9),
+    (
+        "iter_output() loop / on_output callback (execute), 100-byte frames one chunk each",
+        SHAPE_100B,
+        0.9,
+    ),
+)
 # One reader on two shapes: (text, reader, shape, reference shape, bound) for
 # reader's MB/s on shape / its MB/s on the reference shape.
 SHAPE_TARGETS = (
@@ -465,6 +485,8 @@ def throughput_targets(report: Report, medians: Dict[str, Dict[str, Optional[flo
     report.line("Throughput targets (medians of this run):")
     for text, shape_name, bottom, bound in THROUGHPUT_TARGETS:
         report.target(Target(text, ratio(medians[shape_name], EXECUTE, bottom), bound))
+    for text, shape_name, bound in ITERATE_TARGETS:
+        report.target(Target(text, ratio(medians[shape_name], ITERATE, EXECUTE), bound))
     for text, reader, shape_name, reference, bound in SHAPE_TARGETS:
         value = shape_ratio(medians, reader, shape_name, reference)
         report.target(Target(text, value, bound))
@@ -483,50 +505,62 @@ def throughput_targets(report: Report, medians: Dict[str, Dict[str, Optional[flo
 # Memory
 
 
+MEMORY_ROUTES = ("on_output", "iter_output")
+
+
 def run_memory(report: Report, scale: float) -> None:
     small = Shape("memory-small", scaled(64 * MiB, scale, 64 * KiB), 64 * KiB)
     large = Shape("memory-large", scaled(1 * GiB, scale, 64 * KiB), 64 * KiB)
     warmup = Shape("memory-warmup", 1 * KiB, 64 * KiB)
     report.heading(
-        "Memory: RSS of a child process streaming through execute() "
-        "(default max_output_chars, 64 KiB frames)"
+        "Memory: RSS of a child process streaming through execute() with on_output, and "
+        "through a loop over iter_output() (default max_output_chars, 64 KiB frames)"
     )
     progress("generating the memory streams in the server process")
-    diffs = {}
+    diffs: Dict[str, Dict[str, float]] = {route: {} for route in MEMORY_ROUTES}
     with StreamServer([warmup, small, large]) as server:
-        for shape in (small, large):
-            progress(
-                "memory: %s through execute() in a child process" % size_label(shape.payload_bytes)
-            )
-            probe = run_memory_probe(server, shape, warmup)
-            if probe is None or not probe["verified"]:
-                report.failure("memory probe for %s: %r" % (size_label(shape.payload_bytes), probe))
-                continue
-            if probe["method"] != "clear_refs":
-                report.line(
-                    "  (the RSS high-water mark could not be reset: peak is the process's "
-                    "lifetime maximum from resource.getrusage)"
-                )
-            idle, peak = probe["idle_kib"] / 1024, probe["peak_kib"] / 1024
-            diffs[shape.name] = peak - idle
-            report.line(
-                "  %-9s of output: idle %.1f MiB, peak %.1f MiB, peak - idle %.1f MiB "
-                "(streamed in %.1f s, %s)"
-                % (
-                    size_label(shape.payload_bytes),
-                    idle,
-                    peak,
-                    peak - idle,
-                    probe["seconds"],
-                    "VmHWM reset via /proc/self/clear_refs"
-                    if probe["method"] == "clear_refs"
-                    else "getrusage",
-                ),
-            )
+        for route in MEMORY_ROUTES:
+            for shape in (small, large):
+                peak_over_idle = measure_memory(report, server, shape, warmup, route)
+                if peak_over_idle is not None:
+                    diffs[route][shape.name] = peak_over_idle
+    for route in MEMORY_ROUTES:
+        memory_targets(report, route, diffs[route], small, large)
+
+
+def measure_memory(
+    report: Report, server: StreamServer, shape: Shape, warmup: Shape, route: str
+) -> Optional[float]:
+    """One probe's line of the report; its peak - idle in MiB (None: no figure)."""
+    label = size_label(shape.payload_bytes)
+    progress("memory: %s through %s in a child process" % (label, route))
+    probe = run_memory_probe(server, shape, warmup, route)
+    if probe is None or not probe["verified"]:
+        report.failure("memory probe for %s through %s: %r" % (label, route, probe))
+        return None
+    if probe["method"] != "clear_refs":
+        report.line(
+            "  (the RSS high-water mark could not be reset: peak is the process's "
+            "lifetime maximum from resource.getrusage)"
+        )
+    idle, peak = probe["idle_kib"] / 1024, probe["peak_kib"] / 1024
+    reset = probe["method"] == "clear_refs"
+    method = "VmHWM reset via /proc/self/clear_refs" if reset else "getrusage"
+    report.line(
+        "  %-11s %-9s of output: idle %.1f MiB, peak %.1f MiB, peak - idle %.1f MiB "
+        "(streamed in %.1f s, %s)"
+        % (route, label, idle, peak, peak - idle, probe["seconds"], method)
+    )
+    return peak - idle
+
+
+def memory_targets(
+    report: Report, route: str, diffs: Dict[str, float], small: Shape, large: Shape
+) -> None:
     for shape in (small, large):
         report.target(
             Target(
-                "peak - idle, %s of output" % size_label(shape.payload_bytes),
+                "peak - idle, %s of output through %s" % (size_label(shape.payload_bytes), route),
                 diffs.get(shape.name),
                 64.0,
                 at_most=True,
@@ -538,8 +572,8 @@ def run_memory(report: Report, scale: float) -> None:
         growth = abs(diffs[large.name] - diffs[small.name])
     report.target(
         Target(
-            "|diff(%s) - diff(%s)|"
-            % (size_label(large.payload_bytes), size_label(small.payload_bytes)),
+            "|diff(%s) - diff(%s)| through %s"
+            % (size_label(large.payload_bytes), size_label(small.payload_bytes), route),
             growth,
             5.0,
             at_most=True,
@@ -548,9 +582,12 @@ def run_memory(report: Report, scale: float) -> None:
     )
 
 
-def run_memory_probe(server: StreamServer, shape: Shape, warmup: Shape) -> Optional[Dict[str, Any]]:
+def run_memory_probe(
+    server: StreamServer, shape: Shape, warmup: Shape, route: str
+) -> Optional[Dict[str, Any]]:
     expected = server.expected[shape.name]
     spec = {
+        "route": route,
         "url": server.url,
         "shape": shape.name,
         "warmup": warmup.name,
