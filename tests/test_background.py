@@ -246,6 +246,7 @@ def test_processes_lists_what_createos_exec_started_as_it_was_given(client, serv
     done = client.execute(SANDBOX, argv)
     shelled = client.execute(SANDBOX, script, shell=True)
     running = client.start(SANDBOX, WAITS)
+    assert next(running.iter_output(lines=True)) == ("stdout", "up\n")  # it ignores SIGTERM now
     foreign = requests.post(
         server.url + f"/v1/sandboxes/{SANDBOX}/processes",
         json={"cmd": "sleep", "args": ["0"]},

@@ -78,7 +78,11 @@ def test_the_tiny_benchmark_reports_every_section_and_reader():
         assert len(rows_with_a_number(report, reader)) == len(SHAPES), reader
     assert len(re.findall(r"^  ratios: execute/per-line %sx" % NUMBER, report, re.M)) == len(SHAPES)
     assert re.search(r"\] execute, mixed .* \(within 15 %%\): %sx" % NUMBER, report)
-    assert len(re.findall(r"of output: idle %s MiB, peak %s MiB" % (NUMBER, NUMBER), report)) == 2
+    memory_rows = r"(on_output|iter_output) +\S+ \S+ +of output: idle %s MiB, peak %s MiB"
+    assert [route for route in re.findall(memory_rows % (NUMBER, NUMBER), report)] == [
+        "on_output", "on_output", "iter_output", "iter_output"
+    ]  # fmt: skip
+    assert re.search(r"\] iter_output\(\) loop / on_output callback .*: %sx" % NUMBER, report)
     assert len(re.findall(r"characters: +%s ns/char" % NUMBER, report)) == 3
     assert re.search(r"naive .* %s ns/char" % NUMBER, report)
     assert re.search(r'one execute\("true"\) after a warm-up: [0-9]+ requests', report)
