@@ -52,6 +52,11 @@ def server(request):
         yield local
 
 
+def python(code):
+    """argv of a Python program that prints unbuffered."""
+    return [sys.executable, "-u", "-c", code]
+
+
 def make_client(server, **overrides):
     settings = dict(
         api_url=server.url,

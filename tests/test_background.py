@@ -9,25 +9,16 @@ from __future__ import annotations
 
 import gc
 import inspect
-import sys
 import threading
 import time
 import warnings
 
 import pytest
 import requests
-from conftest import SANDBOX, make_client
+from conftest import SANDBOX, make_client, python
 from local_server import LocalServer
 
 import createos_exec as cx
-
-PYTHON = sys.executable
-
-
-def python(code):
-    """argv of a Python program that prints unbuffered."""
-    return [PYTHON, "-u", "-c", code]
-
 
 # Numbered lines on both pipes, 20 ms apart, then exit 3.
 LOG = python(

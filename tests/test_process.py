@@ -9,22 +9,13 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import threading
 import time
 
 import pytest
-from conftest import SANDBOX, make_client
+from conftest import SANDBOX, make_client, python
 
 import createos_exec as cx
-
-PYTHON = sys.executable
-
-
-def python(code):
-    """argv of a Python program that prints unbuffered."""
-    return [PYTHON, "-u", "-c", code]
-
 
 # A program that says it is up, then waits; on SIGTERM it says bye and exits 7.
 TRAPS_TERM = python(
