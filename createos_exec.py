@@ -8,15 +8,21 @@
     with cx.Client() as client:          # $CREATEOS_API_URL, $CREATEOS_API_KEY
         client.execute("sb_123", "make test", shell=True, check=True, on_output=cx.echo)
         with client.start("sb_123", ["python3", "-m", "http.server", "8000"]) as server:
+            server.wait_for_port(8000)
             client.execute("sb_123", ["curl", "-s", "localhost:8000"])   # the server runs on
         print(server.wait().signal)      # leaving the block terminated it: SIGTERM
+        build = client.start("sb_123", ["make", "all"])
+        for stream, line in build.iter_output(lines=True):   # as it arrives
+            print(stream, line, end="")
+        again = client.process("sb_123", build.process_id)   # taken up later, by its id
 
 A command runs as a CreateOS managed process. It is created exactly once; its
 output is read from a replayable NDJSON stream that is resumed from the last
 accepted sequence number whenever the connection breaks; when the stream cannot
 deliver the exit status, it is recovered out of band; and on any failure the
 remote process tree is terminated. start() returns a RemoteProcess at once, the
-counterpart of subprocess.Popen; execute() is start(...).wait().
+counterpart of subprocess.Popen; execute() is start(...).wait(), and
+client.process() is a handle on a process started earlier.
 `createos-exec --help` (or `python -m createos_exec --help`) is the command line.
 """
 

@@ -2,8 +2,8 @@
 
 Two levels:
 
-(a) the internals, layer by layer as `_Run._read_stream` drives them:
-    `cx._blocks` (bytes -> blocks of complete lines, bounded by the frame
+(a) the internals, layer by layer as `_Reader.read` drives them:
+    `_Reader.blocks` (bytes -> blocks of complete lines, bounded by the frame
     limit) -> `cx._frames` (block -> the JSON value of each line, exactly as
     json.loads would parse each line alone) -> `cx._data_frame` + a
     `cx._Output` decoder for data frames, `cx._exit_status` for exit frames;
@@ -156,7 +156,7 @@ class Decoded:
 
 
 def read(feed: Feed) -> Decoded:
-    """Drive the layers the way `_Run._read_stream`/`_take` do (seq checks aside)."""
+    """Drive the layers the way `_Reader.read`/`take` do (seq checks aside)."""
     decoded = Decoded()
     for frame in (frame for block in feed.blocks() for frame in frames(block)):
         decoded.frames.append(frame)
@@ -168,7 +168,7 @@ def read(feed: Feed) -> Decoded:
             decoded.status = cx._exit_status(frame)
             break  # the reader stops at the exit frame
     decoded.output.finish(hand_out=True)
-    # A clean EOF without an exit frame ends here too; _read_stream then
+    # A clean EOF without an exit frame ends here too; _Reader.read then
     # raises _Retryable ("clean EOF before the exit frame") and resumes.
     return decoded
 
@@ -181,9 +181,9 @@ def outcome(feed: Feed) -> Any:
     except cx.CreateOSError as exc:
         return exc
     except cx._Retryable:
-        # The one non-public exception allowed: `_blocks` raises it at the END
-        # of the input when the last line is unterminated. That is the
-        # documented "broken connection" signal; `_Run._follow` turns it into
+        # The one non-public exception allowed: `_Reader.blocks` raises it at the
+        # END of the input when the last line is unterminated. That is the
+        # documented "broken connection" signal; `_Follower.follow` turns it into
         # a resume from the cursor, so it never reaches the caller.
         assert feed.exhausted and feed.data and not feed.data.endswith(b"\n")
         return RETRY
