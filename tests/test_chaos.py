@@ -9,7 +9,9 @@ an exit code or a SIGKILL) and a list of faults queued on a fresh LocalServer
 of consecutive connect failures, longer than one backoff but within the
 retry budget). Every schedule must end exact: stdout, stderr, the interleaved
 output and the `on_output` text per stream, the exit status, one creation,
-and `reconnects` equal to the number of connects minus one.
+and `reconnects` equal to the number of connects minus one. Every other
+schedule (odd seeds) is also read by a loop over `iter_output()`, which must
+see exactly the pieces `on_output` sees.
 
     CREATEOS_CHAOS_RUNS=500        # schedules per run (what CI runs)
     CREATEOS_CHAOS_SEED=20261130   # base seed; schedule i uses base + i
@@ -212,6 +214,11 @@ def expected_text(schedule, stream):
     return b"".join(data for name, data, _ in schedule["writes"] if name == stream).decode("utf-8")
 
 
+def looped(schedule):
+    """Every other schedule is read by a loop over iter_output() too."""
+    return schedule["seed"] % 2 == 1
+
+
 def run_schedule(schedule, directory):
     """Run one schedule on a fresh server; (problems, reconnects)."""
     script = script_for(schedule, directory)
@@ -236,14 +243,18 @@ def run_schedule(schedule, directory):
             cleanup_timeout=10.0,
             rate_limit=None,
         ) as client:
+            iterated = None
             try:
-                result = client.execute(
+                proc = client.start(
                     SANDBOX,
                     script,
                     shell=True,
                     timeout=RUN_TIMEOUT,
                     on_output=lambda stream, text: seen.append((stream, text)),
                 )
+                if looped(schedule):  # the loop sees what on_output sees, and wait() then ends
+                    iterated = list(proc.iter_output())
+                result = proc.wait()
             except Exception as exc:
                 return ["raised %s: %s" % (type(exc).__name__, exc)], 0
         creates = server.requests_to("create")
@@ -264,6 +275,8 @@ def run_schedule(schedule, directory):
             problems.append("on_output %s is not exact" % stream)
     if result.output != "".join(text for _, text in seen):
         problems.append("output is not the on_output text in order")
+    if iterated is not None and iterated != seen:
+        problems.append("the iter_output() loop did not see what on_output saw")
     if result.reconnects != len(connects) - 1:
         problems.append(
             "reconnects %d, but %d connects were made" % (result.reconnects, len(connects))
