@@ -3,8 +3,9 @@
 Sessions: `lint` (ruff, mypy --strict, vermin for the 3.8 floor), `tests`
 (the whole suite with branch coverage on the current interpreter, the
 packaging test with users' mypy included) and `compat` (the core of the
-suite, RemoteProcess, the console script and the packaging test with that
-Python's mypy included, on every other supported Python). Add `-r` to reuse
+suite, RemoteProcess and its background API and stdin, the console script
+and the packaging test with that Python's mypy included, on every other
+supported Python). Add `-r` to reuse
 the virtual environments between runs, `-s tests` for one session.
 """
 
@@ -24,6 +25,8 @@ CORE_TESTS = (
     "tests/test_execute.py",
     "tests/test_cli.py",
     "tests/test_process.py",
+    "tests/test_background.py",
+    "tests/test_stdin.py",
     "tests/test_vendoring.py",
 )
 
