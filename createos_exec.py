@@ -990,14 +990,19 @@ class _RateLimiter:
 
         `hold` is the longest the request can take to arrive (its timeouts):
         should release() never come, the place frees that long plus a period
-        after it was let through. The cancel of `deadline` ends the wait.
+        after it was let through. The cancel of `deadline` ends the wait; that
+        of a cleanup lets it through at once, over the limit if need be: the
+        termination a cancel asks for waits for no other request.
         """
         hold = min(hold, _LONGEST_HOLD)
+        first = False
         while True:
-            taken = self._update(functools.partial(self._take, hold))
+            taken = self._update(functools.partial(self._take, hold, first))
             if isinstance(taken, _Place):
                 return taken
-            deadline = deadline.pause(min(taken, _PACING_POLL))
+            hurried = deadline.pause(min(taken, _PACING_POLL))
+            first = hurried.cancel is None and deadline.cancel is not None
+            deadline = hurried
 
     def release(self, place: _Place, status: Optional[int] = None) -> None:
         """The answer to the request of `place` started (its status), or it failed (None)."""
@@ -1013,10 +1018,10 @@ class _RateLimiter:
                     self._file = None
             return change(self._own, time.monotonic())
 
-    def _take(self, hold: float, window: _Window, now: float) -> Union[_Place, float]:
-        """A place, or the seconds until the first one frees."""
+    def _take(self, hold: float, first: bool, window: _Window, now: float) -> Union[_Place, float]:
+        """A place (`first`: even in a full window), or the seconds until the first one frees."""
         window.expire(now)
-        if window.held() < int(window.allowance):
+        if first or window.held() < int(window.allowance):
             place = _Place(random.getrandbits(64), now)
             window.on_the_way[place.token] = now + hold + self._period
             return place
@@ -2737,7 +2742,7 @@ class _Launch:
                 data=self._plan.staged,
             )
         except CancelledError:
-            self.unstage()  # an attempt before the wait may have written it
+            self.unstage(deadline.cancel)  # an attempt before the wait may have written it
             raise
 
     def create(self, deadline: _Deadline) -> Tuple[str, bool]:
@@ -2773,7 +2778,7 @@ class _Launch:
         except CreateOSError as error:
             if reached:
                 self._left_behind(error, deadline.cancel)
-            self.unstage()
+            self.unstage(deadline.cancel)
             raise
 
     def _attempt(self, deadline: _Deadline) -> Union[requests.Response, _Retryable]:
@@ -2830,14 +2835,14 @@ class _Launch:
             if cleanup.__cause__ is None:
                 raise cleanup from error
             raise
-        self.unstage()
+        self.unstage(hurry)
         raise error
 
     def _terminate_marked(self, hurry: Optional[threading.Event] = None) -> None:
         """Terminate the process with the run's marker, if the listing shows one;
         CleanupError when the listing or the termination fails."""
         try:
-            process_id = self._marked()
+            process_id = self._marked(_Deadline(limit="cleanup", cancel=hurry))
         except CreateOSError as exc:
             raise CleanupError(creation_unconfirmed=True) from exc
         if process_id is not None:
@@ -2891,8 +2896,9 @@ class _Launch:
         except CleanupError:
             logger.warning("Could not confirm that no process was left running")
 
-    def unstage(self) -> None:
-        """Remove the staged secrets file, best-effort, when the wrapper may not have."""
+    def unstage(self, hurry: Optional[threading.Event] = None) -> None:
+        """Remove the staged secrets file, best-effort, when the wrapper may not have;
+        a cleanup, which the cancel `hurry` hurries through the pacing window."""
         if self._plan.staged_path is None:
             return
         transport = self._transport
@@ -2902,6 +2908,7 @@ class _Launch:
                 _sandbox_path(self._sandbox_id, "/exec"),
                 operation="removal of the staged file",
                 timeout=(transport.request_timeout, transport.cleanup_timeout),
+                deadline=_Deadline(limit="cleanup", cancel=hurry),
                 json_body={"cmd": "rm", "args": ["-f", "--", self._plan.staged_path]},
             ).close()
         except (CreateOSError, _Retryable):
@@ -2913,8 +2920,8 @@ def _listed(
 ) -> Iterator[Any]:
     """The sandbox's process records, page after page (a bounded number of them),
     within `deadline` and a cleanup_timeout of their own."""
-    own = _Deadline.after(transport.cleanup_timeout, "listing", time.monotonic())
-    deadline = deadline.sooner(own)
+    own = time.monotonic() + transport.cleanup_timeout
+    deadline = deadline._replace(at=own if deadline.at is None else min(own, deadline.at))
     offset = 0
     params: Optional[Dict[str, int]] = None  # the first page as the service chooses it
     for _ in range(_LISTING_PAGES):
@@ -3256,7 +3263,7 @@ class RemoteProcess:
         ending = _contained(ending, termination.outcome(), follower)
         confirmed = first is not None and ending.error is first
         if confirmed and not isinstance(first, KeyboardInterrupt) and self._launch is not None:
-            self._launch.unstage()  # the wrapper may not have come to remove it
+            self._launch.unstage(self._deadline.cancel)  # the wrapper may not have removed it
         return ending
 
 

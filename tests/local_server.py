@@ -1442,6 +1442,11 @@ class LocalServer:
         """Start the next created processes, then close the socket without an answer."""
         self._queue("create", Fault("lose", count))
 
+    def refuse_created(self, *, count: int = 1, retry_after: str | None = None) -> None:
+        """Start the next created processes, then answer 429 (with `retry_after`), as a
+        proxy does that forwarded the creation and then refused to pass its answer on."""
+        self._queue("create", Fault("refuse", count, status=429, retry_after=retry_after))
+
     def lose_input_response(self, *, count: int = 1, seconds: float = 0.0) -> None:
         """Write the next `count` inputs to the process's stdin, then close the socket
         without an answer, after `seconds` (longer than a client's read timeout: a
@@ -1628,7 +1633,11 @@ class LocalServer:
         with self._lock:
             self._processes[proc.id] = proc
         proc.start()
-        if self._take_fault("create", ("lose",)) is not None:
+        fault = self._take_fault("create", ("lose", "refuse"))
+        if fault is not None and fault.kind == "refuse":
+            self._send_fault(req, fault)
+            return None
+        if fault is not None:
             req.abort()
             return None
         return proc.record()
