@@ -736,6 +736,8 @@ class _TimedOut(Exception):
 
 
 _ENDLESS = _Deadline()  # no deadline, nothing that interrupts
+_INTERRUPTED = threading.Event()  # a cancel given once and for all: Ctrl-C's, to hurry cleanups
+_INTERRUPTED.set()
 
 
 def _sleep(seconds: float, cancel: Optional[threading.Event]) -> bool:
@@ -2892,7 +2894,7 @@ class _Launch:
     def _abandon(self) -> None:
         """Ctrl-C while creating: find the process if it exists and terminate it."""
         try:
-            self._terminate_marked()
+            self._terminate_marked(_INTERRUPTED)
         except CleanupError:
             logger.warning("Could not confirm that no process was left running")
 
@@ -3256,7 +3258,7 @@ class RemoteProcess:
         reading, the DELETE is waited for (a second Ctrl-C ends that wait).
         """
         follower = self._follower
-        termination = _Termination(self._endpoints, ending.grace, self._deadline.cancel)
+        termination = _Termination(self._endpoints, ending, self._deadline.cancel)
         if ending.timed_out or ending.asked:
             ending = yield from self._follower.through_termination(ending)
         first = ending.error
@@ -3325,8 +3327,11 @@ class _Termination:
     """A tree's DELETE in a thread of its own, so that the grace period's output can be read."""
 
     def __init__(
-        self, endpoints: _Endpoints, grace: Optional[float], hurry: Optional[threading.Event]
+        self, endpoints: _Endpoints, ending: _Ending, cancel: Optional[threading.Event]
     ) -> None:
+        grace = ending.grace
+        # Ctrl-C hurries the termination as a cancel does (see _Deadline.pause).
+        hurry = _INTERRUPTED if isinstance(ending.error, KeyboardInterrupt) else cancel
         self._failure: Optional[BaseException] = None
         self._thread = threading.Thread(
             target=self._run, args=(endpoints, grace, hurry), name="createos_exec-cleanup"

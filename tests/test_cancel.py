@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import signal
 import socket
 import statistics
 import threading
@@ -252,6 +253,43 @@ def test_cancel_at_random_moments_of_every_wait(server, wait, figures):
         seed=SEED,
         max_latency_s=max(latencies),
     )
+
+
+@pytest.mark.parametrize(
+    "wait",
+    [
+        "forwarded creation Retry-After",
+        "connect Retry-After",
+        "pacing window",
+        "staging Retry-After",
+    ],
+)
+def test_ctrl_c_ends_every_wait_at_once(server, wait):
+    """Ctrl-C, a real SIGINT to the thread that waits, as the cancel does."""
+    processes = len(server.processes())
+    endpoint, settings, created = WAITS[wait](server)
+    main = threading.get_ident()
+    marks = {}
+
+    def interrupt():
+        count = len(server.requests_to(endpoint)) + 1
+        limit = time.monotonic() + 20
+        while len(server.requests_to(endpoint)) < count and time.monotonic() < limit:
+            time.sleep(0.005)
+        time.sleep(0.2)
+        marks["at"] = time.monotonic()
+        signal.pthread_kill(main, signal.SIGINT)
+
+    interrupter = threading.Thread(target=interrupt, daemon=True)
+    with make_client(server, **settings.get("client", {})) as client:
+        interrupter.start()
+        with pytest.raises(KeyboardInterrupt):
+            client.execute(SANDBOX, SLEEPER, **settings.get("run", {}))
+        latency = time.monotonic() - marks["at"]
+    interrupter.join(5)
+    assert latency < BOUND
+    assert len(server.processes()) == processes + created
+    assert_nothing_runs(server)
 
 
 def test_cancel_latencies_are_reported(figures):
