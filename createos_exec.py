@@ -736,8 +736,6 @@ class _TimedOut(Exception):
 
 
 _ENDLESS = _Deadline()  # no deadline, nothing that interrupts
-_INTERRUPTED = threading.Event()  # a cancel given once and for all: Ctrl-C's, to hurry cleanups
-_INTERRUPTED.set()
 
 
 def _sleep(seconds: float, cancel: Optional[threading.Event]) -> bool:
@@ -2894,7 +2892,7 @@ class _Launch:
     def _abandon(self) -> None:
         """Ctrl-C while creating: find the process if it exists and terminate it."""
         try:
-            self._terminate_marked(_INTERRUPTED)
+            self._terminate_marked()
         except CleanupError:
             logger.warning("Could not confirm that no process was left running")
 
@@ -3329,9 +3327,9 @@ class _Termination:
     def __init__(
         self, endpoints: _Endpoints, ending: _Ending, cancel: Optional[threading.Event]
     ) -> None:
-        grace = ending.grace
-        # Ctrl-C hurries the termination as a cancel does (see _Deadline.pause).
-        hurry = _INTERRUPTED if isinstance(ending.error, KeyboardInterrupt) else cancel
+        # A cancel hurries the termination (see _Deadline.pause); after Ctrl-C it
+        # goes at the pace of the window and the service, and a second Ctrl-C ends it.
+        grace, hurry = ending.grace, cancel
         self._failure: Optional[BaseException] = None
         self._thread = threading.Thread(
             target=self._run, args=(endpoints, grace, hurry), name="createos_exec-cleanup"

@@ -260,12 +260,14 @@ def test_cancel_at_random_moments_of_every_wait(server, wait, figures):
     [
         "forwarded creation Retry-After",
         "connect Retry-After",
-        "pacing window",
         "staging Retry-After",
+        "wait Retry-After",
     ],
 )
 def test_ctrl_c_ends_every_wait_at_once(server, wait):
-    """Ctrl-C, a real SIGINT to the thread that waits, as the cancel does."""
+    """Ctrl-C, a real SIGINT to the thread that waits, as the cancel does. (Its
+    cleanup then goes at the pace of the window and of the service, which a
+    second Ctrl-C ends: see test_containment.)"""
     processes = len(server.processes())
     endpoint, settings, created = WAITS[wait](server)
     main = threading.get_ident()
