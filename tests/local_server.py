@@ -169,7 +169,7 @@ ROUTES = (
 
 # Fault kinds. The faults of one endpoint wait in one FIFO and each is
 # consumed at the moment it applies to: a status fault at request start, a
-# stream fault once a stream has started, a lost response after a create or
+# stream fault once a stream has started, a lost or refused (429) response after a create or
 # after an input written to the process. A
 # head fault that does not apply yet holds back those behind it, so
 # drop_stream() then fail("connect", 503) breaks the first stream and answers
