@@ -1350,10 +1350,8 @@ class _Transport:
     ) -> requests.Response:
         """One attempt: a 2xx (or an `ok_statuses`) response; any other status raises.
 
-        `timeout` (connect, read) is cut to what remains of `deadline`, which a
-        wait for a place in the pacing window keeps too. `data` is a raw body
-        of `data_type` (a JSON body built by hand costs less).
-        """
+        `timeout` is cut to what remains of `deadline`, whose cancel ends a wait in the pacing
+        window. `data` is a raw body of `data_type` (a JSON body built by hand costs less)."""
         logger.debug("%s %s", method, path)
         headers = self._headers_for(data_type=None if data is None else data_type, stream=stream)
         timeout = (_within(timeout[0], deadline.at), _within(timeout[1], deadline.at))

@@ -10,6 +10,7 @@ the server started gone.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 import signal
@@ -123,11 +124,12 @@ def test_429s_answered_to_forwarded_creations_at_every_attempt(server, schedule,
 
 
 class Canceller:
-    """Sets the cancel event `delay` seconds after the server has answered the
-    next request of `endpoint`, and keeps when."""
+    """Sets the cancel event (or calls `act`) `delay` seconds after the server
+    has answered the next request of `endpoint`, and keeps when."""
 
-    def __init__(self, server, endpoint, *, delay=0.2):
+    def __init__(self, server, endpoint, *, delay=0.2, act=None):
         self.event = threading.Event()
+        self._act = act or self.event.set
         self.at = None
         count = len(server.requests_to(endpoint)) + 1
         self._thread = threading.Thread(
@@ -141,7 +143,7 @@ class Canceller:
             time.sleep(0.005)
         time.sleep(delay)
         self.at = time.monotonic()
-        self.event.set()
+        self._act()
 
     def latency(self):
         """Seconds from the cancel to now (the error raised)."""
@@ -270,26 +272,12 @@ def test_ctrl_c_ends_every_wait_at_once(server, wait):
     second Ctrl-C ends: see test_containment.)"""
     processes = len(server.processes())
     endpoint, settings, created = WAITS[wait](server)
-    main = threading.get_ident()
-    marks = {}
-
-    def interrupt():
-        count = len(server.requests_to(endpoint)) + 1
-        limit = time.monotonic() + 20
-        while len(server.requests_to(endpoint)) < count and time.monotonic() < limit:
-            time.sleep(0.005)
-        time.sleep(0.2)
-        marks["at"] = time.monotonic()
-        signal.pthread_kill(main, signal.SIGINT)
-
-    interrupter = threading.Thread(target=interrupt, daemon=True)
+    interrupt = functools.partial(signal.pthread_kill, threading.get_ident(), signal.SIGINT)
     with make_client(server, **settings.get("client", {})) as client:
-        interrupter.start()
+        interrupter = Canceller(server, endpoint, act=interrupt)
         with pytest.raises(KeyboardInterrupt):
             client.execute(SANDBOX, SLEEPER, **settings.get("run", {}))
-        latency = time.monotonic() - marks["at"]
-    interrupter.join(5)
-    assert latency < BOUND
+        assert interrupter.latency() < BOUND
     assert len(server.processes()) == processes + created
     assert_nothing_runs(server)
 
