@@ -72,6 +72,7 @@ from typing import (
     Iterator,
     List,
     NamedTuple,
+    NoReturn,
     Optional,
     Sequence,
     Set,
@@ -675,6 +676,84 @@ def _checked_id(kind: str, value: Any) -> str:
 
 
 # --------------------------------------------------------------------------
+# Deadlines: when the waits of a run end, and what may end them sooner
+# --------------------------------------------------------------------------
+
+
+def _remaining(deadline: Optional[float]) -> Optional[float]:
+    return None if deadline is None else deadline - time.monotonic()
+
+
+def _within(seconds: float, deadline: Optional[float]) -> float:
+    left = _remaining(deadline)
+    # Never 0: urllib3 refuses a zero timeout; an expired deadline is caught by the caller.
+    return seconds if left is None else max(0.001, min(seconds, left))
+
+
+class _Deadline(NamedTuple):
+    """When waiting must stop, on the monotonic clock (None: never), and which
+    limit that is: the command's `timeout`, a wait's own (`wait(timeout=)`,
+    `iter_output(timeout=)`) or a cleanup's. The one who meets it knows which
+    fired. `cancel`, the run's event, may end every wait under it sooner:
+    what may interrupt a wait travels with when it must end."""
+
+    at: Optional[float] = None
+    limit: str = "command"
+    seconds: Optional[float] = None  # the limit it was made from
+    cancel: Optional[threading.Event] = None
+
+    @classmethod
+    def after(
+        cls,
+        seconds: Optional[float],
+        limit: str,
+        now: float,
+        cancel: Optional[threading.Event] = None,
+    ) -> "_Deadline":
+        return cls(None if seconds is None else now + seconds, limit, seconds, cancel)
+
+    def sooner(self, other: "_Deadline") -> "_Deadline":
+        """Whichever comes first (this one on a tie), interrupted by either's cancel."""
+        first = self if other.at is None or (self.at is not None and self.at <= other.at) else other
+        return first._replace(cancel=self.cancel or other.cancel)
+
+    def expired(self) -> bool:
+        return self.at is not None and time.monotonic() >= self.at
+
+    def cancelled(self) -> bool:
+        return self.cancel is not None and self.cancel.is_set()
+
+    def pause(self, seconds: float) -> "_Deadline":
+        """Wait `seconds` before the next attempt; the deadline to go on under.
+
+        A cancel ends the wait at once: CancelledError. A cleanup's wait (a
+        cancel is what asked for the cleanup) is cut short once instead, and
+        the cleanup goes on at once, then at its own pace.
+        """
+        if not _sleep(seconds, self.cancel):
+            return self
+        if self.limit != "cleanup":
+            raise CancelledError()
+        return self._replace(cancel=None)
+
+
+class _TimedOut(Exception):
+    """A wait's deadline expired; args[0] is that _Deadline."""
+
+
+_ENDLESS = _Deadline()  # no deadline, nothing that interrupts
+
+
+def _sleep(seconds: float, cancel: Optional[threading.Event]) -> bool:
+    """The one place a run sleeps: `seconds`, or until `cancel` is set (then True).
+    Ctrl-C interrupts either (Event.wait is interruptible, as time.sleep is)."""
+    if cancel is None:
+        time.sleep(seconds)
+        return False
+    return cancel.wait(seconds)
+
+
+# --------------------------------------------------------------------------
 # Pacing: a sliding window per API origin, shared by threads and processes
 # --------------------------------------------------------------------------
 
@@ -912,19 +991,24 @@ class _RateLimiter:
                 cls._shared[key] = cls(limit, period, _window_file(origin, limit, period))
             return cls._shared[key]
 
-    def acquire(self, hold: float = math.inf) -> _Place:
+    def acquire(self, hold: float = math.inf, deadline: _Deadline = _ENDLESS) -> _Place:
         """Wait for a place in the window; hand it to release() once answered.
 
         `hold` is the longest the request can take to arrive (its timeouts):
         should release() never come, the place frees that long plus a period
-        after it was let through.
+        after it was let through. The cancel of `deadline` ends the wait; that
+        of a cleanup lets it through at once, over the limit if need be: the
+        termination a cancel asks for waits for no other request.
         """
         hold = min(hold, _LONGEST_HOLD)
+        first = False
         while True:
-            taken = self._update(functools.partial(self._take, hold))
+            taken = self._update(functools.partial(self._take, hold, first))
             if isinstance(taken, _Place):
                 return taken
-            time.sleep(min(taken, _PACING_POLL))
+            hurried = deadline.pause(min(taken, _PACING_POLL))
+            first = hurried.cancel is None and deadline.cancel is not None
+            deadline = hurried
 
     def release(self, place: _Place, status: Optional[int] = None) -> None:
         """The answer to the request of `place` started (its status), or it failed (None)."""
@@ -940,10 +1024,10 @@ class _RateLimiter:
                     self._file = None
             return change(self._own, time.monotonic())
 
-    def _take(self, hold: float, window: _Window, now: float) -> Union[_Place, float]:
-        """A place, or the seconds until the first one frees."""
+    def _take(self, hold: float, first: bool, window: _Window, now: float) -> Union[_Place, float]:
+        """A place (`first`: even in a full window), or the seconds until the first one frees."""
         window.expire(now)
-        if window.held() < int(window.allowance):
+        if first or window.held() < int(window.allowance):
             place = _Place(random.getrandbits(64), now)
             window.on_the_way[place.token] = now + hold + self._period
             return place
@@ -1106,16 +1190,6 @@ def _retry_after(value: Optional[str]) -> Optional[float]:
     return max(0.0, when.timestamp() - time.time())
 
 
-def _remaining(deadline: Optional[float]) -> Optional[float]:
-    return None if deadline is None else deadline - time.monotonic()
-
-
-def _within(seconds: float, deadline: Optional[float]) -> float:
-    left = _remaining(deadline)
-    # Never 0: urllib3 refuses a zero timeout; an expired deadline is caught by the caller.
-    return seconds if left is None else max(0.001, min(seconds, left))
-
-
 class _Budget:
     """The failures of one run without progress; it resets whenever progress is made."""
 
@@ -1216,27 +1290,35 @@ class _Transport:
         path: str,
         *,
         operation: str,
-        deadline: Optional[float],
+        deadline: _Deadline,
         read_timeout: Optional[float] = None,
         process_id: Optional[str] = None,
         **request: Any,
     ) -> requests.Response:
-        """One request, retried under the retry policy while it fails and time remains."""
+        """One request, retried under the retry policy while it fails and time remains.
+        A cancel ends its waits (see _Deadline.pause)."""
         budget = _Budget(self.retry)
+        timeout = (self.request_timeout, read_timeout or self.request_timeout)
         while True:
-            timeout = (
-                _within(self.request_timeout, deadline),
-                _within(read_timeout or self.request_timeout, deadline),
-            )
             answer = self.attempt(
-                method, path, operation=operation, timeout=timeout, process_id=process_id, **request
+                method,
+                path,
+                operation=operation,
+                timeout=timeout,
+                deadline=deadline,
+                process_id=process_id,
+                **request,
             )
             if not isinstance(answer, _Retryable):
                 return answer
-            delay = budget.delay_within(answer.retry_after, deadline)
+            delay = budget.delay_within(answer.retry_after, deadline.at)
             if delay is None:
                 raise answer.final(process_id) from answer.__cause__
-            time.sleep(delay)
+            try:
+                deadline = deadline.pause(delay)
+            except CancelledError as cancelled:
+                cancelled.process_id = process_id
+                raise
 
     def attempt(self, method: str, path: str, **send: Any) -> Union[requests.Response, _Retryable]:
         """The response, or the failure worth another attempt (returned, not raised:
@@ -1263,6 +1345,7 @@ class _Transport:
         *,
         operation: str,
         timeout: Tuple[float, float],
+        deadline: _Deadline = _ENDLESS,
         process_id: Optional[str] = None,
         params: Optional[Dict[str, Any]] = None,
         json_body: Any = None,
@@ -1273,11 +1356,12 @@ class _Transport:
     ) -> requests.Response:
         """One attempt: a 2xx (or an `ok_statuses`) response; any other status raises.
 
-        `data` is a raw body of `data_type` (a JSON body built by hand costs less).
-        """
+        `timeout` is cut to what remains of `deadline`, whose cancel ends a wait in the pacing
+        window. `data` is a raw body of `data_type` (a JSON body built by hand costs less)."""
         logger.debug("%s %s", method, path)
         headers = self._headers_for(data_type=None if data is None else data_type, stream=stream)
-        place = self._limiter.acquire(sum(timeout)) if self._limiter is not None else None
+        timeout = (_within(timeout[0], deadline.at), _within(timeout[1], deadline.at))
+        place = self._limiter.acquire(sum(timeout), deadline) if self._limiter is not None else None
         status: Optional[int] = None
         try:
             with _transport_errors(operation, self.base):
@@ -2142,33 +2226,6 @@ def _codec_known(lookup: Callable[[Any], Any], name: Any) -> bool:
     return True
 
 
-class _Deadline(NamedTuple):
-    """When waiting must stop, on the monotonic clock (None: never), and which
-    limit that is: the command's `timeout` or a wait's own (`wait(timeout=)`,
-    `iter_output(timeout=)`). The one who meets it knows which fired."""
-
-    at: Optional[float] = None
-    limit: str = "command"
-    seconds: Optional[float] = None  # the limit it was made from
-
-    @classmethod
-    def after(cls, seconds: Optional[float], limit: str, now: float) -> "_Deadline":
-        return cls(None if seconds is None else now + seconds, limit, seconds)
-
-    def sooner(self, other: "_Deadline") -> "_Deadline":
-        """Whichever comes first; this one on a tie."""
-        if other.at is None or (self.at is not None and self.at <= other.at):
-            return self
-        return other
-
-    def expired(self) -> bool:
-        return self.at is not None and time.monotonic() >= self.at
-
-
-class _TimedOut(Exception):
-    """A wait's deadline expired; args[0] is that _Deadline."""
-
-
 def _wait_deadline(timeout: Optional[float]) -> _Deadline:
     """The deadline of a wait(timeout=) or an iter_output(timeout=), from now."""
     if timeout is not None and (not _is_number(timeout) or not timeout >= 0):
@@ -2295,7 +2352,7 @@ class Client:
             encoding=encoding, errors=errors, cancel=cancel,
             capture_output=capture_output, text=text,
         )  # fmt: skip
-        deadline = _Deadline.after(options.timeout, "command", started)
+        deadline = _Deadline.after(options.timeout, "command", started, options.cancel)
         sandbox_id = _checked_id("sandbox", sandbox_id)
         plan = _plan(command, options, _termination_grace(self._transport.cleanup_timeout))
         launch = _Launch(self._transport, sandbox_id, plan)
@@ -2335,13 +2392,13 @@ class Client:
             timeout=timeout, on_output=on_output, check=check,
             max_output_chars=max_output_chars, encoding=encoding, errors=errors, cancel=cancel,
         )  # fmt: skip
-        deadline = _Deadline.after(options.timeout, "command", started)
+        deadline = _Deadline.after(options.timeout, "command", started, options.cancel)
         endpoints = _Endpoints(
             self._transport, _checked_id("sandbox", sandbox_id), _checked_id("process", process_id)
         )
         if not _is_int(after) or after < 0:
             raise ConfigError("after must be an integer >= 0.")
-        record = endpoints.record(deadline.at)
+        record = endpoints.record(deadline)
         args = _process_info(record).args
         follower = _Follower(endpoints, options, args=args, started=started, cursor=after)
         return RemoteProcess(follower, options, deadline)
@@ -2679,14 +2736,18 @@ class _Launch:
     def stage(self, deadline: _Deadline) -> None:
         if self._plan.staged_path is None:
             return
-        self._transport.call(
-            "PUT",
-            _sandbox_path(self._sandbox_id, "/files"),
-            operation="staging of env and stdin",
-            deadline=deadline.at,
-            params={"path": self._plan.staged_path},
-            data=self._plan.staged,
-        )
+        try:
+            self._transport.call(
+                "PUT",
+                _sandbox_path(self._sandbox_id, "/files"),
+                operation="staging of env and stdin",
+                deadline=deadline,
+                params={"path": self._plan.staged_path},
+                data=self._plan.staged,
+            )
+        except CancelledError:
+            self.unstage(deadline.cancel)  # an attempt before the wait may have written it
+            raise
 
     def create(self, deadline: _Deadline) -> Tuple[str, bool]:
         """The new process id, and whether it had to be found by its marker.
@@ -2695,69 +2756,102 @@ class _Launch:
         lost answer or a 5xx means it may exist, so look for it: neither is
         sent again. A 429 is the service's "not done": it is waited out under
         the retry policy and within `deadline`, and the creation sent again
-        only once a listing shows no process with the marker.
+        only once a listing shows no process with the marker. After a cancel
+        nothing is sent again. An error raised once an attempt may have
+        reached the service means that no process exists (see _left_behind).
         """
         budget = _Budget(self._transport.retry)
-        while True:
-            answer = self._attempt()
-            if not isinstance(answer, _Retryable):
-                return self._created(answer)
-            if answer.status != 429:
-                return self._unanswered(answer), True
-            found = self._after_refusal(answer, budget, deadline.at)
-            if found is not None:
-                return found, True
-
-    def _attempt(self) -> Union[requests.Response, _Retryable]:
-        transport = self._transport
+        reached = False  # whether an attempt may have reached the service
         try:
-            return transport.attempt(
-                "POST",
-                _sandbox_path(self._sandbox_id, "/processes"),
-                operation="process creation",
-                timeout=(transport.request_timeout, transport.request_timeout),
-                json_body=self._plan.body,
-            )
+            while not deadline.cancelled():
+                answer = self._attempt(deadline)
+                if not isinstance(answer, _Retryable):
+                    return self._created(answer)
+                if answer.status != 429:
+                    return self._unanswered(answer), True
+                reached = True  # a proxy may answer 429 to a request it forwarded
+                found = self._after_refusal(answer, budget, deadline)
+                if found is not None:
+                    return found, True
+            raise CancelledError()
         except KeyboardInterrupt:
             self._abandon()
             raise
-        except APIError:
-            self.unstage()
+        except CleanupError:
             raise
+        except CreateOSError as error:
+            if reached:
+                self._left_behind(error, deadline.cancel)
+            self.unstage(deadline.cancel)
+            raise
+
+    def _attempt(self, deadline: _Deadline) -> Union[requests.Response, _Retryable]:
+        """One POST, its timeouts cut to what remains of `deadline`: one that the
+        deadline cut is a lost answer, and the process is looked for."""
+        transport = self._transport
+        return transport.attempt(
+            "POST",
+            _sandbox_path(self._sandbox_id, "/processes"),
+            operation="process creation",
+            timeout=(transport.request_timeout, transport.request_timeout),
+            deadline=deadline,
+            json_body=self._plan.body,
+        )
 
     def _unanswered(self, failure: _Retryable) -> str:
         """After a failure other than 429: no process if nothing was sent, else find it."""
         if not failure.maybe_sent:
-            self.unstage()
             raise failure.final(None) from failure.__cause__
         logger.info("Process creation is ambiguous; looking for it by its marker")
         return self._find_created()
 
     def _after_refusal(
-        self, refusal: _Retryable, budget: _Budget, deadline: Optional[float]
+        self, refusal: _Retryable, budget: _Budget, deadline: _Deadline
     ) -> Optional[str]:
         """After a 429: wait, then list. The process, if the refused request went
-        through after all (a proxy may answer 429 to a request it forwarded), or
-        None to send it again. APIError 429 when the retry policy or the deadline
-        runs out (or the listing fails): no process was created."""
-        delay = budget.delay_within(refusal.retry_after, deadline)
-        problem: Optional[CreateOSError] = None
-        if delay is not None:
-            logger.info("Process creation was answered 429; asking again in %.2f s", delay)
-            try:
-                time.sleep(delay)
-                process_id = self._marked(deadline)
-            except KeyboardInterrupt:
-                self._abandon()
-                raise
-            except CreateOSError as exc:
-                problem = exc
-            else:
-                left = _remaining(deadline)
-                if process_id is not None or left is None or left > 0:
-                    return process_id
-        self.unstage()
-        raise refusal.final(None) from problem
+        through after all, or None to send it again. APIError 429 when the retry
+        policy or the deadline runs out (or the listing fails); CancelledError
+        when a cancel ends the wait or the listing."""
+        delay = budget.delay_within(refusal.retry_after, deadline.at)
+        if delay is None:
+            raise refusal.final(None)
+        logger.info("Process creation was answered 429; asking again in %.2f s", delay)
+        deadline.pause(delay)
+        try:
+            process_id = self._marked(deadline)
+        except CancelledError:
+            raise
+        except CreateOSError as problem:
+            raise refusal.final(None) from problem
+        if process_id is None and deadline.expired():
+            raise refusal.final(None)
+        return process_id
+
+    def _left_behind(self, error: CreateOSError, hurry: Optional[threading.Event]) -> NoReturn:
+        """Creation ends with `error` after an attempt that may have reached the
+        service: the marker is looked up once more (under the cleanup's own
+        deadline, which no cancel cuts), and a process found is terminated and
+        that confirmed before `error` is raised; `error` then means that no
+        process exists. CleanupError when either cannot be confirmed."""
+        try:
+            self._terminate_marked(hurry)
+        except CleanupError as cleanup:
+            if cleanup.__cause__ is None:
+                raise cleanup from error
+            raise
+        self.unstage(hurry)
+        raise error
+
+    def _terminate_marked(self, hurry: Optional[threading.Event] = None) -> None:
+        """Terminate the process with the run's marker, if the listing shows one;
+        CleanupError when the listing or the termination fails."""
+        try:
+            process_id = self._marked(_Deadline(limit="cleanup", cancel=hurry))
+        except CreateOSError as exc:
+            raise CleanupError(creation_unconfirmed=True) from exc
+        if process_id is not None:
+            logger.info("Terminating process %s: its creation ended in error", process_id)
+            _Endpoints(self._transport, self._sandbox_id, process_id).delete(hurry=hurry)
 
     def _created(self, response: requests.Response) -> Tuple[str, bool]:
         try:
@@ -2785,7 +2879,7 @@ class _Launch:
             raise CleanupError(creation_unconfirmed=True)
         return process_id
 
-    def _marked(self, deadline: Optional[float] = None) -> Optional[str]:
+    def _marked(self, deadline: _Deadline = _ENDLESS) -> Optional[str]:
         """The process with the run's marker, or None when the listing shows none."""
         listed = _listed(self._transport, self._sandbox_id, deadline)
         mine = next((record for record in listed if self._has_marker(record)), None)
@@ -2802,13 +2896,13 @@ class _Launch:
     def _abandon(self) -> None:
         """Ctrl-C while creating: find the process if it exists and terminate it."""
         try:
-            process_id = self._find_created()
-            _Endpoints(self._transport, self._sandbox_id, process_id).delete()
+            self._terminate_marked()
         except CleanupError:
             logger.warning("Could not confirm that no process was left running")
 
-    def unstage(self) -> None:
-        """Remove the staged secrets file, best-effort, when the wrapper may not have."""
+    def unstage(self, hurry: Optional[threading.Event] = None) -> None:
+        """Remove the staged secrets file, best-effort, when the wrapper may not have;
+        a cleanup, which the cancel `hurry` hurries through the pacing window."""
         if self._plan.staged_path is None:
             return
         transport = self._transport
@@ -2818,6 +2912,7 @@ class _Launch:
                 _sandbox_path(self._sandbox_id, "/exec"),
                 operation="removal of the staged file",
                 timeout=(transport.request_timeout, transport.cleanup_timeout),
+                deadline=_Deadline(limit="cleanup", cancel=hurry),
                 json_body={"cmd": "rm", "args": ["-f", "--", self._plan.staged_path]},
             ).close()
         except (CreateOSError, _Retryable):
@@ -2825,11 +2920,12 @@ class _Launch:
 
 
 def _listed(
-    transport: _Transport, sandbox_id: str, deadline: Optional[float] = None
+    transport: _Transport, sandbox_id: str, deadline: _Deadline = _ENDLESS
 ) -> Iterator[Any]:
-    """The sandbox's process records, page after page (a bounded number of them)."""
+    """The sandbox's process records, page after page (a bounded number of them),
+    within `deadline` and a cleanup_timeout of their own."""
     own = time.monotonic() + transport.cleanup_timeout
-    deadline = own if deadline is None else min(own, deadline)
+    deadline = deadline._replace(at=own if deadline.at is None else min(own, deadline.at))
     offset = 0
     params: Optional[Dict[str, int]] = None  # the first page as the service chooses it
     for _ in range(_LISTING_PAGES):
@@ -3164,14 +3260,14 @@ class RemoteProcess:
         reading, the DELETE is waited for (a second Ctrl-C ends that wait).
         """
         follower = self._follower
-        termination = _Termination(self._endpoints, ending.grace)
+        termination = _Termination(self._endpoints, ending, self._deadline.cancel)
         if ending.timed_out or ending.asked:
             ending = yield from self._follower.through_termination(ending)
         first = ending.error
         ending = _contained(ending, termination.outcome(), follower)
         confirmed = first is not None and ending.error is first
         if confirmed and not isinstance(first, KeyboardInterrupt) and self._launch is not None:
-            self._launch.unstage()  # the wrapper may not have come to remove it
+            self._launch.unstage(self._deadline.cancel)  # the wrapper may not have removed it
         return ending
 
 
@@ -3232,17 +3328,24 @@ class _Turn:
 class _Termination:
     """A tree's DELETE in a thread of its own, so that the grace period's output can be read."""
 
-    def __init__(self, endpoints: _Endpoints, grace: Optional[float]) -> None:
+    def __init__(
+        self, endpoints: _Endpoints, ending: _Ending, cancel: Optional[threading.Event]
+    ) -> None:
+        # A cancel hurries the termination (see _Deadline.pause); after Ctrl-C it
+        # goes at the pace of the window and the service, and a second Ctrl-C ends it.
+        grace, hurry = ending.grace, cancel
         self._failure: Optional[BaseException] = None
         self._thread = threading.Thread(
-            target=self._run, args=(endpoints, grace), name="createos_exec-cleanup"
+            target=self._run, args=(endpoints, grace, hurry), name="createos_exec-cleanup"
         )
         self._thread.daemon = True
         self._thread.start()
 
-    def _run(self, endpoints: _Endpoints, grace: Optional[float]) -> None:
+    def _run(
+        self, endpoints: _Endpoints, grace: Optional[float], hurry: Optional[threading.Event]
+    ) -> None:
         try:
-            endpoints.delete(grace)
+            endpoints.delete(grace, hurry)
         except BaseException as exc:  # handed over by outcome()
             self._failure = exc
 
@@ -3480,7 +3583,7 @@ class _Follower:
         status, None once the output reached `until`, the failure, or an
         eviction that nobody reading live would see."""
         try:
-            response = self.endpoints.connect(self._reader.cursor, deadline.at)
+            response = self.endpoints.connect(self._reader.cursor, deadline)
             with contextlib.closing(response), _unblocked_by(self._cancel, response):
                 interrupted = functools.partial(self.raise_if_interrupted, deadline)
                 return (yield from self._reader.read(_arriving(response), interrupted, until))
@@ -3496,7 +3599,7 @@ class _Follower:
         hole in it. Drop what was read and go on from the oldest output kept."""
         oldest = evicted.oldest_available_seq
         if oldest is None:
-            oldest = _oldest_seq(self.endpoints.record(deadline.at))
+            oldest = _oldest_seq(self.endpoints.record(deadline))
         if oldest <= self._reader.cursor + 1:
             raise evicted  # the next frame is kept after all: fail closed
         logger.info(
@@ -3517,7 +3620,7 @@ class _Follower:
             "the exit frame carries no exit status", process_id=self._process_id
         )
         try:
-            record = self.endpoints.exit_record("leader", _EXIT_CHECK_MS, deadline.at)
+            record = self.endpoints.exit_record("leader", _EXIT_CHECK_MS, deadline)
         except CreateOSError as exc:
             self.raise_if_interrupted(deadline)  # the deadline cut the wait short
             raise problem from exc
@@ -3556,11 +3659,7 @@ class _Follower:
             raise _TimedOut(deadline)
 
     def _pause(self, delay: float, deadline: _Deadline) -> None:
-        delay = _within(delay, deadline.at)
-        if self._cancel is not None:
-            self._cancel.wait(delay)
-        else:
-            time.sleep(delay)
+        _sleep(_within(delay, deadline.at), self._cancel)
         self.raise_if_interrupted(deadline)
 
     def through_termination(self, ending: _Ending) -> _Steps[_Ending]:
@@ -3599,7 +3698,7 @@ class _Follower:
             )
         logger.info("Output stream of %s keeps failing; asking whether it runs", self._process_id)
         try:
-            record = self.endpoints.exit_record("tree", _LIVENESS_POLL_MS, deadline.at)
+            record = self.endpoints.exit_record("tree", _LIVENESS_POLL_MS, deadline)
         except (TransportError, APIError) as exc:
             self.raise_if_interrupted(deadline)  # the deadline cut the wait short
             raise StreamEndedError(process_id=self._process_id) from exc
@@ -3648,17 +3747,15 @@ class _Endpoints:
     def cleanup_timeout(self) -> float:
         return self.transport.cleanup_timeout
 
-    def connect(self, after: int, deadline: Optional[float]) -> requests.Response:
+    def connect(self, after: int, deadline: _Deadline) -> requests.Response:
         """The output stream from seq `after` + 1; OutputEvictedError on 410."""
         transport = self.transport
         response = transport.send(
             "GET",
             self._path + "/connect",
             operation="output connection",
-            timeout=(
-                _within(transport.request_timeout, deadline),
-                _within(transport.stream_idle_timeout, deadline),
-            ),
+            timeout=(transport.request_timeout, transport.stream_idle_timeout),
+            deadline=deadline,
             process_id=self.process_id,
             params={"after": after},
             stream=True,
@@ -3669,7 +3766,7 @@ class _Endpoints:
         return response
 
     def exit_record(
-        self, scope: str, poll_ms: int, deadline: Optional[float]
+        self, scope: str, poll_ms: int, deadline: _Deadline
     ) -> Optional[Dict[str, Any]]:
         """One `wait` long-poll: the exited process's record, or None when it expired."""
         transport = self.transport
@@ -3691,7 +3788,7 @@ class _Endpoints:
             raise ProtocolError("the wait answer is not an exited process record")
         return record
 
-    def record(self, deadline: Optional[float]) -> Dict[str, Any]:
+    def record(self, deadline: _Deadline) -> Dict[str, Any]:
         """The process record, asked under the retry policy: it shows the process exists."""
         response = self.transport.call(
             "GET", self._path, operation="process lookup", deadline=deadline
@@ -3719,21 +3816,24 @@ class _Endpoints:
             "POST", "/signal", "signal delivery", json_body={"signal": name}, ok_statuses=(409,)
         ).close()
 
-    def delete(self, grace: Optional[float] = None) -> None:
+    def delete(
+        self, grace: Optional[float] = None, hurry: Optional[threading.Event] = None
+    ) -> None:
         """Terminate the tree with a grace period (None: the usual one), confirmed,
-        under a fresh deadline of its own.
+        under a fresh deadline of its own, whose waits the cancel `hurry` cuts short.
 
         Raises CleanupError unless the answer is `tree_exited: true`, or 404.
         """
         transport = self.transport
         if grace is None:
             grace = _termination_grace(transport.cleanup_timeout)
+        deadline = _Deadline.after(transport.cleanup_timeout, "cleanup", time.monotonic(), hurry)
         try:
             response = transport.call(
                 "DELETE",
                 self._path,
                 operation="process cleanup",
-                deadline=time.monotonic() + transport.cleanup_timeout,
+                deadline=deadline,
                 process_id=self.process_id,
                 read_timeout=grace + transport.request_timeout,
                 params={"grace_ms": int(grace * 1000)},
@@ -3772,7 +3872,7 @@ class _Endpoints:
             "POST",
             self._path + "/stdin/close",
             operation="stdin close",
-            deadline=None,
+            deadline=_ENDLESS,
             process_id=self.process_id,
             json_body={},  # a JSON body: the service's forwarder refuses a POST of no type
             ok_statuses=(404, 409),
@@ -3959,7 +4059,7 @@ class _PortWait:
     def _target_pid(self, deadline: float) -> Optional[int]:
         """The target's pid, or None once its leader has exited (or it is gone)."""
         try:
-            record = self._endpoints.record(deadline)
+            record = self._endpoints.record(_Deadline(deadline))
         except APIError as refused:
             if refused.status == 404:  # the service no longer keeps it: it has ended
                 return None

@@ -35,6 +35,7 @@ BOTH_READINGS = (
     "test_process",
     "test_stdin",
     "test_background",
+    "test_cancel",
 )
 
 

@@ -169,7 +169,7 @@ ROUTES = (
 
 # Fault kinds. The faults of one endpoint wait in one FIFO and each is
 # consumed at the moment it applies to: a status fault at request start, a
-# stream fault once a stream has started, a lost response after a create or
+# stream fault once a stream has started, a lost or refused (429) response after a create or
 # after an input written to the process. A
 # head fault that does not apply yet holds back those behind it, so
 # drop_stream() then fail("connect", 503) breaks the first stream and answers
@@ -1442,6 +1442,11 @@ class LocalServer:
         """Start the next created processes, then close the socket without an answer."""
         self._queue("create", Fault("lose", count))
 
+    def refuse_created(self, *, count: int = 1, retry_after: str | None = None) -> None:
+        """Start the next created processes, then answer 429 (with `retry_after`), as a
+        proxy does that forwarded the creation and then refused to pass its answer on."""
+        self._queue("create", Fault("refuse", count, status=429, retry_after=retry_after))
+
     def lose_input_response(self, *, count: int = 1, seconds: float = 0.0) -> None:
         """Write the next `count` inputs to the process's stdin, then close the socket
         without an answer, after `seconds` (longer than a client's read timeout: a
@@ -1628,7 +1633,11 @@ class LocalServer:
         with self._lock:
             self._processes[proc.id] = proc
         proc.start()
-        if self._take_fault("create", ("lose",)) is not None:
+        fault = self._take_fault("create", ("lose", "refuse"))
+        if fault is not None and fault.kind == "refuse":
+            self._send_fault(req, fault)
+            return None
+        if fault is not None:
             req.abort()
             return None
         return proc.record()

@@ -29,8 +29,9 @@ CAMPAIGN = [
     "tests/test_reader_fuzz.py",
     "tests/test_deadline.py",
     "tests/test_stdin.py",
+    "tests/test_cancel.py",
 ]
-KEPT_LAST = ("seed", "limit", "threads")  # settings, not counts
+KEPT_LAST = ("seed", "limit", "threads", "median_latency_ms")  # settings and medians, not counts
 
 
 def merge(rows):
