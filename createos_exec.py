@@ -3545,54 +3545,55 @@ class _Follower:
             self.raise_if_interrupted(deadline)
             record, cursor, beats = self._record, self._reader.cursor, self._reader.heartbeats
             until = None if record is None else _newest_seq(record)
-            ended = yield from self._connection(deadline, until)
+            ended: Union[_Exit, None, _Retryable]  # what ended one connection
+            try:
+                response = self.endpoints.connect(cursor, deadline)
+                with contextlib.closing(response), _unblocked_by(self._cancel, response):
+                    interrupted = functools.partial(self.raise_if_interrupted, deadline)
+                    ended = yield from self._reader.read(_arriving(response), interrupted, until)
+            except _Retryable as failure:
+                ended = failure
+            except OutputEvictedError as evicted:
+                if self._output.live:
+                    raise  # never hand a consumer output after a gap it was not told of
+                self._skip_to_kept(evicted, deadline)
+                continue
             if ended is None:
                 return self._recovered(record)
             if isinstance(ended, _Exit):
                 return self._exit_from_frame(ended, deadline)
-            if isinstance(ended, OutputEvictedError):
-                self._skip_to_kept(ended, deadline)
-                continue
-            if self._reader.cursor != self._progress_mark:
-                self._progress_mark = self._reader.cursor
-                self._budget.progress()
-            self.raise_if_interrupted(deadline)
-            delay = self._budget.next_delay(ended.retry_after)
-            if delay is None:
-                self._record = record = self._when_spent(record, deadline, ended)
-                if record is not None and self._caught_up(record):
-                    return self._recovered(record)
-                self._budget = _Budget(self.endpoints.transport.retry)
-                delay = 0.0
-            logger.info(
-                "Output stream of %s broke after %d new frames and %d heartbeats; "
-                "resuming after seq %d in %.2f s",
-                self._process_id,
-                self._reader.cursor - cursor,
-                self._reader.heartbeats - beats,
-                self._reader.cursor,
-                delay,
-            )
-            self._pause(delay, deadline)
-            self.reconnects += 1
+            recovered = self._resume_after(ended, deadline, cursor, beats)
+            if recovered is not None:
+                return recovered
 
-    def _connection(
-        self, deadline: _Deadline, until: Optional[int]
-    ) -> _Steps[Union[_Exit, None, _Retryable, OutputEvictedError]]:
-        """One connection to the stream, and what ended it: the exit frame's
-        status, None once the output reached `until`, the failure, or an
-        eviction that nobody reading live would see."""
-        try:
-            response = self.endpoints.connect(self._reader.cursor, deadline)
-            with contextlib.closing(response), _unblocked_by(self._cancel, response):
-                interrupted = functools.partial(self.raise_if_interrupted, deadline)
-                return (yield from self._reader.read(_arriving(response), interrupted, until))
-        except _Retryable as failure:
-            return failure
-        except OutputEvictedError as evicted:
-            if self._output.live:
-                raise  # never hand a consumer output after a gap it was not told of
-            return evicted
+    def _resume_after(
+        self, failure: _Retryable, deadline: _Deadline, cursor: int, beats: int
+    ) -> Optional[_Exit]:
+        """A broken connection: pause before the next one, or the status recovered
+        out of band when the retry policy is spent and the process has exited."""
+        if self._reader.cursor != self._progress_mark:
+            self._progress_mark = self._reader.cursor
+            self._budget.progress()
+        self.raise_if_interrupted(deadline)
+        delay = self._budget.next_delay(failure.retry_after)
+        if delay is None:
+            self._record = record = self._when_spent(self._record, deadline, failure)
+            if record is not None and self._caught_up(record):
+                return self._recovered(record)
+            self._budget = _Budget(self.endpoints.transport.retry)
+            delay = 0.0
+        logger.info(
+            "Output stream of %s broke after %d new frames and %d heartbeats; "
+            "resuming after seq %d in %.2f s",
+            self._process_id,
+            self._reader.cursor - cursor,
+            self._reader.heartbeats - beats,
+            self._reader.cursor,
+            delay,
+        )
+        self._pause(delay, deadline)
+        self.reconnects += 1
+        return None
 
     def _skip_to_kept(self, evicted: OutputEvictedError, deadline: _Deadline) -> None:
         """Nobody reads live: the evicted output is the head of the output, not a
