@@ -3171,7 +3171,7 @@ class RemoteProcess:
     def wait_for_port(self, port: int, *, host: str = "127.0.0.1", timeout: float = 30.0) -> None:
         """Return once a TCP connect to host:port succeeds inside the sandbox; see _PortWait."""
         probe = _PortWait(self._endpoints, self.args, port=port, host=host, timeout=timeout)
-        probe.wait(self.wait)
+        probe.until_open(self.wait)
 
     def __enter__(self) -> "RemoteProcess":
         return self
@@ -4039,7 +4039,7 @@ class _PortWait:
         self._port = port
         self._host = host
 
-    def wait(self, finish: Callable[[float], ExecResult]) -> None:
+    def until_open(self, finish: Callable[[float], ExecResult]) -> None:
         """Return once the port accepts a connection. ProcessEndedError, with the
         result `finish` (the process's wait) gives, when the process ends first;
         WaitTimeout at the timeout, the process running on."""
