@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, ROOT)
 
-from local_server import READINGS, LocalServer  # noqa: E402
+from local_server import READINGS, LocalServer, Reading  # noqa: E402
 
 import createos_exec as cx  # noqa: E402
 
@@ -36,6 +36,11 @@ BOTH_READINGS = (
     "test_stdin",
     "test_background",
 )
+
+
+def pytest_make_parametrize_id(config, val, argname):
+    """A reading's test id is its name: [conservative], [alternative]."""
+    return val.name if isinstance(val, Reading) else None
 
 
 def pytest_generate_tests(metafunc):
