@@ -149,6 +149,21 @@ def in_ci():
     return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 
 
+def full_campaign():
+    """Whether the reliability campaigns run at full size (``python -m nox -s
+    campaign`` sets CREATEOS_CAMPAIGN=full), not at the bounded sizes of the
+    suite, which still take every route of each campaign at least once."""
+    return os.environ.get("CREATEOS_CAMPAIGN", "").strip().lower() == "full"
+
+
+def campaign_size(variable, bounded, full):
+    """A campaign's size: $variable if set, else `full` or `bounded`."""
+    value = os.environ.get(variable, "").strip()
+    if value:
+        return int(value)
+    return full if full_campaign() else bounded
+
+
 def require(name):
     """Import a test-only dependency: skipped locally when missing, an error in CI."""
     if not in_ci():
