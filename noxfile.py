@@ -39,6 +39,7 @@ CAMPAIGNS = (
     "tests/test_chaos.py",
     "tests/test_deadline.py",
     "tests/test_stdin.py",
+    "tests/test_load.py",
 )
 
 nox.options.sessions = ["lint", "tests", "compat"]
