@@ -5,8 +5,10 @@ Sessions: `lint` (ruff, mypy --strict, vermin for the 3.8 floor), `tests`
 packaging test with users' mypy included) and `compat` (the core of the
 suite, RemoteProcess and its background API and stdin, the console script
 and the packaging test with that Python's mypy included, on every other
-supported Python). Add `-r` to reuse
-the virtual environments between runs, `-s tests` for one session.
+supported Python). The reliability campaigns run in `tests` at bounded sizes
+that still take each of their routes; `campaign` (not a default session)
+runs them at full size. Add `-r` to reuse the virtual environments between
+runs, `-s tests` for one session.
 """
 
 from __future__ import annotations
@@ -34,9 +36,14 @@ CORE_TESTS = (
 # the tests that watch output arrive in the order and the pauses it was
 # written with (50 ms apart on two pipes) when the CPUs are busy.
 WORKERS = ("-n", str(max(2, os.cpu_count() or 1)), "--dist", "worksteal")
-# 4,002 runs in worker processes of its own that keep every CPU busy: run
-# alone, after the rest, as it always ran beside nothing else.
-FAULT_MATRIX = "tests/test_fault_matrix.py"
+# The reliability campaigns (RELIABILITY.md): bounded in `tests`, full in `campaign`.
+CAMPAIGNS = (
+    "tests/test_fault_matrix.py",
+    "tests/test_chaos.py",
+    "tests/test_deadline.py",
+    "tests/test_stdin.py",
+    "tests/test_load.py",
+)
 
 nox.options.sessions = ["lint", "tests", "compat"]
 # uv builds the environments in seconds where pip takes most of a minute;
@@ -78,12 +85,18 @@ def tests(session: nox.Session) -> None:
     if session.posargs:
         session.run("python", "-m", "pytest", *WORKERS, "--cov=createos_exec", *session.posargs)
         return
-    session.run(
-        "python", "-m", "pytest", *WORKERS, "--ignore", FAULT_MATRIX,
-        "--cov=createos_exec", "--cov-report=", "--cov-fail-under=0",
-    )  # fmt: skip
-    # The report and its floor (pyproject.toml) are for both runs together.
-    session.run("python", "-m", "pytest", FAULT_MATRIX, "--cov=createos_exec", "--cov-append")
+    session.run("python", "-m", "pytest", *WORKERS, "--cov=createos_exec")
+
+
+@nox.session
+def campaign(session: nox.Session) -> None:
+    """The reliability campaigns at full size: the fault matrix's 4,002 runs
+    (in worker processes of its own that keep every CPU busy, so alone), then
+    the rest."""
+    session.install("-e", ".[test]")
+    session.env["CREATEOS_CAMPAIGN"] = "full"
+    session.run("python", "-m", "pytest", "-q", CAMPAIGNS[0], *session.posargs)
+    session.run("python", "-m", "pytest", "-q", *WORKERS, *CAMPAIGNS[1:], *session.posargs)
 
 
 # Not virtualenv: it no longer seeds environments for Python 3.8.

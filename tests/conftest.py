@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, ROOT)
 
-from local_server import READINGS, LocalServer  # noqa: E402
+from local_server import READINGS, LocalServer, Reading  # noqa: E402
 
 import createos_exec as cx  # noqa: E402
 
@@ -37,6 +37,11 @@ BOTH_READINGS = (
     "test_background",
     "test_cancel",
 )
+
+
+def pytest_make_parametrize_id(config, val, argname):
+    """A reading's test id is its name: [conservative], [alternative]."""
+    return val.name if isinstance(val, Reading) else None
 
 
 def pytest_generate_tests(metafunc):
@@ -148,6 +153,21 @@ def run_example(name):
 
 def in_ci():
     return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def full_campaign():
+    """Whether the reliability campaigns run at full size (``python -m nox -s
+    campaign`` sets CREATEOS_CAMPAIGN=full), not at the bounded sizes of the
+    suite, which still take every route of each campaign at least once."""
+    return os.environ.get("CREATEOS_CAMPAIGN", "").strip().lower() == "full"
+
+
+def campaign_size(variable, bounded, full):
+    """A campaign's size: $variable if set, else `full` or `bounded`."""
+    value = os.environ.get(variable, "").strip()
+    if value:
+        return int(value)
+    return full if full_campaign() else bounded
 
 
 def require(name):

@@ -15,8 +15,9 @@ POST framing and a per-address rate limit
 (``LocalServer(strict=True, rate_limit=(N, seconds))``).
 
 Where protocol.md §11 leaves the service open, ``LocalServer(reading=...)``
-answers the conservative way (the default) or the alternative way (see
-``LocalServer``), so that a client can be tested against both.
+answers as one frozen ``Reading`` says, one field per question: the
+conservative way (the default), the alternative way, or any mix of the two
+(see ``LocalServer``), so that a client can be tested against each.
 
 Python API::
 
@@ -38,6 +39,7 @@ import argparse
 import base64
 import binascii
 import collections
+import dataclasses
 import datetime
 import hmac
 import ipaddress
@@ -73,13 +75,6 @@ KILL_TIMEOUT = 10.0  # seconds a SIGKILLed group gets to disappear
 WAIT_DEFAULT_MS = 30000  # a wait long-poll that names no timeout_ms
 LIST_LIMIT_MAX = 500  # the largest page of a paginated listing (the SDKs ask for 500)
 STOLEN_LOCATION = "http://127.0.0.2:1/stolen"
-
-# The two readings of protocol §11 (see LocalServer's docstring).
-CONSERVATIVE = "conservative"
-ALTERNATIVE = "alternative"
-READINGS = (CONSERVATIVE, ALTERNATIVE)
-ALT_STREAM_LIFETIME = 2.0  # seconds a connect stream lives under the alternative reading
-ALT_WAIT_CAP = 1.0  # seconds: the longest wait long-poll under the alternative reading
 
 # How Go's syscall.Signal.String() spells signals (Linux), for the alternative reading.
 GO_SIGNAL_WORDS = {
@@ -176,6 +171,129 @@ ROUTES = (
 # 503 to the next connect. A replay fault only moves a connect's starting
 # point: it has a FIFO of its own and combines with the fault of that connect.
 STREAM_FAULTS = ("drop", "end", "stall", "corrupt")
+
+
+# How the server answers each open question of protocol §11: one field per
+# question it branches on, described in LocalServer's docstring. Values that
+# are words are checked against READING_CHOICES.
+@dataclasses.dataclass(frozen=True)
+class Reading:
+    name: str = "conservative"
+    create_status: int = 200  # §11.1
+    heartbeat_interval: float = 5.0  # §11.2
+    heartbeat_first: bool = False  # §11.2
+    stream_lifetime: float | None = None  # §11.2
+    expired_410: str = "always"  # §11.3
+    expired_410_body: str = "map"  # §11.3
+    live_eviction: str = "error_frame"  # §11.3
+    output_bytes: str = "raw"  # §11.4
+    record_omits_empty: bool = False  # §5.2
+    oldest_seq_before_output: int = 0  # §5.2
+    exit_after: str = "leader"  # §11.5
+    signal_spelling: str = "SIGNAME"  # §11.7
+    signal_exit_code: int | None = None  # §11.7
+    exit_frame_seq: bool = False  # §11.8
+    eof_data_frame: bool = False  # §11.8
+    stdin_close_idempotent: bool = False  # §11.10
+    signal_after_exit: int = 409  # §11.10
+    signal_target: str = "group"  # §11.10
+    wait_default_scope: str = "leader"  # §11.11
+    wait_default_ms: int = WAIT_DEFAULT_MS  # §11.11
+    wait_cap: float | None = None  # §11.11
+    after_default: int = 0  # §5.4
+    delete_default_grace_ms: int = 1000  # §11.12
+    delete_forgets: bool = False  # §11.12
+    upload_creates_parents: bool = True  # §11.16
+    listing: str = "unpaginated"  # §5.3
+
+    def __post_init__(self) -> None:
+        for field, choices in READING_CHOICES.items():
+            if getattr(self, field) not in choices:
+                raise ValueError("%s must be one of: %s" % (field, ", ".join(choices)))
+        for field in ("heartbeat_interval", "stream_lifetime", "wait_cap"):
+            value = getattr(self, field)
+            if value is not None and not value > 0:
+                raise ValueError("%s must be positive" % field)
+
+
+READING_CHOICES = {
+    "expired_410": ("always", "when_final"),
+    "expired_410_body": ("map", "string"),
+    "live_eviction": ("error_frame", "cut"),
+    "output_bytes": ("raw", "base64"),
+    "oldest_seq_before_output": (0, 1),
+    "exit_after": ("leader", "tree"),
+    "signal_spelling": ("SIGNAME", "go"),
+    "signal_exit_code": (None, -1),
+    "signal_after_exit": (409, 200),
+    "signal_target": ("group", "leader"),
+    "wait_default_scope": ("leader", "tree"),
+    "listing": ("unpaginated", "paginated"),
+}
+
+# The two readings of protocol §11 (see LocalServer's docstring): the
+# conservative one is protocol §9; the alternative one flips every unknown
+# whose other answer is plausible and that a client must survive.
+CONSERVATIVE = Reading()
+ALTERNATIVE = Reading(
+    name="alternative",
+    create_status=201,
+    heartbeat_first=True,
+    stream_lifetime=2.0,
+    expired_410="when_final",
+    expired_410_body="string",
+    live_eviction="cut",
+    output_bytes="base64",
+    record_omits_empty=True,
+    oldest_seq_before_output=1,
+    exit_after="tree",
+    signal_spelling="go",
+    signal_exit_code=-1,
+    exit_frame_seq=True,
+    eof_data_frame=True,
+    stdin_close_idempotent=True,
+    signal_after_exit=200,
+    signal_target="leader",
+    wait_cap=1.0,
+    delete_forgets=True,
+    upload_creates_parents=False,
+    listing="paginated",
+)
+READINGS = (CONSERVATIVE, ALTERNATIVE)
+READINGS_BY_NAME = {reading.name: reading for reading in READINGS}
+
+
+def reading_of(reading: Reading | str) -> Reading:
+    """A Reading, or the one of READINGS with that name."""
+    if isinstance(reading, Reading):
+        return reading
+    if reading not in READINGS_BY_NAME:
+        raise ValueError("reading must be one of: %s" % ", ".join(READINGS_BY_NAME))
+    return READINGS_BY_NAME[reading]
+
+
+def reading_with(reading: Reading, setting: str) -> Reading:
+    """``reading`` with one field changed by a ``FIELD=VALUE`` of ``--set``."""
+    name, sep, text = setting.partition("=")
+    fields = {field.name: field for field in dataclasses.fields(Reading)}
+    if not sep or name not in fields or name == "name":
+        raise ValueError("--set takes FIELD=VALUE, FIELD one of: %s" % ", ".join(list(fields)[1:]))
+    kind = str(fields[name].type)
+    value: object
+    if text.lower() == "none" and "None" in kind:
+        value = None
+    elif kind == "bool":
+        if text.lower() not in ("true", "false"):
+            raise ValueError("%s takes true or false, not %r" % (name, text))
+        value = text.lower() == "true"
+    elif kind.startswith(("int", "float")):
+        try:
+            value = (int if kind.startswith("int") else float)(text)
+        except ValueError:
+            raise ValueError("%s takes a number, not %r" % (name, text)) from None
+    else:
+        value = text
+    return dataclasses.replace(reading, **{name: value})
 
 
 class RequestRecord(NamedTuple):
@@ -342,7 +460,7 @@ class Process:
         cwd: str,
         journal_limit: int,
         frame_limit: int = FRAME_LIMIT,
-        reading: str = CONSERVATIVE,
+        reading: Reading = CONSERVATIVE,
         created_at: str | None = None,
     ):
         self.id = process_id
@@ -357,7 +475,7 @@ class Process:
         self._stdin, self._stdout, self._stderr = popen.stdin, popen.stdout, popen.stderr
         self._journal_limit = journal_limit
         self._frame_limit = frame_limit
-        self.alternative = reading == ALTERNATIVE
+        self.reading = reading
         self._stdin_lock = threading.Lock()  # serialises writes and close of stdin
         self._input_seq = 0
         self._threads: list[threading.Thread] = []
@@ -373,7 +491,7 @@ class Process:
         self.evicted_through = 0  # highest seq dropped from the journal
         self._open_pipes = 2
         self._tree_gone = False  # latched: once empty, the group id may be reused
-        self.deleted = False  # answered a DELETE (the alternative reading then forgets it)
+        self.deleted = False  # answered a DELETE (forgotten if reading.delete_forgets)
 
     def start(self) -> None:
         targets: tuple[tuple[Callable[..., None], tuple[Any, ...]], ...] = (
@@ -409,7 +527,7 @@ class Process:
                 self._append(stream, data)
         pipe.close()
         with self.cond:
-            if self.alternative:  # an empty data frame marks the end of the stream
+            if self.reading.eof_data_frame:  # an empty data frame marks the end of the stream
                 self._append(stream, b"")
             self._open_pipes -= 1
             self.cond.notify_all()
@@ -448,18 +566,18 @@ class Process:
 
     @property
     def output_finished(self) -> bool:
-        """Leader reaped and both pipes at EOF (and, under the alternative
-        reading, the whole tree gone): time for the exit frame."""
+        """Leader reaped and both pipes at EOF (and, if reading.exit_after is
+        "tree", the whole tree gone): time for the exit frame."""
         return (
             self.returncode is not None
             and self._open_pipes == 0
-            and (self._tree_gone or not self.alternative)
+            and (self._tree_gone or self.reading.exit_after == "leader")
         )
 
     def exit_line(self) -> bytes:
         """The exit frame (caller holds cond and has seen output_finished)."""
         frame: dict[str, Any] = {"type": "exit"}
-        if self.alternative:
+        if self.reading.exit_frame_seq:
             frame["seq"] = self.newest_seq + 1
         frame.update(self._exit_status())
         return frame_line(frame)
@@ -470,9 +588,12 @@ class Process:
         assert code is not None
         if code >= 0:
             return {"exit_code": code}
-        if self.alternative:  # Go's ProcessState: ExitCode() -1, String() "killed"
-            return {"exit_code": -1, "signal": go_signal_word(-code)}
-        return {"signal": signal_name(-code)}
+        status: dict[str, Any] = {}
+        if self.reading.signal_exit_code is not None:  # Go's ProcessState.ExitCode(): -1
+            status["exit_code"] = self.reading.signal_exit_code
+        spell = go_signal_word if self.reading.signal_spelling == "go" else signal_name
+        status["signal"] = spell(-code)
+        return status
 
     # -- lifetime ------------------------------------------------------------
 
@@ -496,7 +617,7 @@ class Process:
                 self._close_stdin_pipe()
             finally:
                 self._stdin_lock.release()
-        if self.alternative:  # the exit frame waits for the whole tree: watch it
+        if self.reading.exit_after == "tree":  # the exit frame waits for it: watch it
             while not self.tree_exited():
                 time.sleep(POLL_INTERVAL)
             with self.cond:
@@ -528,15 +649,17 @@ class Process:
 
     def send_signal(self, signum: int) -> None:
         """Signal the process group, as the vendor CLI documents for pipe
-        processes (the alternative reading: the leader alone)."""
+        processes, or the leader alone (reading.signal_target)."""
         with self.cond:
             if self.returncode is None:
-                if self.alternative:
+                if self.reading.signal_target == "leader":
                     os.kill(self.pid, signum)
                 else:  # the leader is not reaped yet: its group exists
                     os.killpg(self.pid, signum)
-            elif not self.alternative:
-                raise ApiError(409, {"process": "the leader has already exited"})
+            elif self.reading.signal_after_exit != 200:
+                raise ApiError(
+                    self.reading.signal_after_exit, {"process": "the leader has already exited"}
+                )
 
     # -- stdin ---------------------------------------------------------------
 
@@ -556,7 +679,7 @@ class Process:
 
     def close_stdin(self) -> None:
         with self._stdin_lock:
-            if not self.alternative:  # the alternative reading: closing is idempotent
+            if not self.reading.stdin_close_idempotent:
                 self._check_stdin_open()
             self._close_stdin_pipe()
 
@@ -601,23 +724,22 @@ class Process:
             }
             if code is not None:
                 record.update(self._exit_status())
-        if self.alternative:  # Go's omitempty: no null, no empty cmd/args/cwd
+        if self.reading.record_omits_empty:  # Go's omitempty: no null, no empty cmd/args/cwd
             record = {key: value for key, value in record.items() if value not in (None, "", [])}
         return record
 
     def _output_window(self) -> dict[str, int]:
-        if self.alternative:  # before any output: oldest 1, newest 0; bytes as base64
-            return {
-                "oldest_seq": self.evicted_through + 1,
-                "newest_seq": self.newest_seq,
-                "bytes": self.journal_encoded_bytes,
-            }
         if self.newest_seq == 0:
-            return {"oldest_seq": 0, "newest_seq": 0, "bytes": 0}
+            return {
+                "oldest_seq": self.reading.oldest_seq_before_output,
+                "newest_seq": 0,
+                "bytes": 0,
+            }
+        encoded = self.reading.output_bytes == "base64"
         return {
             "oldest_seq": self.evicted_through + 1,
             "newest_seq": self.newest_seq,
-            "bytes": self.journal_bytes,
+            "bytes": self.journal_encoded_bytes if encoded else self.journal_bytes,
         }
 
 
@@ -1001,22 +1123,15 @@ def environment_of(spec: dict[str, Any], sandbox: Sandbox) -> dict[str, str]:
     return merged
 
 
-def raise_expired(reading: str, oldest_available_seq: int, finished: bool) -> None:
-    """The 410 of a connect whose reader's next frame is gone, if this reading sends one.
-
-    The conservative reading always answers 410, naming the restart point.
-    The alternative reading answers 410 only once the output is final (the
-    exit frame is due), with a plain string that names no seq, as the vendor
-    CLI's reading of it suggests (it takes the restart point from GET); while
-    output is still produced it starts the stream and sends the
-    output_offset_expired frame instead.
-    """
-    if reading == CONSERVATIVE:
+def raise_expired(reading: Reading, oldest_available_seq: int, finished: bool) -> None:
+    """The 410 of a connect whose reader's next frame is gone, if this reading sends one
+    (``reading.expired_410``); otherwise the stream starts and sends the error frame."""
+    if reading.expired_410 == "always" or finished:
+        if reading.expired_410_body == "string":
+            raise ApiError(410, "output offset expired")
         raise ApiError(
             410, {"error": "output_offset_expired", "oldest_available_seq": oldest_available_seq}
         )
-    if finished:
-        raise ApiError(410, "output offset expired")
 
 
 def start_error(exc: BaseException) -> ApiError:
@@ -1045,15 +1160,15 @@ class OutputStream:
         self.fault = fault
         self.data_frames = 0
         self.last_write = time.monotonic()
-        self.alternative = proc.alternative
-        # The alternative reading recycles every stream after a while.
-        self.expires = self.last_write + ALT_STREAM_LIFETIME if self.alternative else None
+        self.reading = proc.reading
+        lifetime = self.reading.stream_lifetime  # recycled after a while, or never
+        self.expires = None if lifetime is None else self.last_write + lifetime
 
     def run(self) -> None:
         dropping = self.fault is not None and self.fault.kind in ("drop", "stall")
         self.req.start_chunked("application/x-ndjson", 0 if dropping else 200)
         try:
-            if self.alternative:
+            if self.reading.heartbeat_first:
                 self._write(HEARTBEAT_LINE)  # before any other frame
             self._follow()
         except OSError:  # the client went away
@@ -1085,14 +1200,15 @@ class OutputStream:
 
         Returns (data frames, final): final is None after data frames, else
         HEARTBEAT_LINE, a terminal (exit / error) line, STOP when the server
-        is stopping, or (alternative reading) END when the stream has lived
-        its time and CUT when a live reader fell behind the journal.
+        is stopping, END when the stream has lived its time
+        (reading.stream_lifetime) and CUT when a live reader fell behind the
+        journal (reading.live_eviction).
         """
         proc = self.proc
         with proc.cond:
             while True:
                 if self.cursor < proc.evicted_through:
-                    if self.alternative and self.data_frames:
+                    if self.reading.live_eviction == "cut" and self.data_frames:
                         return [], CUT  # the reader learns of it when it reconnects
                     return [], frame_line(
                         {
@@ -1153,59 +1269,90 @@ class OutputStream:
 class LocalServer:
     """A CreateOS-compatible server on loopback that RUNS COMMANDS ON THIS MACHINE.
 
-    ``reading`` picks how it answers where protocol.md (§11) leaves the real
-    service open. ``"conservative"`` (the default) is protocol §9. The
-    ``"alternative"`` reading flips every unknown whose other answer is
-    plausible and that a client must survive:
+    ``reading`` (a ``Reading``, or the name of one of ``READINGS``) says how
+    it answers where protocol.md (§11) leaves the real service open, one
+    field per question. ``CONSERVATIVE`` (the default, protocol §9) and
+    ``ALTERNATIVE`` (which flips every unknown whose other answer is
+    plausible and that a client must survive) are two values of it; any
+    field can be set alone (``dataclasses.replace``, ``--set FIELD=VALUE``).
+    The fields, conservative value first:
 
-    - create answers **201** instead of 200 (§11.1);
-    - every connect stream starts with a **heartbeat**, before any replayed
-      frame (§11.2), and is **recycled**: after ``ALT_STREAM_LIFETIME``
-      seconds with nothing to send it ends cleanly without an exit frame
-      (§11.2, proxy recycling);
-    - **eviction** (§11.3): a connect whose ``after`` is behind the journal
-      of a process still producing output gets a 200 stream whose first
-      frame (after the heartbeat) is the ``output_offset_expired`` error
-      frame instead of a 410; once the output is final (the exit frame is
-      due) it gets a **410 whose ``data`` is the plain string** ``"output
-      offset expired"``, without ``oldest_available_seq``; a live reader
-      that falls behind has its connection cut without any frame, and meets
-      the error frame or the 410 when it reconnects (a reader that has been
-      sent no data frame yet gets the error frame at once);
-    - the exit frame waits for the **whole tree** (process group empty), not
-      only for the leader and its pipes (§11.5);
-    - each output pipe's EOF is journalled as an **empty data frame**
-      (``data_base64: ""``, a seq of its own) (§11.8);
-    - the exit frame carries a **seq**: the next number of the journal's
-      counter (§11.8);
-    - death by signal is spelled **Go-style** (``"killed"``,
-      ``"terminated"``, ``"signal 34"``…) with **``exit_code: -1``**
-      alongside, in exit frames and process records (§11.7);
-    - process records **omit** null and empty fields (``exit_code``,
-      ``signal``, ``finished_at``…) instead of sending null; ``output`` is
-      ``oldest_seq 1, newest_seq 0`` before any output and counts
-      ``bytes`` as base64 text (§5.2, §11.4);
-    - ``wait`` long-polls at most ``ALT_WAIT_CAP`` seconds whatever
-      ``timeout_ms`` asks, then 408 (§11.11);
-    - a **DELETE forgets the process**: afterwards get, connect, wait,
-      input, signal and a second DELETE answer 404 and the listing omits it
-      (§11.12) (``processes()`` and ``process()`` still show it to tests);
-    - ``stdin/close`` is idempotent (200 when already closed or after exit)
-      and ``signal`` after the leader exited is a 200 no-op (§11.10);
-    - ``signal`` reaches the **leader alone**, not its process group: a
-      background child that the leader started survives a SIGTERM (§11.10);
-    - a file upload does **not create missing parent directories** (404)
-      (§11.16);
-    - the process listing is **paginated** like the vendor's other
-      listings: ``{"data": [...], "pagination": {"limit", "offset",
-      "total"}}``, taking ``limit`` (default ``list_page_size``, at most
-      ``LIST_LIMIT_MAX``) and ``offset`` (default 0) (§5.3).
+    - ``create_status``: 200 or **201** to a create (§11.1);
+    - ``heartbeat_interval``: seconds of stream silence before a heartbeat
+      frame, 5 (§11.2); the ``heartbeat_interval`` argument, when given,
+      overrides it (tests use short ones);
+    - ``heartbeat_first``: whether every connect stream starts with a
+      heartbeat, before any replayed frame (§11.2);
+    - ``stream_lifetime``: None, or seconds (2) after which a connect stream
+      with nothing to send ends cleanly without an exit frame, as a
+      recycling proxy would (§11.2);
+    - ``expired_410``: a connect whose ``after`` is behind the journal gets
+      a 410 ``"always"``, or only ``"when_final"`` (the exit frame is due):
+      while output is still produced it gets a 200 stream whose first frame
+      (after any heartbeat) is the ``output_offset_expired`` error frame
+      (§11.3);
+    - ``expired_410_body``: that 410's ``data``: the ``"map"``
+      ``{"error": "output_offset_expired", "oldest_available_seq": N}``, or
+      the plain ``"string"`` ``"output offset expired"``, which names no
+      seq, as the vendor CLI's reading of it suggests (§11.3);
+    - ``live_eviction``: a live reader that falls behind the journal gets
+      the ``"error_frame"``, or has its connection ``"cut"`` without any
+      frame and meets the error frame or the 410 when it reconnects (a
+      reader sent no data frame yet gets the error frame at once) (§11.3);
+    - ``output_bytes``: the record's ``output.bytes`` counts ``"raw"`` bytes
+      or ``"base64"`` text (§11.4);
+    - ``record_omits_empty``: whether process records omit null and empty
+      fields (``exit_code``, ``signal``, ``finished_at``…) as Go's
+      ``omitempty`` does, instead of sending null (§5.2);
+    - ``oldest_seq_before_output``: the record's ``output.oldest_seq``
+      before any output, 0 or 1 (``newest_seq`` is 0) (§5.2);
+    - ``exit_after``: the exit frame follows the ``"leader"`` (reaped, both
+      pipes at EOF) or waits for the whole ``"tree"`` (process group empty)
+      too (§11.5);
+    - ``signal_spelling``: death by signal is spelled ``"SIGNAME"``
+      (``SIGKILL``) or ``"go"`` (``"killed"``, ``"terminated"``, ``"signal
+      34"``…), in exit frames and records (§11.7);
+    - ``signal_exit_code``: the ``exit_code`` beside a signal: None (null or
+      absent) or -1 (§11.7);
+    - ``exit_frame_seq``: whether the exit frame carries a ``seq``, the next
+      number of the journal's counter (§11.8);
+    - ``eof_data_frame``: whether each output pipe's EOF is journalled as an
+      empty data frame (``data_base64: ""``, a seq of its own) (§11.8);
+    - ``stdin_close_idempotent``: a second ``stdin/close``, or one after
+      exit, answers 409 or (True) 200 (§11.10);
+    - ``signal_after_exit``: a ``signal`` after the leader exited answers
+      409 or is a 200 no-op (§11.10);
+    - ``signal_target``: ``signal`` reaches the process ``"group"``, or the
+      ``"leader"`` alone: a background child it started survives a SIGTERM
+      (§11.10);
+    - ``wait_default_scope`` and ``wait_default_ms``: what a ``wait`` that
+      names no ``scope`` (PY's ``wait(pid)``, Java, Rust; an empty one from
+      Go) or no ``timeout_ms`` gets: ``"leader"``, 30 000 ms, the duration
+      clients use, in both readings (§11.11);
+    - ``wait_cap``: None, or the most seconds (1) a ``wait`` long-polls
+      whatever ``timeout_ms`` asks, before its 408 (§11.11);
+    - ``after_default``: the ``after`` of a connect that names none (the
+      vendor CLI leaves it out when it is 0): 0 in both readings (§5.4);
+    - ``delete_default_grace_ms``: the grace of a DELETE that names no
+      ``grace_ms``: 1000 in both readings (§11.12);
+    - ``delete_forgets``: whether a DELETE forgets the process: afterwards
+      get, connect, wait, input, signal and a second DELETE answer 404 and
+      the listing omits it (``processes()`` and ``process()`` still show it
+      to tests) (§11.12);
+    - ``upload_creates_parents``: whether a file upload creates missing
+      parent directories, or answers 404 (§11.16);
+    - ``listing``: the process listing is ``"unpaginated"``,
+      ``{"processes": [...]}`` ignoring ``limit`` and ``offset``, or
+      ``"paginated"`` like the vendor's other listings: ``{"data": [...],
+      "pagination": {"limit", "offset", "total"}}``, taking ``limit``
+      (default ``list_page_size``, at most ``LIST_LIMIT_MAX``) and
+      ``offset`` (default 0) (§5.3).
 
     ``list_page_size`` is the default page size of that paginated listing
     (100), small in tests so that a few processes fill several pages.
 
     ``strict=True`` frames POSTs as the vendor's control forwarder does
-    (either reading): 411 to a POST that names no ``Content-Length`` (and is
+    (whatever the reading): 411 to a POST that names no ``Content-Length`` (and is
     not chunked), 400 to a POST that is not ``application/json``, body-less
     ones included (see ``check_post_framing``). It is checked after the
     route, before the API key.
@@ -1227,18 +1374,19 @@ class LocalServer:
         api_key: str = DEFAULT_API_KEY,
         host: str = "127.0.0.1",
         port: int = 0,
-        heartbeat_interval: float = 5.0,
+        heartbeat_interval: float | None = None,
         journal_limit: int = 1024 * 1024,
         frame_limit: int = FRAME_LIMIT,
-        reading: str = CONSERVATIVE,
+        reading: Reading | str = CONSERVATIVE,
         chunked: bool = True,
         list_page_size: int = 100,
         strict: bool = False,
         rate_limit: tuple[int, float] | None = None,
         verbose: bool = False,
     ):
-        if reading not in READINGS:
-            raise ValueError("reading must be one of: %s" % ", ".join(READINGS))
+        reading = reading_of(reading)
+        if heartbeat_interval is None:
+            heartbeat_interval = reading.heartbeat_interval
         if not 1 <= list_page_size <= LIST_LIMIT_MAX:
             raise ValueError("list_page_size must be from 1 to %d" % LIST_LIMIT_MAX)
         if rate_limit is not None:
@@ -1259,7 +1407,7 @@ class LocalServer:
         # Tests use a tiny frame_limit for a known number of frames: a process
         # that writes N bytes at once is journalled in ceil(N / frame_limit) frames.
         self.frame_limit = frame_limit
-        self.reading = reading
+        self.reading = reading  # its heartbeat_interval is overridden by the one above
         # chunked=False answers `connect` as a proxy that removes the chunking
         # would: no Transfer-Encoding, the body ends when the connection closes.
         self.chunked = chunked
@@ -1361,7 +1509,7 @@ class LocalServer:
 
     def processes(self, sandbox_id: str = DEFAULT_SANDBOX) -> list[dict[str, Any]]:
         """Records of the sandbox's processes, as GET …/processes lists them
-        (deleted ones included, which the alternative reading no longer lists)."""
+        (deleted ones included, which a reading that forgets them no longer lists)."""
         with self._lock:
             if sandbox_id not in self._sandboxes:
                 raise KeyError(sandbox_id)
@@ -1517,7 +1665,7 @@ class LocalServer:
             return
         result = getattr(self, "_ep_" + endpoint)(req, *ids)
         if result is not None:
-            status = 201 if endpoint == "create" and self.reading == ALTERNATIVE else 200
+            status = self.reading.create_status if endpoint == "create" else 200
             req.send_json(status, envelope(status, result))
 
     def _admit(self, req: _Handler) -> None:
@@ -1573,7 +1721,7 @@ class LocalServer:
         if (
             proc is None
             or proc.sandbox_id != sandbox_id
-            or (proc.deleted and self.reading == ALTERNATIVE)
+            or (proc.deleted and self.reading.delete_forgets)
         ):
             raise ApiError(404, {"process": "not found"})
         return proc
@@ -1644,14 +1792,14 @@ class LocalServer:
 
     def _ep_list(self, req: _Handler, sandbox_id: str) -> dict[str, Any]:
         """Every retained process, in creation order: unpaginated as
-        ``{"processes": [...]}`` (conservative, which ignores ``limit`` and
-        ``offset``), or one page of them (alternative, see ``page_of``)."""
+        ``{"processes": [...]}`` (which ignores ``limit`` and ``offset``), or
+        one page of them (see ``page_of``), as ``reading.listing`` says."""
         self._sandbox(sandbox_id)
         records = self.processes(sandbox_id)
-        if self.reading == CONSERVATIVE:
+        if self.reading.delete_forgets:
+            records = [r for r in records if not self._get_process(r["process_id"]).deleted]
+        if self.reading.listing == "unpaginated":
             return {"processes": records}
-        # Deleted processes are forgotten.
-        records = [r for r in records if not self._get_process(r["process_id"]).deleted]
         return page_of(records, req.query, self.list_page_size)
 
     def _ep_get(self, req: _Handler, sandbox_id: str, process_id: str) -> dict[str, Any]:
@@ -1660,7 +1808,7 @@ class LocalServer:
     def _ep_connect(self, req: _Handler, sandbox_id: str, process_id: str) -> None:
         proc = self._process(sandbox_id, process_id)
         # The vendor CLI leaves `after` out when it is 0: the service defaults it.
-        after = uint_param(req.query, "after", 0)
+        after = uint_param(req.query, "after", self.reading.after_default)
         with proc.cond:
             evicted_through = proc.evicted_through
             finished = proc.output_finished
@@ -1704,16 +1852,15 @@ class LocalServer:
         """Long-poll for the exit of the leader or of the whole tree.
 
         SDKs that send neither parameter (PY's ``wait(pid)``, Java, Rust) or an
-        empty scope (Go's zero value) get the defaults: scope ``leader`` and
-        a ``WAIT_DEFAULT_MS`` (30 000 ms) long-poll, the duration clients use.
+        empty scope (Go's zero value) get the reading's defaults.
         """
         proc = self._process(sandbox_id, process_id)
-        scope = req.query.get("scope") or "leader"
+        scope = req.query.get("scope") or self.reading.wait_default_scope
         if scope not in ("leader", "tree"):
             raise ApiError(400, {"scope": "must be leader or tree"})
-        timeout = uint_param(req.query, "timeout_ms", WAIT_DEFAULT_MS) / 1000.0
-        if self.reading == ALTERNATIVE:
-            timeout = min(timeout, ALT_WAIT_CAP)
+        timeout = uint_param(req.query, "timeout_ms", self.reading.wait_default_ms) / 1000.0
+        if self.reading.wait_cap is not None:
+            timeout = min(timeout, self.reading.wait_cap)
         condition = proc.leader_exited if scope == "leader" else proc.tree_exited
         if not self._await(condition, timeout):
             raise ApiError(408, {"timeout": "the %s has not exited yet" % scope})
@@ -1721,7 +1868,7 @@ class LocalServer:
 
     def _ep_delete(self, req: _Handler, sandbox_id: str, process_id: str) -> dict[str, Any]:
         proc = self._process(sandbox_id, process_id)
-        grace = uint_param(req.query, "grace_ms", 1000) / 1000.0
+        grace = uint_param(req.query, "grace_ms", self.reading.delete_default_grace_ms) / 1000.0
         if not proc.tree_exited():
             with proc.cond:
                 proc.terminating = True
@@ -1758,7 +1905,7 @@ class LocalServer:
     def _ep_files_put(self, req: _Handler, sandbox_id: str) -> dict[str, Any]:
         self._sandbox(sandbox_id)
         path = absolute_path(req.query)
-        if self.reading == ALTERNATIVE and not os.path.isdir(os.path.dirname(path)):
+        if not self.reading.upload_creates_parents and not os.path.isdir(os.path.dirname(path)):
             raise ApiError(404, {"path": "the parent directory does not exist"})
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -1821,6 +1968,23 @@ def rate_limit_option(value: str) -> tuple[int, float]:
     return parsed
 
 
+def reading_fields_help() -> str:
+    """The fields of a Reading and their value in each of READINGS, for --help."""
+
+    def shown(value: object) -> str:
+        return str(value).lower() if value is None or isinstance(value, bool) else str(value)
+
+    names = [field.name for field in dataclasses.fields(Reading)][1:]
+    width = max(map(len, names))
+    lines = ["reading fields (%s; see LocalServer's docstring):" % " / ".join(READINGS_BY_NAME)]
+    for name in names:
+        values = [getattr(reading, name) for reading in READINGS]
+        others = [c for c in READING_CHOICES.get(name, ()) if c not in values]
+        hint = "  (or %s)" % ", ".join(map(shown, others)) if others else ""
+        lines.append("  %-*s  %s%s" % (width, name, " / ".join(map(shown, values)), hint))
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="local_server.py",
@@ -1830,6 +1994,8 @@ def main(argv: list[str] | None = None) -> int:
             "addresses only. Prints its base URL as the first line of stdout, "
             "then serves until SIGINT or SIGTERM. Sandbox 'sb_local' exists."
         ),
+        epilog=reading_fields_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--host", default="127.0.0.1", help="loopback address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=0, help="port, 0 = any free port (default 0)")
@@ -1841,22 +2007,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--heartbeat",
         type=float,
-        default=5.0,
-        help="seconds of stream silence before a heartbeat frame (default 5)",
+        help="seconds of stream silence before a heartbeat frame (default: the reading's, 5)",
     )
     parser.add_argument(
         "--reading",
-        choices=READINGS,
-        default=CONSERVATIVE,
+        choices=list(READINGS_BY_NAME),
+        default=CONSERVATIVE.name,
         help="how to answer where protocol.md §11 leaves the service open (default %s)"
-        % CONSERVATIVE,
+        % CONSERVATIVE.name,
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="change one field of the reading (repeatable; the fields are listed below)",
     )
     parser.add_argument(
         "--list-page-size",
         type=int,
         default=100,
         metavar="N",
-        help="default page size of the alternative reading's paginated process listing "
+        help="default page size of the paginated process listing (reading field listing) "
         "(default 100, at most %d)" % LIST_LIMIT_MAX,
     )
     parser.add_argument(
@@ -1874,12 +2046,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verbose", action="store_true", help="log requests to stderr")
     options = parser.parse_args(argv)
     try:
+        reading = reading_of(options.reading)
+        for setting in options.set:
+            reading = reading_with(reading, setting)
         server = LocalServer(
             api_key=options.api_key,
             host=options.host,
             port=options.port,
             heartbeat_interval=options.heartbeat,
-            reading=options.reading,
+            reading=reading,
             list_page_size=options.list_page_size,
             strict=options.strict,
             rate_limit=options.rate_limit,

@@ -245,7 +245,7 @@ def test_cancel_ends_every_wait_at_once(server, wait):
 
 @pytest.mark.parametrize("wait", list(WAITS))
 def test_cancel_at_random_moments_of_every_wait(server, wait, figures):
-    rng = random.Random(f"{SEED} {wait} {server.reading}")
+    rng = random.Random(f"{SEED} {wait} {server.reading.name}")
     latencies = [cancelled_run(server, wait, rng.uniform(0.0, 0.3)) for _ in range(2)]
     assert max(latencies) < BOUND
     figures.record(

@@ -13,7 +13,7 @@ and `reconnects` equal to the number of connects minus one. Every other
 schedule (odd seeds) is also read by a loop over `iter_output()`, which must
 see exactly the pieces `on_output` sees.
 
-    CREATEOS_CHAOS_RUNS=500        # schedules per run (what CI runs)
+    CREATEOS_CHAOS_RUNS=500        # schedules per run (default: 40, 500 in the full campaign)
     CREATEOS_CHAOS_SEED=20261130   # base seed; schedule i uses base + i
     CREATEOS_CHAOS_THREADS=8       # schedules run at once, each on its own server
 
@@ -34,12 +34,15 @@ import time
 import traceback
 
 import pytest
-from conftest import SANDBOX
+from conftest import SANDBOX, campaign_size
 from local_server import LocalServer
 
 import createos_exec as cx
 
 DEFAULT_SEED = 20261130
+# The first 17 schedules from DEFAULT_SEED already take every route in ROUTES:
+# 40 leaves room for a change of the drawing, which the test checks.
+BOUNDED_RUNS = 40
 RETRY = cx.RetryPolicy(max_attempts=12, budget=10.0, initial_backoff=0.005, max_backoff=0.05)
 IDLE_TIMEOUT = 0.3  # the client's stream_idle_timeout
 STALL = 0.5  # seconds a stalled stream sends nothing: longer than IDLE_TIMEOUT
@@ -54,7 +57,7 @@ PAST_DATE = "Wed, 21 Oct 2015 07:28:00 GMT"  # a Retry-After in the past: retry 
 
 
 def settings():
-    runs = int(os.environ.get("CREATEOS_CHAOS_RUNS", "500"))
+    runs = campaign_size("CREATEOS_CHAOS_RUNS", BOUNDED_RUNS, 500)
     seed = int(os.environ.get("CREATEOS_CHAOS_SEED", str(DEFAULT_SEED)))
     threads = int(os.environ.get("CREATEOS_CHAOS_THREADS", "8"))
     return runs, seed, threads
@@ -180,6 +183,35 @@ def draw_schedule(seed):
     }
 
 
+# Every kind of fault, process shape, ending and frame size a schedule can draw.
+ROUTES = frozenset(
+    ["reset", "reset-mid", "end_stream", "stall_stream", "5xx", "replay_ignoring_after"]
+    + ["429:None", "429:0", "429:" + PAST_DATE]
+    + ["shape:" + shape for shape in ("burst", "slow", "silent", "one-stream")]
+    + ["ending:signal", "ending:zero", "ending:nonzero"]
+    + ["frame_limit:%d" % size for size in (7, 13, 64, 4096)]
+)
+
+
+def routes_of(schedule):
+    """The ROUTES that one schedule takes."""
+    ending = schedule["ending"]
+    taken = {
+        "shape:" + schedule["shape"],
+        "frame_limit:%d" % schedule["frame_limit"],
+        "ending:" + ("signal" if ending == SIGKILL else "zero" if ending == 0 else "nonzero"),
+    }
+    for name, kwargs in schedule["faults"]:
+        if name == "drop_stream":
+            taken.add("reset-mid" if kwargs.get("mid_frame") else "reset")
+        elif name == "fail":
+            status = kwargs["status"]
+            taken.add("429:%s" % kwargs.get("retry_after") if status == 429 else "5xx")
+        else:
+            taken.add(name)
+    return taken
+
+
 def describe(schedule):
     """The schedule as one JSON line (writes as stream, byte count, sleep)."""
     shown = dict(schedule)
@@ -297,6 +329,9 @@ def run_schedule(schedule, directory):
 def test_chaos_schedules_all_come_back_exact(tmp_path, figures):
     runs, base_seed, threads = settings()
     schedules = [draw_schedule(base_seed + index) for index in range(runs)]
+    if base_seed == DEFAULT_SEED and runs >= BOUNDED_RUNS:  # not one asked for by hand
+        taken = set().union(*map(routes_of, schedules))
+        assert taken == ROUTES, "routes not taken: %s" % sorted(ROUTES - taken)
     pending = list(reversed(schedules))
     failures = []
     totals = {"runs": 0, "reconnects": 0}

@@ -21,7 +21,7 @@ import time
 from typing import Any, Dict, Iterator, List, Optional
 
 import pytest
-from conftest import ROOT, SANDBOX, make_client
+from conftest import ROOT, SANDBOX, campaign_size, make_client
 from local_server import READINGS, LocalServer
 
 import createos_exec as cx
@@ -31,7 +31,9 @@ if sys.platform == "win32":  # pragma: no cover - the local server is Linux only
 
 GRACE = cx._TERMINATE_GRACE  # the clients here have cleanup_timeout >= 2 s
 SLACK = 1.0  # seconds allowed beyond the deadline and the grace period
-RUNS = int(os.environ.get("CREATEOS_DEADLINE_RUNS", "20"))  # clients killed at random
+# Clients killed at random: one batch of AT_ONCE in the suite, both scripts,
+# killed before and after their process started, waiting or not.
+RUNS = campaign_size("CREATEOS_DEADLINE_RUNS", 10, 20)
 AT_ONCE = 10  # of those, how many run side by side
 
 # Programs whose whole tree ignores SIGTERM (the ignored disposition is

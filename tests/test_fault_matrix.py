@@ -9,7 +9,11 @@ the middle of the next frame's line. Every run must come back exact: stdout,
 stderr, the interleaved output and the `on_output` text, exit code 3, and
 exactly one reconnect, asking for `after=k`.
 
-That is 4,002 runs through `Client.execute()` over real sockets. One Python
+That is 4,002 runs through `Client.execute()` over real sockets in the full
+campaign (`python -m nox -s campaign`). The suite runs the boundaries of
+`bounded_boundaries()`, 2 x 53 runs: every class of boundary (the first and
+last frame, the exit frame, each switch between the streams and the frames
+either side of it) and every position of a frame's cut inside a character. One Python
 process runs them at about one core (the server, the client and the pipe
 readers share one GIL: ~65 ms a run, ~260 s in all), so the boundaries are
 shared among a few worker processes, this file run as a script; each worker
@@ -34,7 +38,7 @@ import traceback
 
 import pytest
 import requests
-from conftest import SANDBOX
+from conftest import SANDBOX, full_campaign
 from local_server import LocalServer
 
 import createos_exec as cx
@@ -51,6 +55,21 @@ BLOCK = 3500  # bytes per write: a multiple of 7, so each write is exactly 500 f
 RETRY = cx.RetryPolicy(max_attempts=6, budget=30.0, initial_backoff=0.002, max_backoff=0.02)
 RUN_TIMEOUT = 60.0  # seconds for one run: a hang becomes a reported failure
 SHOWN = 5  # failing boundaries quoted in an assertion message
+
+
+def bounded_boundaries():
+    """Boundaries that take every route of the full matrix once at least.
+
+    Each block of 500 frames starts a run of 11 consecutive boundaries: 11
+    frames of 7 bytes cut the 11-byte units of both texts at each of their
+    11 offsets, and the block's first boundary is a switch of stream (or the
+    first frame). The one before it ends the previous block; the last two are
+    the last data frame and the exit frame.
+    """
+    starts = range(0, FRAMES, BLOCK // FRAME_LIMIT)
+    chosen = {k for start in starts for k in range(start - 1, start + 12)}
+    chosen |= {FRAMES - 1, FRAMES}
+    return sorted(k for k in chosen if 0 <= k <= FRAMES)
 
 
 def write_blocks(directory):
@@ -289,7 +308,8 @@ def test_a_reset_at_every_frame_boundary_comes_back_exact(tmp_path, figures, mid
     default = max(2, min(8, 2 * (os.cpu_count() or 1)))
     processes = int(os.environ.get("CREATEOS_MATRIX_PROCESSES", str(default)))
     threads = int(os.environ.get("CREATEOS_MATRIX_THREADS", "1"))
-    boundaries = list(range(FRAMES + 1))  # k = FRAMES: the reset comes before the exit frame
+    # k = FRAMES: the reset comes before the exit frame.
+    boundaries = list(range(FRAMES + 1)) if full_campaign() else bounded_boundaries()
     started = time.monotonic()
     runs, failures, notes = run_matrix(script, mid_frame, boundaries, processes, threads, 600.0)
     seconds = time.monotonic() - started

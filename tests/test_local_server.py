@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -23,7 +24,6 @@ import requests
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-import local_server  # noqa: E402
 from local_server import LocalServer  # noqa: E402
 
 PROCESS_ID = re.compile(r"proc_[A-Za-z0-9_-]{22}")
@@ -474,8 +474,8 @@ def test_wait_without_scope_waits_for_the_leader(server, api):
     assert server.wait_tree_gone(process_id)
 
 
-def test_wait_without_timeout_is_a_bounded_long_poll(server, api, monkeypatch):
-    monkeypatch.setattr(local_server, "WAIT_DEFAULT_MS", 300)  # instead of 30 000
+def test_wait_without_timeout_is_a_bounded_long_poll(server, api):
+    server.reading = dataclasses.replace(server.reading, wait_default_ms=300)  # not 30 000
     process_id = api.create("sleep", "100")
     started = time.monotonic()
     response = api.request("GET", "/processes/%s/wait" % process_id)
@@ -1018,6 +1018,19 @@ def test_cli_reading_and_list_page_size_flags():
     assert shown.returncode == 2 and b"list_page_size" in shown.stderr
 
 
+def test_cli_set_flag_changes_one_field_of_the_reading():
+    with cli_server("--set", "create_status=201", "--set", "listing=paginated") as api:
+        assert api.request("POST", "/processes", json={"cmd": "true"}).status_code == 201
+        assert "pagination" in api.request("GET", "/processes").json()["data"]
+    for bad in ("create_status", "nothing=1", "exit_after=never", "wait_cap=soon"):
+        shown = subprocess.run(
+            [sys.executable, os.path.join(HERE, "local_server.py"), "--set", bad],
+            stderr=subprocess.PIPE,
+            timeout=10,
+        )
+        assert shown.returncode == 2 and b"error:" in shown.stderr, bad
+
+
 def test_cli_help_carries_the_warning():
     shown = subprocess.run(
         [sys.executable, os.path.join(HERE, "local_server.py"), "--help"],
@@ -1027,3 +1040,4 @@ def test_cli_help_carries_the_warning():
     ).stdout.decode()
     text = " ".join(shown.split())
     assert "RUNS COMMANDS ON THIS MACHINE" in text and "loopback" in text
+    assert "signal_target group / leader" in text  # every field of the reading, both values

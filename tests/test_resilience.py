@@ -96,7 +96,7 @@ def test_budget_resets_on_progress_so_separated_blips_all_survive(client, server
 def test_exit_status_recovered_by_wait_when_the_stream_cannot_deliver_it(client, server):
     # Drop the exit frame, right after the last data frame: the only one, plus
     # under the alternative reading the empty frames of the two pipes' EOF.
-    server.drop_stream(after_frames=1 if server.reading == "conservative" else 3)
+    server.drop_stream(after_frames=3 if server.reading.eof_data_frame else 1)
     server.fail("connect", 503, count=50)
     result = client.execute(SANDBOX, "echo done; exit 4", shell=True)
     assert result.exit_code == 4 and result.stdout == "done\n"
@@ -312,7 +312,7 @@ def test_429_on_create_is_waited_out_and_one_process_runs(server):
     assert result.stdout == "once\n" and result.exit_code == 0
     assert len(server.processes()) == 1
     sent = [(r.method, r.status) for r in server.requests if r.path.endswith("/processes")]
-    created = 201 if server.reading == "alternative" else 200
+    created = server.reading.create_status
     assert sent == [("POST", 429), ("GET", 200), ("POST", created)]
 
 

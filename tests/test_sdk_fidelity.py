@@ -19,6 +19,7 @@ cut stream, Go-style signal words).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -91,7 +92,7 @@ def listed(sdk, sandbox, server):
     networks, disks), so the SDK's own page-following reader of those proves
     it decodable.
     """
-    if server.reading == "conservative":
+    if server.reading.listing == "unpaginated":
         return [p.process_id for p in sandbox.processes.list()]
     assert sandbox.processes.list() == []
     fetch_all = sdk.services._fetch_all
@@ -102,7 +103,8 @@ def listed(sdk, sandbox, server):
 
 def signal_spelling(server, name, go_word):
     """(exit_code, signal) of a death by `name` as this reading spells it."""
-    return (None, name) if server.reading == "conservative" else (-1, go_word)
+    spelled = go_word if server.reading.signal_spelling == "go" else name
+    return server.reading.signal_exit_code, spelled
 
 
 def test_the_sdk_reads_the_sandbox(sdk, sandbox, server):
@@ -131,7 +133,7 @@ def test_create_input_close_connect_list_get_and_wait(sdk, sandbox, server):
     second = processes.input_bytes(process_id, b"more\n")
     assert 0 <= first < second
     processes.close_standard_input(process_id)  # `wc -c` ends only at EOF
-    if server.reading == "conservative":
+    if not server.reading.stdin_close_idempotent:
         with pytest.raises(sdk.APIError) as caught:
             processes.close_standard_input(process_id)
         assert caught.value.status_code == 409
@@ -145,7 +147,7 @@ def test_create_input_close_connect_list_get_and_wait(sdk, sandbox, server):
     assert (exit_event.exit_code, exit_event.signal) == (0, None)
     newest = events[-1].sequence
     # The exit frame's seq is an open question (§11.8): absent, or the next one.
-    expected_seq = 0 if server.reading == "conservative" else newest + 1
+    expected_seq = newest + 1 if server.reading.exit_frame_seq else 0
     assert exit_event.sequence == expected_seq
 
     # A later connect replays from `after`: only the newer frames, then the exit.
@@ -173,7 +175,7 @@ def test_the_listing_holds_every_process_in_creation_order(sdk, sandbox, server,
     created = [sandbox.processes.create(create).process_id for _ in range(5)]
     assert listed(sdk, sandbox, server) == created
     pages = [r.query for r in server.requests_to("list")]
-    if server.reading == "alternative":  # list() once, then three pages of two
+    if server.reading.listing == "paginated":  # list() once, then three pages of two
         assert [q.get("offset") for q in pages] == [None, "0", "2", "4"]
         assert {q.get("limit") for q in pages[1:]} == {"500"}
 
@@ -241,7 +243,7 @@ def test_a_sigterm_reaches_the_background_child_too(sdk, sandbox, server):
     assert alive(child)
 
     processes.signal(process_id, sdk.ManagedProcessSignal.TERMINATE)
-    if server.reading == "conservative":  # the process group: the child is not spared
+    if server.reading.signal_target == "group":  # the child is not spared
         record = processes.wait(
             process_id,
             sdk.ManagedProcessWaitOptions(scope=sdk.ManagedProcessWaitScope.TREE, wait_timeout=5.0),
@@ -272,12 +274,12 @@ def test_delete_terminates_the_tree_with_sigterm_first(sdk, sandbox, server):
     assert record.tree_exited and record.leader_exited
     assert (record.exit_code, record.signal) == (3, None)
     assert not server.tree_alive(process_id)
-    if server.reading == "conservative":  # the record is kept, DELETE is repeatable
+    if not server.reading.delete_forgets:  # the record is kept, DELETE is repeatable
         again = processes.delete(process_id, sdk.ManagedProcessDeleteOptions(grace_period=1.0))
         assert again.tree_exited and again.exit_code == 3
         events, _ = follow(sdk, sandbox, process_id)
         assert joined(events, sdk.ManagedProcessStream.STDOUT) == b"ready\nbye\n"
-    else:  # the alternative reading forgets a deleted process
+    else:  # a deleted process is forgotten
         for call in (processes.get, processes.delete):
             with pytest.raises(sdk.APIError) as caught:
                 call(process_id)
@@ -298,7 +300,7 @@ def test_eviction_of_finished_output_is_a_410(sdk, sandbox, server):
     with pytest.raises(sdk.APIError) as caught:
         processes.connect(process_id)  # the SDK's default `after` (0)
     assert caught.value.status_code == 410
-    if server.reading == "conservative":  # a string map naming the restart point
+    if server.reading.expired_410_body == "map":  # a string map naming the restart point
         assert "output_offset_expired" in str(caught.value)
         assert "oldest_available_seq: %d" % (newest + 1) in str(caught.value)
     else:  # a plain string, no restart point
@@ -316,7 +318,7 @@ def test_eviction_of_live_output_is_a_410_or_an_error_event(sdk, sandbox, server
         assert time.monotonic() < deadline
         time.sleep(0.02)
     server.evict(process_id)
-    if server.reading == "conservative":
+    if server.reading.expired_410 == "always":
         with pytest.raises(sdk.APIError) as caught:
             processes.connect(process_id)
         assert caught.value.status_code == 410
@@ -366,7 +368,7 @@ def test_files_upload_then_download_the_same_bytes(sdk, sandbox, server, tmp_pat
         sandbox.files.download(str(tmp_path / "missing"))
     assert caught.value.status_code == 404
     nested = str(tmp_path / "new" / "blob.bin")  # are missing parents created? (§11.16)
-    if server.reading == "conservative":
+    if server.reading.upload_creates_parents:
         sandbox.files.upload(nested, b"x")
         assert (tmp_path / "new" / "blob.bin").read_bytes() == b"x"
     else:
@@ -427,11 +429,12 @@ def test_the_sdk_and_createos_exec_write_to_one_stdin(sdk, sandbox, server):
 # -- createos_exec against the switches of the alternative reading ----------------------
 
 
-def test_recycled_streams_are_resumed_exactly(client, server, monkeypatch):
-    monkeypatch.setattr(local_server, "ALT_STREAM_LIFETIME", 0.3)
+def test_recycled_streams_are_resumed_exactly(client, server):
+    if server.reading.stream_lifetime is not None:  # streams made from now on
+        server.reading = dataclasses.replace(server.reading, stream_lifetime=0.3)
     result = client.execute(SANDBOX, "for i in 1 2 3 4 5; do echo $i; sleep 0.2; done", shell=True)
     assert (result.stdout, result.exit_code) == ("1\n2\n3\n4\n5\n", 0)
-    if server.reading == "alternative":  # each stream ends, without exit, after 0.3 s
+    if server.reading.stream_lifetime:  # each stream ends, without exit, after 0.3 s
         assert result.reconnects >= 2 and not result.exit_recovered
     else:
         assert result.reconnects == 0
@@ -441,7 +444,7 @@ def test_the_exit_frame_may_wait_for_the_whole_tree(client, server):
     script = "sleep 0.6 >/dev/null 2>&1 & echo leader done"
     result = client.execute(SANDBOX, script, shell=True)
     assert (result.stdout, result.exit_code) == ("leader done\n", 0)
-    if server.reading == "alternative":  # not before the background sleep ended
+    if server.reading.exit_after == "tree":  # not before the background sleep ended
         assert result.duration >= 0.5
         assert server.process(result.process_id)["tree_exited"] is True
 
@@ -466,7 +469,7 @@ def test_a_reader_left_behind_by_the_journal_gets_output_evicted(reading):
     # Conservative: an error frame on the live stream, naming the restart point.
     # Alternative: the stream is cut, and the reconnect meets a 410 whose plain
     # string names no seq (the output is final by then).
-    if reading == "conservative":
+    if reading.live_eviction == "error_frame":
         assert connects == [200] and caught.value.oldest_available_seq > 2
     else:
         assert connects == [200, 410]

@@ -26,7 +26,7 @@ import time
 import pytest
 import requests
 import urllib3
-from conftest import SANDBOX, make_client
+from conftest import SANDBOX, campaign_size, make_client
 from local_server import LocalServer
 
 import createos_exec as cx
@@ -221,7 +221,8 @@ def test_a_piece_refused_until_the_policy_runs_out_was_not_sent(server):
 # A bounded campaign for RELIABILITY.md (item 9): seeded schedules of faults on
 # the requests of writes of one to four pieces, each write checked against
 # what its process received.
-INPUT_RUNS = int(os.environ.get("CREATEOS_INPUT_RUNS", "100"))
+# 30 runs of 8 drawn pieces meet every fault of INPUT_FAULTS many times over.
+INPUT_RUNS = campaign_size("CREATEOS_INPUT_RUNS", 30, 100)
 INPUT_FAULTS = (None, None, "refused", 429, "lost", 503)
 
 

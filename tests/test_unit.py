@@ -1907,6 +1907,12 @@ def last(text: str, limit: int) -> str:
     return text[-limit:] if limit else ""
 
 
+# Pieces are cut from one random text drawn once: drawing each character anew
+# made these cases the slowest of the suite (up to half a minute each, on every
+# Python) for no route the cut text does not take.
+CAPTURE_TEXT = "".join(random.Random(5).choices("ab€\n\U0001d11e", k=1 << 16))
+
+
 # Limits below and above 16 parts; lengths that end on a part and between parts.
 @pytest.mark.parametrize("limit", [0, 1, 5, 64, 1000, 70_000])
 @pytest.mark.parametrize("pieces", [1, 37, 1200, 5000])
@@ -1918,7 +1924,9 @@ def test_capture_keeps_the_last_chars_of_each_stream_and_both(limit: int, pieces
     for _ in range(pieces):
         stream = rng.choice(cx._STREAMS)
         size = rng.choice([0, 1, 12, 100, 5000])
-        piece = "".join(rng.choice("ab€\n\U0001d11e") for _ in range(rng.randint(0, size)))
+        length = rng.randint(0, size)
+        start = rng.randrange(len(CAPTURE_TEXT) - length + 1)
+        piece = CAPTURE_TEXT[start : start + length]
         capture.feed(stream, piece.encode("utf-8"))
         if piece:
             written.append((stream, piece))
