@@ -588,7 +588,6 @@ _ID = re.compile(r"[A-Za-z0-9_-]{1,200}\Z")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _FRAME_LIMIT = 1024 * 1024  # longest NDJSON line accepted, in bytes
 _READ_SIZE = 256 * 1024  # most bytes taken at once from a body that is not chunked
-_WAIT_POLL_MS = 30_000  # server-side long-poll of one `wait`
 _TERMINATE_GRACE = 1.0  # seconds between SIGTERM and SIGKILL when terminating
 _CANCEL_POLL = 0.1  # seconds between looks at the cancel event while a read blocks
 _EXIT_CHECK_MS = 5_000  # how long an exit frame without status is checked against `wait`
@@ -2845,10 +2844,7 @@ class _Launch:
     def _terminate_marked(self, hurry: Optional[threading.Event] = None) -> None:
         """Terminate the process with the run's marker, if the listing shows one;
         CleanupError when the listing or the termination fails."""
-        try:
-            process_id = self._marked(_Deadline(limit="cleanup", cancel=hurry))
-        except CreateOSError as exc:
-            raise CleanupError(creation_unconfirmed=True) from exc
+        process_id = self._marked_or_unconfirmed(_Deadline(limit="cleanup", cancel=hurry))
         if process_id is not None:
             logger.info("Terminating process %s: its creation ended in error", process_id)
             _Endpoints(self._transport, self._sandbox_id, process_id).delete(hurry=hurry)
@@ -2870,10 +2866,7 @@ class _Launch:
 
     def _find_created(self) -> str:
         """Find the process by the marker in its arguments, or fail as unconfirmed."""
-        try:
-            process_id = self._marked()
-        except CreateOSError as exc:
-            raise CleanupError(creation_unconfirmed=True) from exc
+        process_id = self._marked_or_unconfirmed()
         if process_id is None:
             self.unstage()
             raise CleanupError(creation_unconfirmed=True)
@@ -2888,6 +2881,13 @@ class _Launch:
         process_id = _checked_process_id(mine.get("process_id"))
         logger.info("Found process %s by its marker; following it", process_id)
         return process_id
+
+    def _marked_or_unconfirmed(self, deadline: _Deadline = _ENDLESS) -> Optional[str]:
+        """_marked(); a listing that fails leaves the creation unconfirmed."""
+        try:
+            return self._marked(deadline)
+        except CreateOSError as exc:
+            raise CleanupError(creation_unconfirmed=True) from exc
 
     def _has_marker(self, record: Any) -> bool:
         args = record.get("args") if isinstance(record, dict) else None
@@ -3049,7 +3049,7 @@ class RemoteProcess:
         until = _wait_deadline(timeout)
         with self._turn.taken(until) as mine:
             if not mine:
-                raise WaitTimeout(self.args, until.seconds or 0.0, process_id=self.process_id)
+                raise self._wait_timeout(until, read=False)
             self._handover.clear()  # what a loop left is in the result
             if self._outcome is None:
                 for _ in self._settled(self._run(until)):
@@ -3081,7 +3081,7 @@ class RemoteProcess:
         handover = self._handover
         with self._turn.taken(until, loop=me[0]) as mine:
             if not mine:
-                raise WaitTimeout(self.args, until.seconds or 0.0, process_id=self.process_id)
+                raise self._wait_timeout(until, read=False)
             self._follower.hand_to(handover.take)
             try:
                 yield from handover.pieces(lines)
@@ -3095,8 +3095,10 @@ class RemoteProcess:
         if isinstance(self._outcome, BaseException):
             raise self._outcome
 
-    def _wait_timeout(self, until: _Deadline) -> WaitTimeout:
-        stdout, stderr = self._follower.texts()
+    def _wait_timeout(self, until: _Deadline, read: bool = True) -> WaitTimeout:
+        """The error of a wait that `until` ended; with the output read so far
+        when this thread holds the turn (`read`), since no other reads it then."""
+        stdout, stderr = self._follower.texts() if read else (None, None)
         return WaitTimeout(
             self.args,
             until.seconds or 0.0,
@@ -3378,12 +3380,11 @@ class _Handover:
 
     def as_taken(self, steps: Iterator[None], lines: bool) -> Iterator[Tuple[str, str]]:
         """What each step takes, handed on after it (a step is one block read)."""
-        pending = self._pieces
         if lines:
             for _ in steps:
-                while pending:
-                    yield from self._lines(*pending.popleft())
+                yield from self.pieces(lines=True)
             return
+        pending = self._pieces
         for _ in steps:  # the usual loop: nothing between a block and its pieces
             while pending:
                 yield pending.popleft()
