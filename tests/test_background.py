@@ -15,8 +15,8 @@ import warnings
 
 import pytest
 import requests
-from conftest import SANDBOX, make_client, python
 from local_server import LocalServer
+from support import SANDBOX, make_client, python
 
 import createos_exec as cx
 

@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from support import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 

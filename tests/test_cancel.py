@@ -20,7 +20,7 @@ import threading
 import time
 
 import pytest
-from conftest import FAST_RETRY, SANDBOX, make_client
+from support import FAST_RETRY, SANDBOX, make_client
 
 import createos_exec as cx
 

@@ -34,8 +34,8 @@ import time
 import traceback
 
 import pytest
-from conftest import SANDBOX, campaign_size
 from local_server import LocalServer
+from support import SANDBOX, campaign_size
 
 import createos_exec as cx
 

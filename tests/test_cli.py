@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from conftest import SANDBOX, cli_argv, cli_env, in_ci
+from support import SANDBOX, cli_argv, cli_env, in_ci
 
 import createos_exec as cx
 

@@ -13,7 +13,7 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, SANDBOX, cli_argv, cli_env, require
+from support import ROOT, SANDBOX, cli_argv, cli_env, require
 
 if sys.platform == "win32":  # pragma: no cover - the local server is Linux only
     pytest.skip("pseudo-terminals are POSIX", allow_module_level=True)

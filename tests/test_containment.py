@@ -26,7 +26,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 
 import pytest
 import requests
-from conftest import SANDBOX, cli_argv, cli_env, make_client
+from support import SANDBOX, cli_argv, cli_env, make_client
 
 import createos_exec as cx
 

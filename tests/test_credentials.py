@@ -15,7 +15,7 @@ import threading
 
 import pytest
 import requests
-from conftest import SANDBOX, make_client
+from support import SANDBOX, make_client
 
 import createos_exec as cx
 

@@ -21,8 +21,8 @@ import time
 from typing import Any, Dict, Iterator, List, Optional
 
 import pytest
-from conftest import ROOT, SANDBOX, campaign_size, make_client
 from local_server import READINGS, LocalServer
+from support import ROOT, SANDBOX, campaign_size, make_client
 
 import createos_exec as cx
 

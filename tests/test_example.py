@@ -7,7 +7,7 @@ import re
 import textwrap
 
 import pytest
-from conftest import ROOT, run_example
+from support import ROOT, run_example
 
 
 def test_quickstart_runs_and_shows_a_resumed_stream():

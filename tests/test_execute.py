@@ -8,8 +8,8 @@ import threading
 import time
 
 import pytest
-from conftest import SANDBOX, make_client
 from local_server import LocalServer
+from support import SANDBOX, make_client
 
 import createos_exec as cx
 

@@ -38,8 +38,8 @@ import traceback
 
 import pytest
 import requests
-from conftest import SANDBOX, full_campaign
 from local_server import LocalServer
+from support import SANDBOX, full_campaign
 
 import createos_exec as cx
 

@@ -9,10 +9,10 @@ import sys
 import tempfile
 
 import pytest
-from conftest import SANDBOX, make_client
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from local_server import LocalServer
+from support import SANDBOX, make_client
 
 import createos_exec as cx
 

@@ -15,8 +15,8 @@ from typing import Any, Dict, List
 import pytest
 import requests
 import responses
-from conftest import SANDBOX, jsend_ok, make_client, process_record
 from local_server import LocalServer
+from support import SANDBOX, jsend_ok, make_client, process_record
 
 import createos_exec as cx
 

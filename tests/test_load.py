@@ -17,8 +17,8 @@ import threading
 import time
 
 import pytest
-from conftest import SANDBOX, campaign_size, make_client
 from local_server import LocalServer
+from support import SANDBOX, campaign_size, make_client
 
 COMMANDS = campaign_size("CREATEOS_LOAD_COMMANDS", 300, 1000)
 THREADS = 64

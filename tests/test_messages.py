@@ -17,7 +17,7 @@ import pytest
 import requests
 import responses
 import urllib3
-from conftest import SANDBOX, cli_argv, cli_env
+from support import SANDBOX, cli_argv, cli_env
 
 import createos_exec as cx
 

@@ -16,7 +16,7 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, require
+from support import ROOT, require
 
 require("ipykernel")
 require("jupyter_client")

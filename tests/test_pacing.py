@@ -19,9 +19,9 @@ import threading
 import time
 
 import pytest
-from conftest import ROOT, SANDBOX, make_client
 from local_server import LocalServer
 from pacing import run_scenario
+from support import ROOT, SANDBOX, make_client
 
 import createos_exec as cx
 

@@ -13,7 +13,7 @@ import threading
 import time
 
 import pytest
-from conftest import SANDBOX, make_client, python
+from support import SANDBOX, make_client, python
 
 import createos_exec as cx
 

@@ -15,7 +15,7 @@ import subprocess
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
-from conftest import SANDBOX, run_example
+from support import SANDBOX, run_example
 
 import createos_exec as cx
 

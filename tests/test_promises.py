@@ -28,7 +28,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import pytest
-from conftest import SANDBOX, make_client
+from support import SANDBOX, make_client
 
 import createos_exec as cx
 

@@ -33,7 +33,9 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import pytest
 import responses
-from conftest import (
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from support import (
     agrees_with_json,
     blocks,
     frames,
@@ -43,8 +45,6 @@ from conftest import (
     taken,
     utf8_text,
 )
-from hypothesis import HealthCheck, example, given, settings
-from hypothesis import strategies as st
 
 import createos_exec as cx
 

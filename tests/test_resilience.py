@@ -10,10 +10,10 @@ import sys
 import time
 
 import pytest
-from conftest import FAST_RETRY, SANDBOX, make_client
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from local_server import LocalServer
+from support import FAST_RETRY, SANDBOX, make_client
 
 import createos_exec as cx
 

@@ -9,7 +9,7 @@ CREATEOS_API_KEY). Each test runs against both readings of protocol.md §11
 (the `server` fixture), so the alternative reading is proved decodable too.
 
 The SDK needs Python 3.10+: skipped on older Pythons; on newer ones a
-missing SDK is a failure in CI (conftest.require).
+missing SDK is a failure in CI (support.require).
 
 The last sections need no SDK: they drive createos_exec through the switches
 of the alternative reading that its other tests do not reach on purpose
@@ -26,8 +26,8 @@ import time
 
 import local_server
 import pytest
-from conftest import SANDBOX, make_client, require
 from local_server import READINGS, LocalServer
+from support import SANDBOX, make_client, require
 
 import createos_exec as cx
 

@@ -37,8 +37,8 @@ from secrets import token_hex
 import pytest
 import requests
 import responses
-from conftest import SANDBOX, cli_argv, cli_env, make_client
 from local_server import STOLEN_LOCATION, LocalServer, endpoint_of
+from support import SANDBOX, cli_argv, cli_env, make_client
 
 import createos_exec as cx
 

@@ -26,8 +26,8 @@ import time
 import pytest
 import requests
 import urllib3
-from conftest import SANDBOX, campaign_size, make_client
 from local_server import LocalServer
+from support import SANDBOX, campaign_size, make_client
 
 import createos_exec as cx
 

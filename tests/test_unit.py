@@ -23,175 +23,50 @@ import string
 import subprocess
 import threading
 import time
-import urllib.parse
 from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 import requests
 import responses
-from conftest import (
+from support import (
+    BASE,
+    CANNED_RETRY,
+    CONNECT,
+    EXEC,
+    EXIT0,
+    FILES,
+    KEY,
+    PID,
+    PROC,
+    PROCS,
+    SB,
+    WAIT,
+    add_connect,
+    add_created,
+    add_deleted,
     agrees_with_json,
+    assert_clean,
+    assert_deleted_once,
     blocks,
+    body_of,
+    calls,
+    chain,
+    data,
+    exited,
     frames,
-    jsend_ok,
+    make_client,
+    nd,
+    ok,
     process_record,
+    query,
     reader_with_deliveries,
 )
 
 import createos_exec as cx
 
-BASE = "https://api.example.test"
 EVIL = "https://evil.example.test/"
-SB = "sb_1"
-PID = "proc_x"
-KEY = "KEY-must-not-leak-4711"
-PROCS = f"{BASE}/v1/sandboxes/{SB}/processes"
-PROC = f"{PROCS}/{PID}"
-CONNECT = f"{PROC}/connect"
-WAIT = f"{PROC}/wait"
-FILES = f"{BASE}/v1/sandboxes/{SB}/files"
-EXEC = f"{BASE}/v1/sandboxes/{SB}/exec"
-
-# Fast and small: two attempts without progress, no backoff.
-FAST = cx.RetryPolicy(
-    max_attempts=2, budget=10.0, initial_backoff=0, max_backoff=0, max_retry_after=0.05
-)
-
-ENV_VARS = ("CREATEOS_API_URL", "CREATEOS_API_KEY", "CREATEOS_SANDBOX_API_KEY")
-
-
-# --------------------------------------------------------------------------
-# helpers
-# --------------------------------------------------------------------------
-
-
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ENV_VARS:
-        monkeypatch.delenv(name, raising=False)
-
-
-@pytest.fixture
-def rsps() -> Any:
-    with responses.RequestsMock(assert_all_requests_are_fired=False) as mock:
-        yield mock
-
-
-@pytest.fixture
-def evil(rsps: responses.RequestsMock) -> List[str]:
-    """Every request to the redirect target is recorded here (it must stay empty)."""
-    hits: List[str] = []
-
-    def trap(request: Any) -> Any:
-        hits.append(f"{request.method} {request.url} {request.headers.get('X-Api-Key')}")
-        return (599, {}, "must never be reached")
-
-    pattern = re.compile(r"https://evil\.example\.test.*")
-    for method in (responses.GET, responses.POST, responses.DELETE, responses.PUT):
-        rsps.add_callback(method, pattern, callback=trap)
-    return hits
-
-
-def make_client(**kw: Any) -> cx.Client:
-    kw.setdefault("retry", FAST)
-    kw.setdefault("rate_limit", None)
-    kw.setdefault("request_timeout", 5.0)
-    kw.setdefault("stream_idle_timeout", 5.0)
-    kw.setdefault("cleanup_timeout", 5.0)
-    return cx.Client(BASE, KEY, **kw)
-
-
-ok = jsend_ok
-
-
-def record(**fields: Any) -> Dict[str, Any]:
-    return process_record(PID, **fields)
-
-
-def exited(newest: int, **fields: Any) -> Dict[str, Any]:
-    fields.setdefault("state", "exited")
-    return record(
-        leader_exited=True,
-        tree_exited=True,
-        output={"oldest_seq": 1 if newest else 0, "newest_seq": newest, "bytes": 1},
-        **fields,
-    )
-
-
-def data(seq: Any, stream: str, raw: bytes) -> Dict[str, Any]:
-    return {
-        "type": "data",
-        "seq": seq,
-        "stream": stream,
-        "data_base64": base64.b64encode(raw).decode("ascii"),
-    }
-
-
-def nd(*frames: Any) -> str:
-    """An NDJSON body: dicts are dumped, strings are sent as raw lines."""
-    return "".join((f if isinstance(f, str) else json.dumps(f)) + "\n" for f in frames)
-
-
-EXIT0 = {"type": "exit", "exit_code": 0}
-
-
-def add_created(rsps: responses.RequestsMock, pid: str = PID) -> None:
-    rsps.add(responses.POST, PROCS, json=ok(record(process_id=pid)))
-
-
-def add_connect(rsps: responses.RequestsMock, body: Any, status: int = 200, **kw: Any) -> None:
-    rsps.add(
-        responses.GET,
-        CONNECT,
-        body=body,
-        status=status,
-        content_type="application/x-ndjson",
-        **kw,
-    )
-
-
-def add_deleted(rsps: responses.RequestsMock) -> None:
-    rsps.add(responses.DELETE, PROC, json=ok(exited(0, exit_code=0)))
-
-
-def calls(rsps: responses.RequestsMock, method: str, url: str) -> List[Any]:
-    return [
-        c
-        for c in rsps.calls
-        if c.request.method == method and c.request.url.split("?", 1)[0] == url
-    ]
-
-
-def query(call: Any) -> Dict[str, str]:
-    return dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(call.request.url).query))
-
-
-def body_of(call: Any) -> Any:
-    raw = call.request.body
-    return json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
-
-
-def assert_deleted_once(rsps: responses.RequestsMock) -> None:
-    deletes = calls(rsps, "DELETE", PROC)
-    assert len(deletes) == 1
-    grace = query(deletes[0]).get("grace_ms")
-    assert grace is not None and int(grace) > 0
-
-
-def chain(exc: Optional[BaseException]) -> List[BaseException]:
-    seen: List[BaseException] = []
-    while exc is not None and exc not in seen:
-        seen.append(exc)
-        exc = exc.__cause__ or exc.__context__
-    return seen
-
-
-def assert_clean(exc: BaseException, *secrets: str) -> None:
-    """Neither the error nor anything it is chained from shows a secret."""
-    for link in chain(exc):
-        for secret in (KEY,) + secrets:
-            assert secret not in str(link), (type(link), str(link))
-            assert secret not in repr(link), (type(link), repr(link))
+FAST = CANNED_RETRY
+record = process_record
 
 
 # --------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import shutil
 import subprocess
 import sys
 
-from conftest import ROOT, require
+from support import ROOT, require
 
 import createos_exec as cx
 
