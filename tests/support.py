@@ -20,9 +20,13 @@ from typing import Any, Dict, List, Optional
 import pytest
 import responses
 
-import createos_exec as cx
-
+# The repository's module, also in processes that import this file without
+# pytest (the fault matrix's workers, the example scripts' helpers).
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import createos_exec as cx  # noqa: E402
 
 # The local server's sandbox.
 SANDBOX = "sb_local"
