@@ -34,7 +34,7 @@ BUILD = (
 
 
 def demo(client: cx.Client) -> None:
-    # -- README: background processes --
+    # -- README.md: background processes --
     script = "mkdir -p site && echo 'hello from the sandbox' > site/index.html && cd site && pwd"
     site = client.execute(SANDBOX, script, shell=True, check=True).stdout.strip()
     port = client.execute(SANDBOX, ["python3", "-c", FREE_PORT], check=True).stdout.strip()
@@ -56,7 +56,7 @@ def demo(client: cx.Client) -> None:
 
 
 def follow_a_log(client: cx.Client, later: cx.Client) -> None:
-    # -- README: follow a log --
+    # -- docs/background-processes.md: follow a log --
     build = client.start(SANDBOX, ["python3", "-u", "-c", BUILD])
     for stream, line in build.iter_output(lines=True):  # as it arrives
         print(f"{stream}: {line}", end="")
@@ -72,7 +72,7 @@ def follow_a_log(client: cx.Client, later: cx.Client) -> None:
 
 
 def drive_a_repl(client: cx.Client) -> None:
-    # -- README: a REPL --
+    # -- docs/background-processes.md: a REPL --
     with client.start(SANDBOX, ["python3", "-i", "-u", "-q"], stdin=cx.PIPE) as repl:
         answers = repl.iter_output(lines=True)
         repl.write("6 * 7\n")

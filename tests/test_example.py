@@ -1,4 +1,4 @@
-"""The README's examples work as written."""
+"""The examples run, and the docs show them as written."""
 
 from __future__ import annotations
 
@@ -40,12 +40,29 @@ def test_background_example_starts_a_server_uses_it_and_leaves_it():
     assert lines[7:] == ["6 * 7 -> 42", "... -> 43", "the REPL said bye and exited 0"]
 
 
-@pytest.mark.parametrize("part", ["background processes", "follow a log", "a REPL"])
-def test_the_readme_shows_the_background_examples_that_run(part):
+def shown_parts():
+    """The parts of examples/background.py that a Markdown file shows, as
+    (file, part, code): between `# -- FILE.md: part --` and `# -- end --`."""
     with open(os.path.join(ROOT, "examples", "background.py"), encoding="utf-8") as handle:
         example = handle.read()
-    shown = example.split(f"# -- README: {part} --\n")[1].split("    # -- end --")[0]
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as handle:
-        readme = handle.read()
-    section = readme.split("\n## Background processes\n")[1].split("\n## ")[0]
-    assert textwrap.dedent(shown).strip() in section
+    marked = re.finditer(
+        r"\n    # -- (\S+\.md): ([^\n]+) --\n(.*?)\n    # -- end --", example, re.S
+    )
+    return [(m.group(1), m.group(2), textwrap.dedent(m.group(3)).strip()) for m in marked]
+
+
+def test_the_example_marks_the_parts_the_docs_show():
+    assert [(name, part) for name, part, _ in shown_parts()] == [
+        ("README.md", "background processes"),
+        ("docs/background-processes.md", "follow a log"),
+        ("docs/background-processes.md", "a REPL"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "name, part, code", [pytest.param(*shown, id=shown[1]) for shown in shown_parts()]
+)
+def test_the_docs_show_the_background_examples_that_run(name, part, code):
+    with open(os.path.join(ROOT, name), encoding="utf-8") as handle:
+        text = handle.read()
+    assert f"```python\n{code}\n```" in text, (name, part)
