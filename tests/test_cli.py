@@ -17,7 +17,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from typing import Any, List
 
 import pytest
@@ -216,6 +215,7 @@ def test_cli_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
     assert info.value.code == 0
     out = capsys.readouterr().out
     assert "124" in out and "125" in out and "128+N" in out
+    assert "examples:" in out and "python -m createos_exec sb_123 -- uname -a" in out
 
 
 # -- as a subprocess, against the local server ------------------------------------------
@@ -268,39 +268,6 @@ def test_timeout_is_124(server):
     assert done.stdout == b"t\n"
 
 
-def test_api_error_is_125_with_one_line(server):
-    done = run_cli(server, "sb_unknown", "--", "true")
-    assert done.returncode == 125
-    assert done.stderr.decode().count("\n") == 1
-    assert server.api_key not in done.stderr.decode()
-
-
-def test_missing_key_is_125(server):
-    env = cli_env(server)
-    del env["CREATEOS_API_KEY"]
-    done = subprocess.run(
-        cli_argv(SANDBOX, "--", "true"),
-        env=env,
-        capture_output=True,
-        timeout=60,
-    )
-    assert done.returncode == 125
-    assert b"API key" in done.stderr
-
-
-def test_usage_errors_exit_2(server):
-    assert run_cli(server, SANDBOX).returncode == 2
-    assert run_cli(server, "--env", "NOEQUALS", SANDBOX, "--", "true").returncode == 2
-    assert run_cli(server, "--shell", SANDBOX, "--", "echo", "two").returncode == 2
-
-
-def test_help_shows_examples_and_exit_codes(server):
-    done = run_cli(server, "--help")
-    assert done.returncode == 0
-    assert b"examples:" in done.stdout and b"124" in done.stdout
-    assert b"python -m createos_exec sb_123 -- uname -a" in done.stdout
-
-
 def test_version_prints_the_modules_version(server):
     done = run_cli(server, "--version")
     assert done.returncode == 0
@@ -330,29 +297,6 @@ def test_the_console_script_is_the_same_command_line(server):
     assert (done.returncode, done.stdout, done.stderr) == (3, b"out\n", b"err\n")
     usage = subprocess.run([script, "--help"], capture_output=True, timeout=60)
     assert b"createos-exec --timeout 600" in usage.stdout
-
-
-@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
-def test_ctrl_c_terminates_the_remote_tree_then_exits_130(server):
-    child = subprocess.Popen(
-        cli_argv("--shell", SANDBOX, "--", "echo ready; trap '' TERM; sleep 60 & sleep 60"),
-        env=cli_env(server),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        assert child.stdout.readline() == b"ready\n"
-        (record,) = server.processes()
-        child.send_signal(signal.SIGINT)
-        started = time.monotonic()
-        _, err = child.communicate(timeout=30)
-    finally:
-        child.kill()
-    assert child.returncode == 130
-    assert b"interrupted" in err
-    assert time.monotonic() - started < 15
-    assert server.requests_to("delete")
-    assert not server.tree_alive(record["process_id"])  # gone before the CLI exited
 
 
 def test_output_bytes_pass_through_exactly(server):
@@ -422,6 +366,7 @@ def test_errors_say_what_to_do_in_the_librarys_own_sentences(server):
     )
     assert b"not-the-key" not in done.stderr
     missing = run_cli(server, "sb_elsewhere", "--", "true")
+    assert missing.returncode == 125 and missing.stdout == b""
     assert missing.stderr == (
         b"python -m createos_exec: CreateOS answered HTTP 404 to process creation: "
         b"no sandbox with this id here (a wrong id, or a sandbox in another region).\n"
