@@ -303,45 +303,31 @@ class Boom(Exception):
 
 
 @posix_only
-def test_a_raising_callback_propagates_its_own_exception_after_termination(server):
+@pytest.mark.parametrize(
+    "error_class, scenario",
+    [(Boom, "raising on_output"), (KeyboardInterrupt, "KeyboardInterrupt")],
+    ids=["raising callback", "ctrl-c"],
+)
+def test_what_on_output_raises_is_reraised_itself_after_termination(server, error_class, scenario):
+    """A callback's own exception, or Ctrl-C inside the library: not wrapped."""
     raised: Dict[str, Any] = {}
 
     class Raiser(Watch):
         def on_ready(self) -> None:
-            raised["error"] = Boom("from on_output")
+            raised["error"] = error_class()
             raised["at"] = time.monotonic()
             raise raised["error"]
 
     watch = Raiser()
     with make_client(server, cleanup_timeout=CLEANUP) as client:
-        with pytest.raises(Boom) as caught:
+        with pytest.raises(error_class) as caught:
             client.execute(SANDBOX, TREE, shell=True, on_output=watch)
     elapsed = time.monotonic() - raised["at"]
-    assert caught.value is raised["error"]  # the callback's own exception, not wrapped
+    assert caught.value is raised["error"]
     assert elapsed <= CLEANUP + SLACK
     process_id = only_process(server)
     assert_tree_gone(server, process_id, watch.pids)
-    SCENARIOS.append(("raising on_output", elapsed, server.tree_alive(process_id)))
-
-
-@posix_only
-def test_ctrl_c_inside_the_library_is_reraised_after_termination(server):
-    raised: Dict[str, float] = {}
-
-    class CtrlC(Watch):
-        def on_ready(self) -> None:
-            raised["at"] = time.monotonic()
-            raise KeyboardInterrupt
-
-    watch = CtrlC()
-    with make_client(server, cleanup_timeout=CLEANUP) as client:
-        with pytest.raises(KeyboardInterrupt):
-            client.execute(SANDBOX, TREE, shell=True, on_output=watch)
-    elapsed = time.monotonic() - raised["at"]
-    assert elapsed <= CLEANUP + SLACK
-    process_id = only_process(server)
-    assert_tree_gone(server, process_id, watch.pids)
-    SCENARIOS.append(("KeyboardInterrupt", elapsed, server.tree_alive(process_id)))
+    SCENARIOS.append((scenario, elapsed, server.tree_alive(process_id)))
 
 
 @posix_only

@@ -368,23 +368,30 @@ def test_redirect_on_connect_not_followed(
     assert_deleted_once(rsps)
 
 
+def redirected_wait(rsps: responses.RequestsMock, stream: str, status: int, error: Any) -> Any:
+    """A run whose `wait` is answered with a redirect: the `error` it raises, once the
+    one `wait` was answered `status` and the tree was terminated."""
+    add_created(rsps)
+    add_connect(rsps, stream)
+    rsps.add(responses.GET, WAIT, status=status, headers={"Location": EVIL})
+    add_deleted(rsps)
+    with pytest.raises(error) as info:
+        make_client().execute(SB, ["true"])
+    waits = calls(rsps, "GET", WAIT)
+    assert len(waits) == 1 and waits[0].response.status_code == status
+    assert_deleted_once(rsps)
+    return info.value
+
+
 @pytest.mark.parametrize("status", REDIRECTS)
 def test_redirect_on_exit_check_wait_not_followed(
     rsps: responses.RequestsMock, evil: List[str], status: int
 ) -> None:
     # An exit frame without status is checked once against `wait`; a redirect
     # there is not followed and the run fails closed with a ProtocolError.
-    add_created(rsps)
-    add_connect(rsps, nd({"type": "exit"}))
-    rsps.add(responses.GET, WAIT, status=status, headers={"Location": EVIL})
-    add_deleted(rsps)
-    with pytest.raises(cx.ProtocolError) as info:
-        make_client().execute(SB, ["true"])
-    assert info.value.problem == "the exit frame carries no exit status"
+    error = redirected_wait(rsps, nd({"type": "exit"}), status, cx.ProtocolError)
+    assert error.problem == "the exit frame carries no exit status"
     assert evil == []
-    waits = calls(rsps, "GET", WAIT)
-    assert len(waits) == 1 and waits[0].response.status_code == status
-    assert_deleted_once(rsps)
 
 
 @pytest.mark.parametrize("status", REDIRECTS)
@@ -393,18 +400,11 @@ def test_redirect_on_recovery_wait_not_followed(
 ) -> None:
     # The stream keeps ending without an exit frame; out-of-band recovery
     # meets a redirect: StreamEndedError, caused by the APIError.
-    add_created(rsps)
-    add_connect(rsps, nd(data(1, "stdout", b"a")))
-    rsps.add(responses.GET, WAIT, status=status, headers={"Location": EVIL})
-    add_deleted(rsps)
-    with pytest.raises(cx.StreamEndedError) as info:
-        make_client().execute(SB, ["true"])
-    cause = info.value.__cause__
+    error = redirected_wait(rsps, nd(data(1, "stdout", b"a")), status, cx.StreamEndedError)
+    cause = error.__cause__
     assert isinstance(cause, cx.APIError) and cause.status == status
     assert cause.operation == "exit status wait"
     assert evil == []
-    assert len(calls(rsps, "GET", WAIT)) == 1
-    assert_deleted_once(rsps)
 
 
 @pytest.mark.parametrize("status", [301, 307])
