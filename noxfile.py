@@ -22,8 +22,33 @@ SUPPORTED = ("3.8", "3.9", "3.10", "3.11", "3.12", "3.13")
 CURRENT = f"{sys.version_info[0]}.{sys.version_info[1]}"
 OTHERS = [version for version in SUPPORTED if version != CURRENT]
 SOURCES = ("createos_exec.py", "setup.py", "noxfile.py", "tests", "examples", "benchmarks")
+# Of test_containment.py and test_pacing.py, the compat sessions run the canned
+# answers and the in-process window only: their real process trees and spawned
+# interpreters take long and depend on no Python version; `tests` runs them.
+CANNED_CONTAINMENT = (
+    "test_timeout_terminates_and_returns_grace_output",
+    "test_timeout_with_check_raises_command_error",
+    "test_cancel_terminates",
+    "test_cancel_before_creation_creates_nothing",
+    "test_raising_callback_terminates_and_propagates",
+    "test_keyboard_interrupt_reraised_even_if_cleanup_fails",
+    "test_unconfirmed_termination_is_cleanup_error",
+    "test_delete_404_counts_as_gone",
+    "test_failure_after_creation_removes_staged_file",
+)
+ONE_PROCESS_WINDOW = (
+    "test_rate_limiter_waits_only_above_limit",
+    "test_rate_limiter_threads_share_the_window",
+    "test_rate_limiter_holds_a_place_until_the_answer_starts",
+    "test_rate_limiter_shared_per_origin",
+)
 CORE_TESTS = (
-    "tests/test_unit.py",
+    "tests/test_creation.py",
+    "tests/test_frames.py",
+    "tests/test_recovery.py",
+    "tests/test_errors.py",
+    *(f"tests/test_containment.py::{name}" for name in CANNED_CONTAINMENT),
+    *(f"tests/test_pacing.py::{name}" for name in ONE_PROCESS_WINDOW),
     "tests/test_execute.py",
     "tests/test_cli.py",
     "tests/test_process.py",

@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import urllib.parse
 from typing import Any, Dict, List, Optional
 
@@ -362,3 +363,18 @@ class Figures:
         if self._path:
             with open(self._path, "a", encoding="utf-8") as report:
                 report.write(json.dumps({"item": item, **figures}) + "\n")
+
+
+# --------------------------------------------------------------------------
+# Added for the unit homes
+# --------------------------------------------------------------------------
+
+
+def add_stalled_connect(rsps: responses.RequestsMock, seconds: float, body: str) -> None:
+    """One answer to the stream's connect that comes only after `seconds` of silence."""
+
+    def answer(request: Any) -> Any:
+        time.sleep(seconds)
+        return (200, {}, body)
+
+    rsps.add_callback(responses.GET, CONNECT, callback=answer, content_type="application/x-ndjson")

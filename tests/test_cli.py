@@ -1,4 +1,13 @@
-"""`python -m createos_exec` as a real subprocess against the local server."""
+"""The command line (design.md "Command line"; the README's "Command line"):
+the remote exit code, 128+N for signal N, 124 on timeout, 125 with one line
+for the library's, the API's and the connection's errors (the ConfigError and
+APIError rows of the failure table), 2 for a usage error; options reach the
+command; `--json`.
+
+In this process with canned answers first, then as a real subprocess against
+the local server. What needs a terminal is in tests/test_cli_pty.py; Ctrl-C's
+termination of the remote tree (the "Ctrl-C" row) is in tests/test_containment.py.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +17,208 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
+from typing import Any, List
 
 import pytest
-from support import SANDBOX, cli_argv, cli_env, in_ci
+import responses
+from support import (
+    BASE,
+    EXIT0,
+    FILES,
+    KEY,
+    PROCS,
+    SANDBOX,
+    SB,
+    add_connect,
+    add_created,
+    add_deleted,
+    add_stalled_connect,
+    assert_deleted_once,
+    body_of,
+    calls,
+    cli_argv,
+    cli_env,
+    data,
+    in_ci,
+    nd,
+    ok,
+)
 
 import createos_exec as cx
+
+# -- in process, with canned answers ---------------------------------------------------
+
+
+@pytest.fixture
+def key_in_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The API key in $CREATEOS_API_KEY, where the command line reads it."""
+    monkeypatch.setenv("CREATEOS_API_KEY", KEY)
+
+
+def run_main(*args: str) -> int:
+    """main() in this process, against the canned service."""
+    return cx.main(["--api-url", BASE, *args])
+
+
+def test_cli_exit_code_and_separate_streams(
+    rsps: responses.RequestsMock, key_in_env: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    add_created(rsps)
+    add_connect(
+        rsps,
+        nd(
+            data(1, "stdout", b"out-1\n"),
+            data(2, "stderr", b"err-1\n"),
+            data(3, "stdout", b"out-2\n"),
+            {"type": "exit", "exit_code": 3},
+        ),
+    )
+    assert run_main(SB, "--", "make", "test") == 3
+    captured = capsys.readouterr()
+    assert captured.out == "out-1\nout-2\n"
+    assert captured.err == "err-1\n"
+    body = body_of(calls(rsps, "POST", PROCS)[0])
+    assert body["args"][3:] == ["make", "test"]
+
+
+def test_cli_zero_exit(rsps: responses.RequestsMock, key_in_env: None) -> None:
+    add_created(rsps)
+    add_connect(rsps, nd(EXIT0))
+    assert run_main(SB, "--", "true") == 0
+
+
+@pytest.mark.parametrize("signal, code", [("SIGKILL", 137), ("terminated", 143), ("SIGINT", 130)])
+def test_cli_signal_exit_code(
+    rsps: responses.RequestsMock, key_in_env: None, signal: str, code: int
+) -> None:
+    add_created(rsps)
+    add_connect(rsps, nd({"type": "exit", "signal": signal}))
+    assert run_main(SB, "--", "sleep", "9") == code
+
+
+def test_cli_timeout_is_124(
+    rsps: responses.RequestsMock, key_in_env: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    add_created(rsps)
+    add_stalled_connect(rsps, 0.3, nd())
+    add_connect(rsps, nd(data(1, "stdout", b"bye\n"), {"type": "exit", "signal": "SIGTERM"}))
+    add_deleted(rsps)
+    assert run_main("--timeout", "0.15", SB, "--", "sleep", "100") == 124
+    assert capsys.readouterr().out == "bye\n"
+    assert_deleted_once(rsps)
+
+
+def test_cli_api_error_is_125_with_one_line(
+    rsps: responses.RequestsMock, key_in_env: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rsps.add(responses.POST, PROCS, status=403, json={"status": "fail", "data": "SECRET-BODY"})
+    assert run_main(SB, "--", "true") == 125
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (
+        "python -m createos_exec: CreateOS answered HTTP 403 to process creation: the API key was "
+        "refused for this (another account's sandbox, or a spent quota).\n"
+    )
+    assert KEY not in captured.err and "SECRET-BODY" not in captured.err
+
+
+def test_cli_config_errors_are_125(
+    rsps: responses.RequestsMock, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run_main(SB, "--", "true") == 125  # no key
+    assert capsys.readouterr().err.startswith("python -m createos_exec: no API key: set ")
+    assert cx.main(["--api-url", "http://api.example.test", SB, "--", "true"]) == 125
+    assert len(rsps.calls) == 0
+
+
+def test_cli_invalid_sandbox_and_env_name_are_125(
+    rsps: responses.RequestsMock, key_in_env: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run_main("sb/../x", "--", "true") == 125
+    assert run_main("--env", "1A=x", SB, "--", "true") == 125
+    assert len(rsps.calls) == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and all(line.startswith("python -m createos_exec: ") for line in lines)
+
+
+def test_cli_unreadable_stdin_file_is_125(
+    rsps: responses.RequestsMock,
+    key_in_env: None,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Any,
+) -> None:
+    assert run_main("--stdin", str(tmp_path / "missing"), SB, "--", "cat") == 125
+    missing = tmp_path / "missing"
+    assert capsys.readouterr().err == (
+        f"python -m createos_exec: cannot read the --stdin file {missing}: "
+        "No such file or directory.\n"
+    )
+    assert len(rsps.calls) == 0
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--env", "NOVALUE", SB, "--", "true"],
+        ["--env", "", SB, "--", "true"],
+        [SB],  # no command
+        [SB, "--"],
+        ["--shell", SB, "--", "echo", "two"],
+        ["--timeout", "soon", SB, "--", "true"],
+        [],
+    ],
+)
+def test_cli_usage_errors_exit_2(
+    rsps: responses.RequestsMock,
+    key_in_env: None,
+    args: List[str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        run_main(*args)
+    assert info.value.code == 2
+    assert len(rsps.calls) == 0
+
+
+def test_cli_env_shell_cwd_and_stdin_file(
+    rsps: responses.RequestsMock, key_in_env: None, tmp_path: Any
+) -> None:
+    stdin_file = tmp_path / "in.bin"
+    stdin_file.write_bytes(b"payload\n")
+    rsps.add(responses.PUT, FILES, json=ok({}))
+    add_created(rsps)
+    add_connect(rsps, nd(EXIT0))
+    code = run_main(
+        "--env",
+        "A=b=c",
+        "--env",
+        "EMPTY=",
+        "--cwd",
+        "/work",
+        "--stdin",
+        str(stdin_file),
+        "--shell",
+        SB,
+        "--",
+        "cat | wc -c",
+    )
+    assert code == 0
+    assert calls(rsps, "PUT", FILES)[0].request.body == b"A=b=c\0EMPTY=\0\0payload\n"
+    args = body_of(calls(rsps, "POST", PROCS)[0])["args"]
+    assert "cd -- '/work' 2>/dev/null || " in args[1]
+    assert args[1].endswith('exec bash -c -- "$1"\n') and args[3:] == ["cat | wc -c"]
+
+
+def test_cli_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cx.main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "124" in out and "125" in out and "128+N" in out
+    assert "examples:" in out and "python -m createos_exec sb_123 -- uname -a" in out
+
+
+# -- as a subprocess, against the local server ------------------------------------------
 
 
 def run_cli(server, *args, stdin=None, **extra):
@@ -63,39 +268,6 @@ def test_timeout_is_124(server):
     assert done.stdout == b"t\n"
 
 
-def test_api_error_is_125_with_one_line(server):
-    done = run_cli(server, "sb_unknown", "--", "true")
-    assert done.returncode == 125
-    assert done.stderr.decode().count("\n") == 1
-    assert server.api_key not in done.stderr.decode()
-
-
-def test_missing_key_is_125(server):
-    env = cli_env(server)
-    del env["CREATEOS_API_KEY"]
-    done = subprocess.run(
-        cli_argv(SANDBOX, "--", "true"),
-        env=env,
-        capture_output=True,
-        timeout=60,
-    )
-    assert done.returncode == 125
-    assert b"API key" in done.stderr
-
-
-def test_usage_errors_exit_2(server):
-    assert run_cli(server, SANDBOX).returncode == 2
-    assert run_cli(server, "--env", "NOEQUALS", SANDBOX, "--", "true").returncode == 2
-    assert run_cli(server, "--shell", SANDBOX, "--", "echo", "two").returncode == 2
-
-
-def test_help_shows_examples_and_exit_codes(server):
-    done = run_cli(server, "--help")
-    assert done.returncode == 0
-    assert b"examples:" in done.stdout and b"124" in done.stdout
-    assert b"python -m createos_exec sb_123 -- uname -a" in done.stdout
-
-
 def test_version_prints_the_modules_version(server):
     done = run_cli(server, "--version")
     assert done.returncode == 0
@@ -125,29 +297,6 @@ def test_the_console_script_is_the_same_command_line(server):
     assert (done.returncode, done.stdout, done.stderr) == (3, b"out\n", b"err\n")
     usage = subprocess.run([script, "--help"], capture_output=True, timeout=60)
     assert b"createos-exec --timeout 600" in usage.stdout
-
-
-@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
-def test_ctrl_c_terminates_the_remote_tree_then_exits_130(server):
-    child = subprocess.Popen(
-        cli_argv("--shell", SANDBOX, "--", "echo ready; trap '' TERM; sleep 60 & sleep 60"),
-        env=cli_env(server),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        assert child.stdout.readline() == b"ready\n"
-        (record,) = server.processes()
-        child.send_signal(signal.SIGINT)
-        started = time.monotonic()
-        _, err = child.communicate(timeout=30)
-    finally:
-        child.kill()
-    assert child.returncode == 130
-    assert b"interrupted" in err
-    assert time.monotonic() - started < 15
-    assert server.requests_to("delete")
-    assert not server.tree_alive(record["process_id"])  # gone before the CLI exited
 
 
 def test_output_bytes_pass_through_exactly(server):
@@ -217,6 +366,7 @@ def test_errors_say_what_to_do_in_the_librarys_own_sentences(server):
     )
     assert b"not-the-key" not in done.stderr
     missing = run_cli(server, "sb_elsewhere", "--", "true")
+    assert missing.returncode == 125 and missing.stdout == b""
     assert missing.stderr == (
         b"python -m createos_exec: CreateOS answered HTTP 404 to process creation: "
         b"no sandbox with this id here (a wrong id, or a sandbox in another region).\n"

@@ -4,6 +4,9 @@ A pipe hides what a user at a terminal sees: that output arrives live, that
 both streams reach the screen, and that the Ctrl-C key (the terminal driver's
 SIGINT to the foreground process group) stops the remote tree before the CLI
 exits 130.
+
+Only what needs a terminal is here; the rest of the command line is in
+tests/test_cli.py.
 """
 
 from __future__ import annotations

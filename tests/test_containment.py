@@ -1,19 +1,27 @@
-"""4. Containment under interruption, against the local server's real processes.
+"""Containment (design.md rules 5 and 6): the README's failure-table rows
+"`timeout` expires", "`cancel` is set", "`on_output` raises", "Ctrl-C" and
+"termination not confirmed".
 
-The command's tree holds children that ignore SIGTERM (a bash subshell with
-`trap '' TERM` and a python child with SIG_IGN), so only the SIGKILL after
-the grace period of `DELETE …?grace_ms=` removes them. For each interruption
-— a real SIGINT to the command line, `cancel` set from another thread, an
-`on_output` that raises, Ctrl-C inside the library, and `timeout` — the call
-must end the way design.md says, within the client's `cleanup_timeout`
-(plus a little slack) of the interruption, and the whole tree must already be
-gone when it does: the DELETE confirmed it, so nothing is awaited before
-looking. A second Ctrl-C during a slow cleanup must end the command line at
-once.
+First against the local server's real processes. The command's tree holds
+children that ignore SIGTERM (a bash subshell with `trap '' TERM` and a
+python child with SIG_IGN), so only the SIGKILL after the grace period of
+`DELETE …?grace_ms=` removes them. For each interruption — a real SIGINT to
+the command line, `cancel` set from another thread, an `on_output` that
+raises, Ctrl-C inside the library, and `timeout` — the call must end the way
+design.md says, within the client's `cleanup_timeout` (plus a little slack)
+of the interruption, and the whole tree must already be gone when it does:
+the DELETE confirmed it, so nothing is awaited before looking. A second
+Ctrl-C during a slow cleanup must end the command line at once.
+
+Then with canned answers (responses): each route sends one DELETE with a
+grace period, a 404 counts as gone, a termination that is not confirmed is a
+CleanupError chained from the original error (Ctrl-C excepted), and a staged
+file is removed.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import shlex
@@ -26,12 +34,39 @@ from typing import Any, Dict, Iterator, List, Tuple
 
 import pytest
 import requests
-from support import SANDBOX, cli_argv, cli_env, make_client
+import responses
+from support import (
+    CANNED_RETRY,
+    CONNECT,
+    EXEC,
+    EXIT0,
+    FILES,
+    PID,
+    PROC,
+    PROCS,
+    SANDBOX,
+    SB,
+    add_connect,
+    add_created,
+    add_deleted,
+    add_stalled_connect,
+    assert_deleted_once,
+    body_of,
+    calls,
+    cli_argv,
+    cli_env,
+    data,
+    make_client,
+    nd,
+    ok,
+    process_record,
+    query,
+)
 
 import createos_exec as cx
 
-if sys.platform == "win32":  # pragma: no cover - the local server is Linux only
-    pytest.skip("POSIX signals and /proc", allow_module_level=True)
+# The local server is Linux only; the canned answers at the end run anywhere.
+posix_only = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals and /proc")
 
 CLEANUP = 5.0  # cleanup_timeout of the library clients here
 CLI_CLEANUP = 30.0  # the command line's Client uses the default
@@ -170,6 +205,7 @@ def reap(child: "subprocess.Popen[bytes]") -> None:
         child.communicate(timeout=10)
 
 
+@posix_only
 def test_sigint_to_the_cli_terminates_the_tree_then_exits_130(server):
     child = start_cli(server)
     try:
@@ -185,11 +221,13 @@ def test_sigint_to_the_cli_terminates_the_tree_then_exits_130(server):
     assert child.returncode == 130
     assert err == b"python -m createos_exec: interrupted\n"
     assert elapsed <= CLI_CLEANUP + SLACK
+    assert elapsed < 15  # the first DELETE confirms the tree gone: no retries waited for
     assert_tree_gone(server, process_id, pids)
     assert len(server.requests_to("delete")) == 1
     SCENARIOS.append(("cli SIGINT", elapsed, server.tree_alive(process_id)))
 
 
+@posix_only
 def test_a_second_sigint_aborts_a_slow_cleanup_at_once(server):
     # Cleanup made slow: the first DELETE is answered 503 with Retry-After: 20,
     # which the default policy honours (cleanup deadline 30 s), so without a
@@ -234,6 +272,7 @@ def test_a_second_sigint_aborts_a_slow_cleanup_at_once(server):
 # -- the library: cancel, a raising callback, Ctrl-C, timeout ----------------------------
 
 
+@posix_only
 def test_cancel_from_another_thread_raises_cancelled_after_termination(server):
     cancel = threading.Event()
     watch = Watch()
@@ -263,46 +302,35 @@ class Boom(Exception):
     """The caller's own failure, raised from on_output."""
 
 
-def test_a_raising_callback_propagates_its_own_exception_after_termination(server):
+@posix_only
+@pytest.mark.parametrize(
+    "error_class, scenario",
+    [(Boom, "raising on_output"), (KeyboardInterrupt, "KeyboardInterrupt")],
+    ids=["raising callback", "ctrl-c"],
+)
+def test_what_on_output_raises_is_reraised_itself_after_termination(server, error_class, scenario):
+    """A callback's own exception, or Ctrl-C inside the library: not wrapped."""
     raised: Dict[str, Any] = {}
 
     class Raiser(Watch):
         def on_ready(self) -> None:
-            raised["error"] = Boom("from on_output")
+            raised["error"] = error_class()
             raised["at"] = time.monotonic()
             raise raised["error"]
 
     watch = Raiser()
     with make_client(server, cleanup_timeout=CLEANUP) as client:
-        with pytest.raises(Boom) as caught:
+        with pytest.raises(error_class) as caught:
             client.execute(SANDBOX, TREE, shell=True, on_output=watch)
     elapsed = time.monotonic() - raised["at"]
-    assert caught.value is raised["error"]  # the callback's own exception, not wrapped
+    assert caught.value is raised["error"]
     assert elapsed <= CLEANUP + SLACK
     process_id = only_process(server)
     assert_tree_gone(server, process_id, watch.pids)
-    SCENARIOS.append(("raising on_output", elapsed, server.tree_alive(process_id)))
+    SCENARIOS.append((scenario, elapsed, server.tree_alive(process_id)))
 
 
-def test_ctrl_c_inside_the_library_is_reraised_after_termination(server):
-    raised: Dict[str, float] = {}
-
-    class CtrlC(Watch):
-        def on_ready(self) -> None:
-            raised["at"] = time.monotonic()
-            raise KeyboardInterrupt
-
-    watch = CtrlC()
-    with make_client(server, cleanup_timeout=CLEANUP) as client:
-        with pytest.raises(KeyboardInterrupt):
-            client.execute(SANDBOX, TREE, shell=True, on_output=watch)
-    elapsed = time.monotonic() - raised["at"]
-    assert elapsed <= CLEANUP + SLACK
-    process_id = only_process(server)
-    assert_tree_gone(server, process_id, watch.pids)
-    SCENARIOS.append(("KeyboardInterrupt", elapsed, server.tree_alive(process_id)))
-
-
+@posix_only
 def test_timeout_returns_timed_out_after_termination(server):
     timeout = 2.5
     watch = Watch()
@@ -323,9 +351,143 @@ def test_timeout_returns_timed_out_after_termination(server):
 GRACE = "trap 'echo grace-output; exit 0' TERM\necho ready\nsleep 60 & wait\n"
 
 
+@posix_only
 def test_timeout_keeps_what_the_grace_period_printed(server):
     with make_client(server, cleanup_timeout=CLEANUP) as client:
         result = client.execute(SANDBOX, GRACE, shell=True, timeout=1.0)
     assert result.timed_out and result.exit_code is None
     assert result.stdout == "ready\ngrace-output\n"
     assert not server.tree_alive(result.process_id)
+
+
+# -- canned answers: each interruption ends with the tree terminated -------------------
+
+
+def test_timeout_terminates_and_returns_grace_output(rsps: responses.RequestsMock) -> None:
+    add_created(rsps)
+    add_stalled_connect(rsps, 0.35, nd(data(1, "stdout", b"late")))
+    add_connect(
+        rsps,
+        nd(
+            data(1, "stdout", b"partial\n"),
+            data(2, "stderr", b"grace\n"),
+            {"type": "exit", "signal": "SIGTERM"},
+        ),
+    )
+    add_deleted(rsps)
+    result = make_client().execute(SB, ["sleep", "100"], timeout=0.2)
+    assert result.timed_out is True
+    assert result.exit_code is None
+    assert result.stdout == "partial\n" and result.stderr == "grace\n"
+    assert not result.ok
+    methods = [(c.request.method, c.request.url.split("?")[0]) for c in rsps.calls]
+    # The drain reads the grace output while the DELETE runs: their order is free.
+    assert methods.count(("GET", CONNECT)) == 2
+    assert_deleted_once(rsps)
+
+
+def test_timeout_with_check_raises_command_error(rsps: responses.RequestsMock) -> None:
+    add_created(rsps)
+    add_stalled_connect(rsps, 0.3, nd())
+    add_connect(rsps, nd({"type": "exit", "signal": "SIGTERM"}))
+    add_deleted(rsps)
+    with pytest.raises(cx.CommandError) as info:
+        make_client().execute(SB, ["sleep", "100"], timeout=0.15, check=True)
+    assert info.value.result is not None and info.value.result.timed_out
+    assert "timed out" in str(info.value)
+
+
+def test_cancel_terminates(rsps: responses.RequestsMock) -> None:
+    cancel = threading.Event()
+
+    def created_then_cancelled(request: Any) -> Any:
+        cancel.set()
+        return (200, {}, json.dumps(ok(process_record())))
+
+    rsps.add_callback(responses.POST, PROCS, callback=created_then_cancelled)
+    add_connect(rsps, nd(data(1, "stdout", b"x"), EXIT0))
+    add_deleted(rsps)
+    with pytest.raises(cx.CancelledError) as info:
+        make_client().execute(SB, ["true"], cancel=cancel)
+    assert info.value.process_id == PID
+    assert_deleted_once(rsps)
+
+
+def test_cancel_before_creation_creates_nothing(rsps: responses.RequestsMock) -> None:
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(cx.CancelledError) as info:
+        make_client().execute(SB, ["true"], cancel=cancel)
+    assert info.value.process_id is None
+    assert not rsps.calls
+
+
+def test_raising_callback_terminates_and_propagates(rsps: responses.RequestsMock) -> None:
+    def on_output(stream: str, text: str) -> None:
+        raise Boom()
+
+    add_created(rsps)
+    add_connect(rsps, nd(data(1, "stdout", b"x"), EXIT0))
+    add_deleted(rsps)
+    with pytest.raises(Boom):
+        make_client().execute(SB, ["true"], on_output=on_output)
+    assert_deleted_once(rsps)
+
+
+def test_keyboard_interrupt_reraised_even_if_cleanup_fails(rsps: responses.RequestsMock) -> None:
+    def on_output(stream: str, text: str) -> None:
+        raise KeyboardInterrupt
+
+    add_created(rsps)
+    add_connect(rsps, nd(data(1, "stdout", b"x"), EXIT0))
+    rsps.add(responses.DELETE, PROC, status=500, body="")
+    with pytest.raises(KeyboardInterrupt):
+        make_client().execute(SB, ["true"], on_output=on_output)
+    assert 1 <= len(calls(rsps, "DELETE", PROC)) <= CANNED_RETRY.max_attempts
+
+
+@pytest.mark.parametrize(
+    "delete",
+    [
+        (500, ""),
+        (200, json.dumps(ok(process_record(tree_exited=False)))),
+        (200, json.dumps(ok(None))),
+        (200, "garbage"),
+        (403, json.dumps({"status": "fail", "data": "no"})),
+    ],
+    ids=["500", "tree not exited", "no record", "not json", "403"],
+)
+def test_unconfirmed_termination_is_cleanup_error(
+    rsps: responses.RequestsMock, delete: Any
+) -> None:
+    add_created(rsps)
+    add_connect(rsps, nd(data(1, "stdout", b"x"), data(3, "stdout", b"y")))
+    rsps.add(responses.DELETE, PROC, status=delete[0], body=delete[1])
+    with pytest.raises(cx.CleanupError) as info:
+        make_client().execute(SB, ["true"])
+    err = info.value
+    assert err.creation_unconfirmed is False
+    assert err.process_id == PID
+    assert isinstance(err.__cause__, cx.ProtocolError)
+    assert err.result is not None and err.result.stdout == "x"
+
+
+def test_delete_404_counts_as_gone(rsps: responses.RequestsMock) -> None:
+    add_created(rsps)
+    add_connect(rsps, nd("[]"))
+    rsps.add(responses.DELETE, PROC, status=404, json={"status": "fail", "data": "gone"})
+    with pytest.raises(cx.ProtocolError):
+        make_client().execute(SB, ["true"])
+    assert len(calls(rsps, "DELETE", PROC)) == 1
+
+
+def test_failure_after_creation_removes_staged_file(rsps: responses.RequestsMock) -> None:
+    rsps.add(responses.PUT, FILES, json=ok({}))
+    add_created(rsps)
+    add_connect(rsps, nd("[]"))
+    add_deleted(rsps)
+    rsps.add(responses.POST, EXEC, json=ok({"result": {"exit_code": 0}}))
+    with pytest.raises(cx.ProtocolError):
+        make_client().execute(SB, ["true"], stdin=b"data")
+    staged = query(calls(rsps, "PUT", FILES)[0])["path"]
+    assert [body_of(c)["args"][-1] for c in calls(rsps, "POST", EXEC)] == [staged]

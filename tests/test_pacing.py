@@ -1,9 +1,13 @@
-"""Pacing: one window per origin shared by the processes of a user, narrowed after a 429.
+"""Pacing (design.md rule 10; the README's "Threads and process pools"): one
+window per origin, shared by the threads of a process and the processes of a
+user, adding no delay below the limit, and narrowed after a 429 (the
+narrowing the failure-table rows "429 on process creation" and "5xx/429 on
+connect" speak of).
 
-Unit tests of the window, its file and its narrowing; then, against the
-local server with its per-address limit turned on, a client that asks for
-more than the server allows, and spawned processes behind one address
-(tests/pacing.py: here at CI size, in benchmarks/run.py at full size).
+Unit tests of one process's window, the window file and its narrowing; then,
+against the local server with its per-address limit turned on, a client that
+asks for more than the server allows, and spawned processes behind one
+address (tests/pacing.py: here at CI size, in benchmarks/run.py at full size).
 """
 
 from __future__ import annotations
@@ -17,11 +21,12 @@ import subprocess
 import sys
 import threading
 import time
+from typing import List
 
 import pytest
 from local_server import LocalServer
 from pacing import run_scenario
-from support import ROOT, SANDBOX, make_client
+from support import BASE, ROOT, SANDBOX, make_client
 
 import createos_exec as cx
 
@@ -352,6 +357,72 @@ def test_for_origin_shares_the_file_and_none_disables_pacing(runtime_dir):
     assert os.path.dirname(window_path(limiter)).startswith(str(runtime_dir))
     client = cx.Client("https://for-origin.example.test", "key", rate_limit=None)
     assert client._transport._limiter is None
+
+
+# -- one process's window -------------------------------------------------------------
+
+
+def test_rate_limiter_waits_only_above_limit() -> None:
+    limiter = cx._RateLimiter(3, 0.5)
+    start = time.monotonic()
+    for _ in range(3):
+        limiter.release(limiter.acquire())
+    assert time.monotonic() - start < 0.2  # no delay below the limit
+    limiter.release(limiter.acquire())
+    waited = time.monotonic() - start
+    assert 0.4 <= waited < 1.5  # the 4th waited until the window freed
+
+
+def test_rate_limiter_threads_share_the_window() -> None:
+    limiter = cx._RateLimiter(2, 0.3)
+    stamps: List[float] = []
+    lock = threading.Lock()
+    start = time.monotonic()
+
+    def worker() -> None:
+        limiter.release(limiter.acquire())
+        with lock:
+            stamps.append(time.monotonic() - start)
+
+    threads = [threading.Thread(target=worker) for _ in range(5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(5)
+    stamps.sort()
+    assert len(stamps) == 5
+    assert stamps[1] < 0.2 and stamps[2] >= 0.25 and stamps[4] >= 0.55
+    assert stamps[4] < 2.0
+
+
+def test_rate_limiter_holds_a_place_until_the_answer_starts() -> None:
+    # A request still on its way may arrive late: its place in the window runs
+    # from its answer, so the server never counts more than the limit.
+    limiter = cx._RateLimiter(1, 0.2)
+    place = limiter.acquire()
+    admitted: List[float] = []
+
+    def second() -> None:
+        limiter.acquire()
+        admitted.append(time.monotonic())
+
+    thread = threading.Thread(target=second)
+    thread.start()
+    time.sleep(0.4)  # two periods: a place stamped at acquire() would have expired
+    assert admitted == []
+    limiter.release(place)
+    released = time.monotonic()
+    thread.join(2)
+    assert admitted and admitted[0] - released >= 0.15
+
+
+def test_rate_limiter_shared_per_origin(runtime_dir) -> None:
+    a = cx.Client(BASE + "/v1", "k1", rate_limit=(7, 1.0))
+    b = cx.Client(BASE + "/other", "k2", rate_limit=(7, 1.0))
+    c = cx.Client("https://elsewhere.example.test", "k1", rate_limit=(7, 1.0))
+    assert a._transport._limiter is b._transport._limiter
+    assert a._transport._limiter is not c._transport._limiter
+    assert cx.Client(BASE, "k1", rate_limit=None)._transport._limiter is None
 
 
 # -- narrowing after a 429 ---------------------------------------------------------
