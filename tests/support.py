@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.parse
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 import responses
@@ -378,3 +378,27 @@ def add_stalled_connect(rsps: responses.RequestsMock, seconds: float, body: str)
         return (200, {}, body)
 
     rsps.add_callback(responses.GET, CONNECT, callback=answer, content_type="application/x-ndjson")
+
+
+# --------------------------------------------------------------------------
+# Added for the campaigns and end-to-end tests
+# --------------------------------------------------------------------------
+
+
+class Recorder:
+    """An on_output that keeps every delivery and when it came."""
+
+    def __init__(self) -> None:
+        self.deliveries: List[Tuple[str, str]] = []
+        self.times: List[float] = []
+
+    def __call__(self, stream: str, text: str) -> None:
+        self.deliveries.append((stream, text))
+        self.times.append(time.monotonic())
+
+    def text(self, stream: str = "stdout") -> str:
+        return "".join(text for name, text in self.deliveries if name == stream)
+
+    def output(self) -> str:
+        """Everything delivered, both streams, in the order it came."""
+        return "".join(text for _, text in self.deliveries)
