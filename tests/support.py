@@ -12,11 +12,13 @@ import base64
 import importlib
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
 import responses
@@ -402,3 +404,26 @@ class Recorder:
     def output(self) -> str:
         """Everything delivered, both streams, in the order it came."""
         return "".join(text for _, text in self.deliveries)
+
+
+class Listener:
+    """A socket on loopback that hands each connection it accepts to
+    `handle(connection)`, on a thread of its own, until close()."""
+
+    def __init__(self, handle: Callable[[socket.socket], None]) -> None:
+        self._socket = socket.create_server(("127.0.0.1", 0), backlog=16)
+        self.url = "http://127.0.0.1:%d" % self._socket.getsockname()[1]
+        self._handle = handle
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection, _ = self._socket.accept()
+            except OSError:  # closed
+                return
+            self._handle(connection)
+
+    def close(self) -> None:
+        self._socket.close()
