@@ -435,3 +435,19 @@ def campaign_client(server: Any, **overrides: Any) -> cx.Client:
     settings: Dict[str, Any] = dict(retry=CAMPAIGN_RETRY, request_timeout=10.0)
     settings.update(overrides)
     return make_client(server, **settings)
+
+
+def figures_at_end(item: str, figures_of: Callable[[], Optional[Dict[str, float]]]) -> Any:
+    """A module's autouse fixture that records `item` once the module's tests
+    are done, with the figures figures_of() returns then (none: nothing is
+    recorded). Assign it to a module-level name:
+    ``_figures = figures_at_end("9. deadline kept in the sandbox", killed_figures)``."""
+
+    @pytest.fixture(scope="module", autouse=True)
+    def _figures_at_end(figures: Figures) -> Any:
+        yield
+        found = figures_of()
+        if found:
+            figures.record(item, **found)
+
+    return _figures_at_end
