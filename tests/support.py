@@ -9,6 +9,7 @@ lives here.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import importlib
 import json
 import os
@@ -451,3 +452,8 @@ def figures_at_end(item: str, figures_of: Callable[[], Optional[Dict[str, float]
             figures.record(item, **found)
 
     return _figures_at_end
+
+
+# Canned answers, a third try: for a test that counts the requests of a policy
+# that runs out after three.
+CANNED_THREE_TRIES = dataclasses.replace(CANNED_RETRY, max_attempts=3)
