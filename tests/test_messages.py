@@ -17,7 +17,18 @@ import pytest
 import requests
 import responses
 import urllib3
-from support import KEY, NO_RETRY, PROCS, SANDBOX, SB, TWO_TRIES, cli_argv, cli_env, make_client
+from support import (
+    KEY,
+    NO_RETRY,
+    PROCS,
+    SANDBOX,
+    SB,
+    TWO_TRIES,
+    assert_clean,
+    cli_argv,
+    cli_env,
+    make_client,
+)
 
 import createos_exec as cx
 
@@ -145,7 +156,7 @@ def test_invalid_arguments_are_named(nothing_sent):
 def test_an_api_key_with_a_newline_says_so():
     with pytest.raises(cx.ConfigError, match="newline") as raised:
         make_client(api_key=KEY + "\n")
-    assert KEY not in str(raised.value)
+    assert_clean(raised.value)
 
 
 def test_an_unknown_signal_is_refused_before_any_request(client, server):
