@@ -780,37 +780,27 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
+@dataclasses.dataclass(eq=False)  # two faults alike are still two faults
 class Fault:
-    """A queued fault and how many more requests it applies to."""
+    """A queued fault, and how many more requests it applies to (`remaining`,
+    the `count` it was queued with)."""
 
-    def __init__(
-        self,
-        kind: str,
-        count: int,
-        *,
-        status: int = 0,
-        retry_after: str | None = None,
-        body: object = None,
-        after_frames: int = 0,
-        mid_frame: bool = False,
-        seconds: float = 0.0,
-        line: bytes = b"",
-        last: bool = False,
-    ):
-        if count < 1:
+    kind: str
+    remaining: int
+    status: int = 0
+    retry_after: str | None = None
+    body: object = None
+    after_frames: int = 0
+    mid_frame: bool = False
+    seconds: float = 0.0
+    line: bytes = b""
+    last: bool = False
+
+    def __post_init__(self) -> None:
+        if self.remaining < 1:
             raise ValueError("count must be at least 1")
-        if after_frames < 0:
+        if self.after_frames < 0:
             raise ValueError("after_frames must be >= 0")
-        self.kind = kind
-        self.remaining = count
-        self.status = status
-        self.retry_after = retry_after
-        self.body = body
-        self.after_frames = after_frames
-        self.mid_frame = mid_frame
-        self.seconds = seconds
-        self.line = line
-        self.last = last
 
 
 # --------------------------------------------------------------------------
