@@ -55,6 +55,7 @@ from support import (
     cli_env,
     data,
     exited,
+    figures_at_end,
     make_client,
     nd,
     ok,
@@ -144,17 +145,17 @@ class Tally:
 TALLY = Tally()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _secrets_figures(figures):
-    yield
-    figures.record(
-        "5. secrets",
+def secrets_figures():
+    return dict(
         paths=len(TALLY.paths),
         checks=TALLY.checks,
         leaks=TALLY.leaks,
         stolen_capture=TALLY.stolen_capture,
         staged_left=TALLY.staged_left,
     )
+
+
+_secrets_figures = figures_at_end("5. secrets", secrets_figures)
 
 
 class Scan:
