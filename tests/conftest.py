@@ -30,6 +30,7 @@ BOTH_READINGS = (
     "test_stdin",
     "test_background",
     "test_cancel",
+    "test_deadline",
 )
 
 

@@ -144,22 +144,25 @@ UNSIGNED = re.compile(r"[0-9]+\Z")
 
 _SB = r"/v1/sandboxes/([^/]+)"
 _PROC = _SB + r"/processes/([^/]+)"
-# (method, path pattern, endpoint name); path groups are URL-decoded ids.
-ROUTES = (
-    ("GET", re.compile(r"/healthz\Z"), "healthz"),
-    ("GET", re.compile(_SB + r"\Z"), "sandbox"),
-    ("POST", re.compile(_SB + r"/processes\Z"), "create"),
-    ("GET", re.compile(_SB + r"/processes\Z"), "list"),
-    ("GET", re.compile(_PROC + r"\Z"), "get"),
-    ("DELETE", re.compile(_PROC + r"\Z"), "delete"),
-    ("GET", re.compile(_PROC + r"/connect\Z"), "connect"),
-    ("POST", re.compile(_PROC + r"/input\Z"), "input"),
-    ("POST", re.compile(_PROC + r"/stdin/close\Z"), "stdin_close"),
-    ("POST", re.compile(_PROC + r"/signal\Z"), "signal"),
-    ("GET", re.compile(_PROC + r"/wait\Z"), "wait"),
-    ("GET", re.compile(_SB + r"/files\Z"), "files_get"),
-    ("PUT", re.compile(_SB + r"/files\Z"), "files_put"),
-    ("POST", re.compile(_SB + r"/exec\Z"), "exec"),
+# "METHOD endpoint name" by path pattern; path groups are URL-decoded ids.
+_ENDPOINTS_BY_PATH = {
+    r"/healthz": "GET healthz",
+    _SB: "GET sandbox",
+    _SB + r"/processes": "POST create, GET list",
+    _PROC: "GET get, DELETE delete",
+    _PROC + r"/connect": "GET connect",
+    _PROC + r"/input": "POST input",
+    _PROC + r"/stdin/close": "POST stdin_close",
+    _PROC + r"/signal": "POST signal",
+    _PROC + r"/wait": "GET wait",
+    _SB + r"/files": "GET files_get, PUT files_put",
+    _SB + r"/exec": "POST exec",
+}
+# (method, path pattern, endpoint name)
+ROUTES = tuple(
+    (method, re.compile(path + r"\Z"), endpoint)
+    for path, endpoints in _ENDPOINTS_BY_PATH.items()
+    for method, endpoint in (pair.split() for pair in endpoints.split(", "))
 )
 
 # Fault kinds. The faults of one endpoint wait in one FIFO and each is
@@ -777,37 +780,27 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
+@dataclasses.dataclass(eq=False)  # two faults alike are still two faults
 class Fault:
-    """A queued fault and how many more requests it applies to."""
+    """A queued fault, and how many more requests it applies to (`remaining`,
+    the `count` it was queued with)."""
 
-    def __init__(
-        self,
-        kind: str,
-        count: int,
-        *,
-        status: int = 0,
-        retry_after: str | None = None,
-        body: object = None,
-        after_frames: int = 0,
-        mid_frame: bool = False,
-        seconds: float = 0.0,
-        line: bytes = b"",
-        last: bool = False,
-    ):
-        if count < 1:
+    kind: str
+    remaining: int
+    status: int = 0
+    retry_after: str | None = None
+    body: object = None
+    after_frames: int = 0
+    mid_frame: bool = False
+    seconds: float = 0.0
+    line: bytes = b""
+    last: bool = False
+
+    def __post_init__(self) -> None:
+        if self.remaining < 1:
             raise ValueError("count must be at least 1")
-        if after_frames < 0:
+        if self.after_frames < 0:
             raise ValueError("after_frames must be >= 0")
-        self.kind = kind
-        self.remaining = count
-        self.status = status
-        self.retry_after = retry_after
-        self.body = body
-        self.after_frames = after_frames
-        self.mid_frame = mid_frame
-        self.seconds = seconds
-        self.line = line
-        self.last = last
 
 
 # --------------------------------------------------------------------------

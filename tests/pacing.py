@@ -26,9 +26,8 @@ import time
 from collections import Counter
 from typing import Any, List, NamedTuple, Optional, Tuple
 
-from local_server import LocalServer
+from local_server import DEFAULT_SANDBOX, LocalServer
 
-SANDBOX = "sb_local"
 RESULT_TIMEOUT = 300.0  # seconds for a whole scenario
 
 
@@ -76,7 +75,7 @@ def run_commands(client: Any, numbers: Any, threads: int = 1) -> List[Outcome]:
 def run_command(client: Any, i: int) -> Outcome:
     """(i, (stdout, stderr) or None, the error's repr or "")."""
     try:
-        result = client.execute(SANDBOX, command(i), timeout=RESULT_TIMEOUT)
+        result = client.execute(DEFAULT_SANDBOX, command(i), timeout=RESULT_TIMEOUT)
     except Exception as exc:  # counted: no error may reach a caller
         return (i, None, repr(exc))
     return (i, (result.stdout, result.stderr), "")

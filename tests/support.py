@@ -9,14 +9,17 @@ lives here.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import importlib
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
 import responses
@@ -378,3 +381,79 @@ def add_stalled_connect(rsps: responses.RequestsMock, seconds: float, body: str)
         return (200, {}, body)
 
     rsps.add_callback(responses.GET, CONNECT, callback=answer, content_type="application/x-ndjson")
+
+
+# --------------------------------------------------------------------------
+# Added for the campaigns and end-to-end tests
+# --------------------------------------------------------------------------
+
+
+class Recorder:
+    """An on_output that keeps every delivery and when it came."""
+
+    def __init__(self) -> None:
+        self.deliveries: List[Tuple[str, str]] = []
+        self.times: List[float] = []
+
+    def __call__(self, stream: str, text: str) -> None:
+        self.deliveries.append((stream, text))
+        self.times.append(time.monotonic())
+
+    def text(self, stream: str = "stdout") -> str:
+        return "".join(text for name, text in self.deliveries if name == stream)
+
+    def output(self) -> str:
+        """Everything delivered, both streams, in the order it came."""
+        return "".join(text for _, text in self.deliveries)
+
+
+class Listener:
+    """A socket on loopback that hands each connection it accepts to
+    `handle(connection)`, on a thread of its own, until close()."""
+
+    def __init__(self, handle: Callable[[socket.socket], None]) -> None:
+        self._socket = socket.create_server(("127.0.0.1", 0), backlog=16)
+        self.url = "http://127.0.0.1:%d" % self._socket.getsockname()[1]
+        self._handle = handle
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection, _ = self._socket.accept()
+            except OSError:  # closed
+                return
+            self._handle(connection)
+
+    def close(self) -> None:
+        self._socket.close()
+
+
+def campaign_client(server: Any, **overrides: Any) -> cx.Client:
+    """A client for a campaign's local server: CAMPAIGN_RETRY, and 10 s for one
+    request, since a campaign keeps a busy machine busier."""
+    settings: Dict[str, Any] = dict(retry=CAMPAIGN_RETRY, request_timeout=10.0)
+    settings.update(overrides)
+    return make_client(server, **settings)
+
+
+def figures_at_end(item: str, figures_of: Callable[[], Optional[Dict[str, float]]]) -> Any:
+    """A module's autouse fixture that records `item` once the module's tests
+    are done, with the figures figures_of() returns then (none: nothing is
+    recorded). Assign it to a module-level name:
+    ``_figures = figures_at_end("9. deadline kept in the sandbox", killed_figures)``."""
+
+    @pytest.fixture(scope="module", autouse=True)
+    def _figures_at_end(figures: Figures) -> Any:
+        yield
+        found = figures_of()
+        if found:
+            figures.record(item, **found)
+
+    return _figures_at_end
+
+
+# Canned answers, a third try: for a test that counts the requests of a policy
+# that runs out after three.
+CANNED_THREE_TRIES = dataclasses.replace(CANNED_RETRY, max_attempts=3)

@@ -14,13 +14,12 @@ import functools
 import itertools
 import random
 import signal
-import socket
 import statistics
 import threading
 import time
 
 import pytest
-from support import FAST_RETRY, SANDBOX, make_client
+from support import FAST_RETRY, NO_RETRY, SANDBOX, THREE_TRIES, TWO_TRIES, Listener, make_client
 
 import createos_exec as cx
 
@@ -44,8 +43,7 @@ def assert_nothing_runs(server):
 def test_429_on_the_last_attempt_behind_a_created_process_is_terminated_first(server):
     server.fail("create", 429, retry_after="0")  # a plain refusal: nothing created
     server.refuse_created(retry_after="0")  # the last attempt: created, then 429
-    policy = cx.RetryPolicy(max_attempts=2, initial_backoff=0.01, max_backoff=0.02)
-    with make_client(server, retry=policy) as client:
+    with make_client(server, retry=TWO_TRIES) as client:
         with pytest.raises(cx.APIError) as caught:
             client.start(SANDBOX, SLEEPER)
     assert (caught.value.status, caught.value.operation) == (429, "process creation")
@@ -72,8 +70,7 @@ def test_429_when_the_deadline_allows_no_other_attempt_terminates_what_it_create
 def test_429_whose_process_cannot_be_looked_up_is_unconfirmed(server):
     server.refuse_created(retry_after="0")
     server.fail("list", 500, count=10)
-    policy = cx.RetryPolicy(max_attempts=1)
-    with make_client(server, retry=policy) as client:
+    with make_client(server, retry=NO_RETRY) as client:
         with pytest.raises(cx.CleanupError) as caught:
             client.start(SANDBOX, SLEEPER)
     assert caught.value.creation_unconfirmed
@@ -94,8 +91,7 @@ def test_429s_answered_to_forwarded_creations_at_every_attempt(server, schedule,
         else:
             server.refuse_created(retry_after="0")
     first = schedule.index("f") if "f" in schedule else None
-    policy = cx.RetryPolicy(max_attempts=3, initial_backoff=0.01, max_backoff=0.02)
-    with make_client(server, retry=policy) as client:
+    with make_client(server, retry=THREE_TRIES) as client:
         try:
             with client.start(SANDBOX, SLEEPER) as process:
                 followed = process.process_id
@@ -172,8 +168,7 @@ def _wait_refused(server):
     # Two broken connects spend the policy: then the `wait` long-poll, answered 429.
     server.fail("connect", 503, count=2)
     server.fail("wait", 429, retry_after=LONG)
-    retry = cx.RetryPolicy(max_attempts=2, initial_backoff=0.01, max_backoff=0.02)
-    return "wait", {"client": {"retry": retry}}, 1
+    return "wait", {"client": {"retry": TWO_TRIES}}, 1
 
 
 def _delete_refused(server):
@@ -295,28 +290,15 @@ def test_cancel_latencies_are_reported(figures):
 # -- 5. one deadline for every request of a run --------------------------------------
 
 
-class BlackHole:
+class BlackHole(Listener):
     """A listening socket that accepts connections and never answers."""
 
     def __init__(self):
-        self._socket = socket.socket()
-        self._socket.bind(("127.0.0.1", 0))
-        self._socket.listen(16)
-        self.url = "http://127.0.0.1:%d" % self._socket.getsockname()[1]
         self._held = []
-        self._thread = threading.Thread(target=self._accept, daemon=True)
-        self._thread.start()
-
-    def _accept(self):
-        while True:
-            try:
-                connection, _ = self._socket.accept()
-            except OSError:
-                return
-            self._held.append(connection)
+        super().__init__(self._held.append)
 
     def close(self):
-        self._socket.close()
+        super().close()
         for connection in self._held:
             connection.close()
 
@@ -326,8 +308,8 @@ def test_requests_take_their_timeouts_from_the_deadline(staged):
     hole = BlackHole()
     try:
         options = {"env": {"SECRET": "s"}} if staged else {}
-        client = cx.Client(
-            hole.url, "key", request_timeout=30.0, cleanup_timeout=1.0, retry=FAST_RETRY
+        client = make_client(
+            api_url=hole.url, request_timeout=30.0, cleanup_timeout=1.0, retry=FAST_RETRY
         )
         started = time.monotonic()
         with client, pytest.raises((cx.TransportError, cx.CleanupError)) as caught:

@@ -35,18 +35,16 @@ import traceback
 
 import pytest
 from local_server import LocalServer
-from support import SANDBOX, campaign_size
-
-import createos_exec as cx
+from support import CAMPAIGN_RETRY, SANDBOX, Recorder, campaign_client, campaign_size
 
 DEFAULT_SEED = 20261130
 # The first 17 schedules from DEFAULT_SEED already take every route in ROUTES:
 # 40 leaves room for a change of the drawing, which the test checks.
 BOUNDED_RUNS = 40
-RETRY = cx.RetryPolicy(max_attempts=12, budget=10.0, initial_backoff=0.005, max_backoff=0.05)
 IDLE_TIMEOUT = 0.3  # the client's stream_idle_timeout
 STALL = 0.5  # seconds a stalled stream sends nothing: longer than IDLE_TIMEOUT
-MAX_FAILURES = 11  # connect faults per schedule: fewer than max_attempts, even back to back
+# Connect faults per schedule: fewer than CAMPAIGN_RETRY.max_attempts, even back to back.
+MAX_FAILURES = CAMPAIGN_RETRY.max_attempts - 1
 RUN_TIMEOUT = 60.0  # a hang becomes a reported failure, not a stuck suite
 SHOWN = 3  # failing schedules quoted in full in the assertion message
 
@@ -254,7 +252,7 @@ def looped(schedule):
 def run_schedule(schedule, directory):
     """Run one schedule on a fresh server; (problems, reconnects)."""
     script = script_for(schedule, directory)
-    seen = []
+    seen = Recorder()
     with LocalServer(
         frame_limit=schedule["frame_limit"],
         heartbeat_interval=schedule["heartbeat_interval"],
@@ -266,23 +264,11 @@ def run_schedule(schedule, directory):
                 server.fail(kwargs.pop("endpoint"), kwargs.pop("status"), **kwargs)
             else:
                 getattr(server, method)(**kwargs)
-        with cx.Client(
-            server.url,
-            server.api_key,
-            retry=RETRY,
-            stream_idle_timeout=IDLE_TIMEOUT,
-            request_timeout=10.0,
-            cleanup_timeout=10.0,
-            rate_limit=None,
-        ) as client:
+        with campaign_client(server, stream_idle_timeout=IDLE_TIMEOUT) as client:
             iterated = None
             try:
                 proc = client.start(
-                    SANDBOX,
-                    script,
-                    shell=True,
-                    timeout=RUN_TIMEOUT,
-                    on_output=lambda stream, text: seen.append((stream, text)),
+                    SANDBOX, script, shell=True, timeout=RUN_TIMEOUT, on_output=seen
                 )
                 if looped(schedule):  # the loop sees what on_output sees, and wait() then ends
                     iterated = list(proc.iter_output())
@@ -303,11 +289,11 @@ def run_schedule(schedule, directory):
         expected = expected_text(schedule, stream)
         if getattr(result, stream) != expected:
             problems.append("%s is not exact" % stream)
-        if "".join(text for name, text in seen if name == stream) != expected:
+        if seen.text(stream) != expected:
             problems.append("on_output %s is not exact" % stream)
-    if result.output != "".join(text for _, text in seen):
+    if result.output != seen.output():
         problems.append("output is not the on_output text in order")
-    if iterated is not None and iterated != seen:
+    if iterated is not None and iterated != seen.deliveries:
         problems.append("the iter_output() loop did not see what on_output saw")
     if result.reconnects != len(connects) - 1:
         problems.append(

@@ -10,12 +10,9 @@ caller's session may carry any of them. Proxies and the other settings
 
 from __future__ import annotations
 
-import socket
-import threading
-
 import pytest
 import requests
-from support import SANDBOX, make_client
+from support import KEY, SANDBOX, Listener, make_client
 
 import createos_exec as cx
 
@@ -79,36 +76,25 @@ def test_a_session_with_every_header_still_sends_the_key_only(server):
     assert credentials_seen(server) == {("X-Api-Key",)}
 
 
-class RefusingProxy:
+class RefusingProxy(Listener):
     """A forward proxy on loopback that answers 403 to every request it gets."""
 
     def __init__(self):
         self.requests = []
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.url = "http://127.0.0.1:%d" % self._listener.getsockname()[1]
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
+        super().__init__(self._refuse)
 
-    def _serve(self):
-        while True:
-            try:
-                connection, _ = self._listener.accept()
-            except OSError:
-                return
-            with connection:
-                head = b""
-                while b"\r\n\r\n" not in head:
-                    piece = connection.recv(65536)
-                    if not piece:
-                        break
-                    head += piece
-                self.requests.append(head.split(b"\r\n", 1)[0].decode("latin-1"))
-                connection.sendall(
-                    b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-                )
-
-    def close(self):
-        self._listener.close()
+    def _refuse(self, connection):
+        with connection:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                piece = connection.recv(65536)
+                if not piece:
+                    break
+                head += piece
+            self.requests.append(head.split(b"\r\n", 1)[0].decode("latin-1"))
+            connection.sendall(
+                b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+            )
 
 
 def test_proxies_from_the_environment_are_still_used(server, monkeypatch):
@@ -129,9 +115,9 @@ def test_proxies_from_the_environment_are_still_used(server, monkeypatch):
 
 
 def test_the_key_is_not_in_the_credential_objects_repr():
-    client = cx.Client("http://127.0.0.1:9", "secret-key-value", rate_limit=None)
-    assert "secret-key-value" not in repr(client._transport._auth)
-    assert "secret-key-value" not in repr(client)
+    client = make_client()
+    assert KEY not in repr(client._transport._auth)
+    assert KEY not in repr(client)
 
 
 def test_the_client_passes_the_strict_control_forwarder():

@@ -18,11 +18,11 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, List, Optional
 
 import pytest
-from local_server import READINGS, LocalServer
-from support import ROOT, SANDBOX, campaign_size, make_client
+from local_server import LocalServer
+from support import ROOT, SANDBOX, campaign_size, figures_at_end, make_client
 
 import createos_exec as cx
 
@@ -58,29 +58,18 @@ time.sleep(60)
 KILLED: List[float] = []  # per killed client: seconds from its deadline to its tree gone
 
 
-@pytest.fixture(params=READINGS)
-def server(request: Any) -> Iterator[LocalServer]:
-    with LocalServer(heartbeat_interval=0.5, reading=request.param) as local:
-        yield local
+def killed_figures() -> Optional[Dict[str, float]]:
+    if not KILLED:
+        return None
+    return dict(
+        runs=len(KILLED),
+        trees_left=sum(seconds == float("inf") for seconds in KILLED),
+        median_seconds_to_gone=round(statistics.median(KILLED), 3),
+        max_seconds_to_gone=round(max(KILLED), 3),
+    )
 
 
-@pytest.fixture
-def client(server: LocalServer) -> Iterator[cx.Client]:
-    with make_client(server) as local_client:
-        yield local_client
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _figures(figures: Any) -> Iterator[None]:
-    yield
-    if KILLED:
-        figures.record(
-            "9. deadline kept in the sandbox",
-            runs=len(KILLED),
-            trees_left=sum(seconds == float("inf") for seconds in KILLED),
-            median_seconds_to_gone=round(statistics.median(KILLED), 3),
-            max_seconds_to_gone=round(max(KILLED), 3),
-        )
+_figures = figures_at_end("9. deadline kept in the sandbox", killed_figures)
 
 
 def spawn_client(

@@ -39,9 +39,7 @@ import traceback
 import pytest
 import requests
 from local_server import LocalServer
-from support import SANDBOX, full_campaign
-
-import createos_exec as cx
+from support import SANDBOX, Recorder, campaign_client, full_campaign
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -52,7 +50,6 @@ EXIT_CODE = 3
 STDOUT_TEXT = "aé€😀\n" * 636 + "abcd"
 STDERR_TEXT = "😀€üz\n" * 636 + "wxyz"
 BLOCK = 3500  # bytes per write: a multiple of 7, so each write is exactly 500 frames
-RETRY = cx.RetryPolicy(max_attempts=6, budget=30.0, initial_backoff=0.002, max_backoff=0.02)
 RUN_TIMEOUT = 60.0  # seconds for one run: a hang becomes a reported failure
 SHOWN = 5  # failing boundaries quoted in an assertion message
 
@@ -100,15 +97,9 @@ def matrix_server():
 
 
 def matrix_client(server):
-    return cx.Client(
-        server.url,
-        server.api_key,
-        retry=RETRY,
-        stream_idle_timeout=10.0,
-        request_timeout=10.0,
-        cleanup_timeout=10.0,
-        rate_limit=None,
-    )
+    """The campaigns' client, allowing 10 s of silence on a stream: the
+    matrix's server sends a heartbeat only every 30 s."""
+    return campaign_client(server, stream_idle_timeout=10.0)
 
 
 def first_difference(got, expected):
@@ -121,17 +112,11 @@ def first_difference(got, expected):
 
 def check_run(server, boundary, script, mid_frame, client):
     """One run with a reset at `boundary`; the list of what was wrong (empty: exact)."""
-    seen = []
+    seen = Recorder()
     first_request = len(server.requests)
     server.drop_stream(after_frames=boundary, mid_frame=mid_frame)
     try:
-        result = client.execute(
-            SANDBOX,
-            script,
-            shell=True,
-            timeout=RUN_TIMEOUT,
-            on_output=lambda stream, text: seen.append((stream, text)),
-        )
+        result = client.execute(SANDBOX, script, shell=True, timeout=RUN_TIMEOUT, on_output=seen)
     except Exception as exc:  # a failure of this run, reported with the others
         return ["raised %s: %s (cause %r)" % (type(exc).__name__, exc, exc.__cause__)]
     problems = []
@@ -142,12 +127,12 @@ def check_run(server, boundary, script, mid_frame, client):
     for name, got, expected in (
         ("stdout", result.stdout, STDOUT_TEXT),
         ("stderr", result.stderr, STDERR_TEXT),
-        ("on_output stdout", "".join(t for s, t in seen if s == "stdout"), STDOUT_TEXT),
-        ("on_output stderr", "".join(t for s, t in seen if s == "stderr"), STDERR_TEXT),
+        ("on_output stdout", seen.text("stdout"), STDOUT_TEXT),
+        ("on_output stderr", seen.text("stderr"), STDERR_TEXT),
     ):
         if got != expected:
             problems.append("%s %s" % (name, first_difference(got, expected)))
-    combined = "".join(text for _, text in seen)
+    combined = seen.output()
     if result.output != combined or len(combined) != len(STDOUT_TEXT) + len(STDERR_TEXT):
         problems.append("output is not the on_output text in order")
     if result.reconnects != 1 or result.exit_recovered or result.creation_recovered:

@@ -16,12 +16,9 @@ import pytest
 import requests
 import responses
 from local_server import LocalServer
-from support import SANDBOX, jsend_ok, make_client, process_record
+from support import NO_RETRY, PROCS, SANDBOX, SB, calls, jsend_ok, make_client, process_record
 
 import createos_exec as cx
-
-BASE = "https://api.example.test"
-PROCS = BASE + "/v1/sandboxes/sb/processes"
 
 
 def paginated(records: List[Dict[str, Any]], offset: int, limit: int, total: int) -> Dict[str, Any]:
@@ -50,37 +47,31 @@ def records_with_marker_on(request_body: bytes, count: int) -> List[Dict[str, An
     return others + [process_record("proc_" + "m" * 22, args=args)]
 
 
-def test_pages_are_followed_until_the_marker_is_found():
-    with responses.RequestsMock(assert_all_requests_are_fired=False) as mock:
-        created: Dict[str, bytes] = {}
+def test_pages_are_followed_until_the_marker_is_found(rsps):
+    created: Dict[str, bytes] = {}
 
-        def create(request):
-            created["body"] = request.body
-            return (502, {}, "")
+    def create(request):
+        created["body"] = request.body
+        return (502, {}, "")
 
-        def listing(request):
-            records = records_with_marker_on(created["body"], 7)
-            offset = int(request.params.get("offset", 0))
-            limit = int(request.params.get("limit", 3))
-            body = paginated(records, offset, min(limit, 3), len(records))
-            return (200, {}, json.dumps(jsend_ok(body)))
+    def listing(request):
+        records = records_with_marker_on(created["body"], 7)
+        offset = int(request.params.get("offset", 0))
+        limit = int(request.params.get("limit", 3))
+        body = paginated(records, offset, min(limit, 3), len(records))
+        return (200, {}, json.dumps(jsend_ok(body)))
 
-        mock.add_callback(responses.POST, PROCS, callback=create)
-        mock.add_callback(responses.GET, PROCS, callback=listing)
-        mock.add(
-            responses.GET,
-            PROCS + "/proc_" + "m" * 22 + "/connect",
-            body=b'{"type":"exit","exit_code":0}\n',
-        )
-        client = cx.Client(BASE, "key", rate_limit=None, retry=cx.RetryPolicy(max_attempts=1))
-        result = client.execute("sb", ["true"])
-        assert result.creation_recovered and result.process_id == "proc_" + "m" * 22
-        pages = [
-            call.request
-            for call in mock.calls
-            if call.request.method == "GET" and "/connect" not in call.request.url
-        ]
-        assert [int(p.params.get("offset", 0)) for p in pages] == [0, 3, 6]
+    rsps.add_callback(responses.POST, PROCS, callback=create)
+    rsps.add_callback(responses.GET, PROCS, callback=listing)
+    rsps.add(
+        responses.GET,
+        PROCS + "/proc_" + "m" * 22 + "/connect",
+        body=b'{"type":"exit","exit_code":0}\n',
+    )
+    result = make_client(retry=NO_RETRY).execute(SB, ["true"])
+    assert result.creation_recovered and result.process_id == "proc_" + "m" * 22
+    pages = [int(call.request.params.get("offset", 0)) for call in calls(rsps, "GET", PROCS)]
+    assert pages == [0, 3, 6]
 
 
 @pytest.mark.parametrize(
@@ -102,26 +93,24 @@ def test_a_listing_in_no_known_form_fails_closed(listing):
         cx._listing_page(listing, 0)
 
 
-def test_a_listing_that_never_ends_is_read_for_a_bounded_number_of_pages():
-    with responses.RequestsMock(assert_all_requests_are_fired=False) as mock:
-        mock.add(responses.POST, PROCS, status=503)
+def test_a_listing_that_never_ends_is_read_for_a_bounded_number_of_pages(rsps):
+    rsps.add(responses.POST, PROCS, status=503)
 
-        def endless(request):
-            offset = int(request.params.get("offset", 0))
-            page = {
-                "data": [process_record("proc_%022d" % offset)],
-                "pagination": {"total": 10**9, "offset": offset},
-            }
-            return (200, {}, json.dumps(jsend_ok(page)))
+    def endless(request):
+        offset = int(request.params.get("offset", 0))
+        page = {
+            "data": [process_record("proc_%022d" % offset)],
+            "pagination": {"total": 10**9, "offset": offset},
+        }
+        return (200, {}, json.dumps(jsend_ok(page)))
 
-        mock.add_callback(responses.GET, PROCS, callback=endless)
-        client = cx.Client(BASE, "key", rate_limit=None, retry=cx.RetryPolicy(max_attempts=1))
-        with pytest.raises(cx.CleanupError) as caught:
-            client.execute("sb", ["true"])
-        assert caught.value.creation_unconfirmed
-        assert isinstance(caught.value.__cause__, cx.ProtocolError)
-        listings = [call for call in mock.calls if call.request.method == "GET"]
-        assert len(listings) == cx._LISTING_PAGES
+    rsps.add_callback(responses.GET, PROCS, callback=endless)
+    with pytest.raises(cx.CleanupError) as caught:
+        make_client(retry=NO_RETRY).execute(SB, ["true"])
+    assert caught.value.creation_unconfirmed
+    assert isinstance(caught.value.__cause__, cx.ProtocolError)
+    listings = [call for call in rsps.calls if call.request.method == "GET"]
+    assert len(listings) == cx._LISTING_PAGES
 
 
 def test_a_process_this_origin_never_had_is_the_404_itself_with_nothing_to_destroy(server, caplog):

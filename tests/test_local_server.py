@@ -24,7 +24,9 @@ import requests
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from local_server import LocalServer  # noqa: E402
+from local_server import DEFAULT_API_KEY, DEFAULT_SANDBOX, LocalServer  # noqa: E402
+
+SERVER_CLI = [sys.executable, os.path.join(HERE, "local_server.py")]  # its command line
 
 PROCESS_ID = re.compile(r"proc_[A-Za-z0-9_-]{22}")
 RFC3339_UTC = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z")
@@ -34,7 +36,7 @@ THREE_FRAMES = "printf 1; sleep 0.1; printf 2 >&2; sleep 0.1; printf 3"
 class Api:
     """A tiny client for one sandbox of a LocalServer."""
 
-    def __init__(self, server: LocalServer, sandbox: str = "sb_local"):
+    def __init__(self, server: LocalServer, sandbox: str = DEFAULT_SANDBOX):
         self.server = server
         self.base = "%s/v1/sandboxes/%s" % (server.url, sandbox)
         self.session = requests.Session()
@@ -939,9 +941,7 @@ def test_binds_loopback_only():
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_cli_prints_its_url_first_and_stops_on_a_signal(signum):
     cli = subprocess.Popen(
-        [sys.executable, os.path.join(HERE, "local_server.py"), "--port", "0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        [*SERVER_CLI, "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
     try:
         assert select.select([cli.stdout], [], [], 10)[0], "no URL within 10 s"
@@ -964,13 +964,13 @@ def test_cli_prints_its_url_first_and_stops_on_a_signal(signum):
 def cli_server(*args: str):
     """The command-line server started with `args`, as an Api on its sandbox."""
     cli = subprocess.Popen(
-        [sys.executable, os.path.join(HERE, "local_server.py"), "--port", "0", *args],
+        [*SERVER_CLI, "--port", "0", *args],
         stdout=subprocess.PIPE,
     )
     try:
         assert select.select([cli.stdout], [], [], 10)[0], "no URL within 10 s"
         url = cli.stdout.readline().decode().strip()
-        yield Api(types.SimpleNamespace(url=url, api_key="local-dev-key"))  # type: ignore[arg-type]
+        yield Api(types.SimpleNamespace(url=url, api_key=DEFAULT_API_KEY))  # type: ignore[arg-type]
     finally:
         cli.send_signal(signal.SIGTERM)
         try:
@@ -980,6 +980,14 @@ def cli_server(*args: str):
                 cli.kill()
                 cli.wait()
             cli.stdout.close()
+
+
+def refusal(*args: str) -> bytes:
+    """What the command-line server prints to stderr when it refuses `args`
+    (it must exit with status 2, the status of a usage error)."""
+    shown = subprocess.run([*SERVER_CLI, *args], stderr=subprocess.PIPE, timeout=10)
+    assert shown.returncode == 2, (args, shown.stderr)
+    return shown.stderr
 
 
 def test_cli_strict_flag():
@@ -996,12 +1004,7 @@ def test_cli_rate_limit_flag():
         statuses = [api.request("GET", "/processes").status_code for _ in range(3)]
         assert statuses == [200, 200, 429]
     for bad in ("2", "x/60", "0/60", "2/0", "2/-1"):
-        shown = subprocess.run(
-            [sys.executable, os.path.join(HERE, "local_server.py"), "--rate-limit", bad],
-            stderr=subprocess.PIPE,
-            timeout=10,
-        )
-        assert shown.returncode == 2 and b"N/SECONDS" in shown.stderr, bad
+        assert b"N/SECONDS" in refusal("--rate-limit", bad), bad
 
 
 def test_cli_reading_and_list_page_size_flags():
@@ -1010,12 +1013,7 @@ def test_cli_reading_and_list_page_size_flags():
         page = api.request("GET", "/processes").json()["data"]
         assert [p["process_id"] for p in page["data"]] == created[:1]
         assert page["pagination"] == {"limit": 1, "offset": 0, "total": 2}
-    shown = subprocess.run(
-        [sys.executable, os.path.join(HERE, "local_server.py"), "--list-page-size", "0"],
-        stderr=subprocess.PIPE,
-        timeout=10,
-    )
-    assert shown.returncode == 2 and b"list_page_size" in shown.stderr
+    assert b"list_page_size" in refusal("--list-page-size", "0")
 
 
 def test_cli_set_flag_changes_one_field_of_the_reading():
@@ -1023,17 +1021,12 @@ def test_cli_set_flag_changes_one_field_of_the_reading():
         assert api.request("POST", "/processes", json={"cmd": "true"}).status_code == 201
         assert "pagination" in api.request("GET", "/processes").json()["data"]
     for bad in ("create_status", "nothing=1", "exit_after=never", "wait_cap=soon"):
-        shown = subprocess.run(
-            [sys.executable, os.path.join(HERE, "local_server.py"), "--set", bad],
-            stderr=subprocess.PIPE,
-            timeout=10,
-        )
-        assert shown.returncode == 2 and b"error:" in shown.stderr, bad
+        assert b"error:" in refusal("--set", bad), bad
 
 
 def test_cli_help_carries_the_warning():
     shown = subprocess.run(
-        [sys.executable, os.path.join(HERE, "local_server.py"), "--help"],
+        [*SERVER_CLI, "--help"],
         stdout=subprocess.PIPE,
         timeout=10,
         check=True,

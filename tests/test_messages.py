@@ -17,13 +17,20 @@ import pytest
 import requests
 import responses
 import urllib3
-from support import SANDBOX, cli_argv, cli_env
+from support import (
+    KEY,
+    NO_RETRY,
+    PROCS,
+    SANDBOX,
+    SB,
+    TWO_TRIES,
+    assert_clean,
+    cli_argv,
+    cli_env,
+    make_client,
+)
 
 import createos_exec as cx
-
-BASE = "https://api.example.test"
-PROCS = f"{BASE}/v1/sandboxes/sb_1/processes"
-KEY = "KEY-must-not-leak-4711"
 
 
 def result_of(**fields):
@@ -114,15 +121,14 @@ def test_a_missing_program_without_blanks_reads_as_the_shells(client):
 
 
 @pytest.fixture
-def nothing_sent():
-    with responses.RequestsMock() as rsps:  # any request would fail the test
-        yield cx.Client(BASE, KEY, rate_limit=None)
-        assert len(rsps.calls) == 0
+def nothing_sent(rsps):
+    yield make_client()  # nothing is canned: any request would fail the test
+    assert len(rsps.calls) == 0
 
 
 def test_encoding_none_says_output_is_always_text(nothing_sent):
     with pytest.raises(cx.ConfigError) as raised:
-        nothing_sent.execute("sb_1", ["cat"], encoding=None)
+        nothing_sent.execute(SB, ["cat"], encoding=None)
     message = str(raised.value)
     assert "encoding=None" in message and "always text" in message
     assert 'errors="surrogateescape"' in message
@@ -130,27 +136,27 @@ def test_encoding_none_says_output_is_always_text(nothing_sent):
 
 def test_an_unknown_codec_or_handler_is_named(nothing_sent):
     with pytest.raises(cx.ConfigError, match="'utf-9'"):
-        nothing_sent.execute("sb_1", ["cat"], encoding="utf-9")
+        nothing_sent.execute(SB, ["cat"], encoding="utf-9")
     with pytest.raises(cx.ConfigError) as raised:
-        nothing_sent.execute("sb_1", ["cat"], errors="bogus")
+        nothing_sent.execute(SB, ["cat"], errors="bogus")
     assert "'bogus'" in str(raised.value) and "surrogateescape" in str(raised.value)
 
 
 def test_invalid_arguments_are_named(nothing_sent):
     with pytest.raises(cx.ConfigError, match="'1A'"):
-        nothing_sent.execute("sb_1", ["true"], env={"1A": "x"})
+        nothing_sent.execute(SB, ["true"], env={"1A": "x"})
     with pytest.raises(cx.ConfigError, match="'sb/x'"):
         nothing_sent.execute("sb/x", ["true"])
     with pytest.raises(cx.ConfigError, match="timeout must be a positive number.* -1"):
-        nothing_sent.execute("sb_1", ["true"], timeout=-1)
+        nothing_sent.execute(SB, ["true"], timeout=-1)
     with pytest.raises(cx.ConfigError, match="at least the program"):
-        nothing_sent.execute("sb_1", [])
+        nothing_sent.execute(SB, [])
 
 
 def test_an_api_key_with_a_newline_says_so():
     with pytest.raises(cx.ConfigError, match="newline") as raised:
-        cx.Client(BASE, KEY + "\n")
-    assert KEY not in str(raised.value)
+        make_client(api_key=KEY + "\n")
+    assert_clean(raised.value)
 
 
 def test_an_unknown_signal_is_refused_before_any_request(client, server):
@@ -188,10 +194,9 @@ def closed_port():
 
 def test_a_refused_connection_names_host_port_and_says_no_process_started():
     port = closed_port()
-    retry = cx.RetryPolicy(max_attempts=2, initial_backoff=0.01)
-    with cx.Client(f"http://127.0.0.1:{port}", KEY, rate_limit=None, retry=retry) as client:
+    with make_client(api_url=f"http://127.0.0.1:{port}", retry=TWO_TRIES) as client:
         with pytest.raises(cx.TransportError) as raised:
-            client.execute("sb_1", ["true"])
+            client.execute(SB, ["true"])
     error = raised.value
     assert (error.address, error.reason, error.operation) == (
         f"127.0.0.1:{port}",
@@ -201,7 +206,7 @@ def test_a_refused_connection_names_host_port_and_says_no_process_started():
     message = str(error)
     assert f"127.0.0.1:{port}" in message and "refused" in message
     assert "No process was started" in message
-    assert "/v1" not in message and "sb_1" not in message  # never requests' text with URLs
+    assert "/v1" not in message and SB not in message  # never requests' text with URLs
     again = pickle.loads(pickle.dumps(error))
     assert (str(again), again.address, again.reason) == (message, error.address, "refused")
 
@@ -234,9 +239,8 @@ def not_connected(*causes):
 def test_each_kind_of_unreachable_api_is_told(failure, reason, words):
     with responses.RequestsMock() as rsps:
         rsps.add(responses.POST, PROCS, body=failure)
-        retry = cx.RetryPolicy(max_attempts=1)
         with pytest.raises(cx.TransportError) as raised:
-            cx.Client(BASE, KEY, rate_limit=None, retry=retry).execute("sb_1", ["true"])
+            make_client(retry=NO_RETRY).execute(SB, ["true"])
     assert raised.value.reason == reason
     assert "api.example.test:443" in str(raised.value) and words in str(raised.value)
     assert "'x'" not in str(raised.value)

@@ -16,7 +16,7 @@ import sys
 import time
 
 import pytest
-from support import ROOT, require
+from support import ROOT, SANDBOX, require
 
 require("ipykernel")
 require("jupyter_client")
@@ -24,7 +24,6 @@ require("jupyter_client")
 from jupyter_client.kernelspec import KernelSpecManager  # noqa: E402
 from jupyter_client.manager import KernelManager  # noqa: E402
 
-SANDBOX = "sb_local"
 KERNEL_NAME = "createos-exec-test"
 STARTUP_TIMEOUT = 30.0
 STEP_TIMEOUT = 15.0

@@ -13,7 +13,7 @@ import threading
 import time
 
 import pytest
-from support import SANDBOX, make_client, python
+from support import NO_RETRY, SANDBOX, make_client, python
 
 import createos_exec as cx
 
@@ -324,7 +324,7 @@ def test_leaving_the_block_after_the_process_ended_sends_nothing(client, server)
 
 
 def test_leaving_the_block_with_termination_unconfirmed_raises_cleanup_error(server):
-    with make_client(server, retry=cx.RetryPolicy(max_attempts=1), cleanup_timeout=0.5) as client:
+    with make_client(server, retry=NO_RETRY, cleanup_timeout=0.5) as client:
         with pytest.raises(cx.CleanupError) as caught:
             with client.start(SANDBOX, ["sleep", "30"]) as proc:
                 server.fail("delete", 500, count=5)

@@ -74,6 +74,17 @@ def in_pool(pool, command, **options):
     return pool.submit(cx.execute, SANDBOX, command, **options)
 
 
+def raised_there_and_here(pool, expected, sandbox, command, **options):
+    """What `cx.execute` raises in a worker, as the parent gets it, and what the
+    same call raises here; both must be `expected`."""
+    future = pool.submit(cx.execute, sandbox, command, **options)
+    with pytest.raises(expected) as there:
+        future.result(timeout=RESULT_TIMEOUT)
+    with pytest.raises(expected) as here:
+        cx.execute(sandbox, command, **options)
+    return there.value, here.value
+
+
 def test_results_cross_the_process_boundary_intact(server, pool):
     futures = [in_pool(pool, command, **options) for command, options in RUNS]
     pooled = [future.result(timeout=RESULT_TIMEOUT) for future in futures]
@@ -104,13 +115,7 @@ def test_results_cross_the_process_boundary_intact(server, pool):
 
 def test_a_command_error_arrives_as_a_command_error(server, pool):
     command = ["sh", "-c", "echo partial; echo oops >&2; exit 5"]
-    future = in_pool(pool, command, check=True)
-    with pytest.raises(cx.CommandError) as raised:
-        future.result(timeout=RESULT_TIMEOUT)
-    error = raised.value
-    with pytest.raises(cx.CommandError) as raised_here:
-        cx.execute(SANDBOX, command, check=True)
-    same = raised_here.value
+    error, same = raised_there_and_here(pool, cx.CommandError, SANDBOX, command, check=True)
 
     assert type(error) is cx.CommandError
     assert isinstance(error, subprocess.CalledProcessError)
@@ -153,29 +158,18 @@ def test_a_timeout_or_signal_with_check_arrives_as_a_command_error(pool):
 
 
 def test_a_config_error_arrives_as_a_config_error_and_value_error(server, pool):
-    future = pool.submit(cx.execute, "not a sandbox!", ["true"])
-    with pytest.raises(cx.ConfigError) as raised:
-        future.result(timeout=RESULT_TIMEOUT)
-    error = raised.value
-    with pytest.raises(cx.ConfigError) as raised_here:
-        cx.execute("not a sandbox!", ["true"])
+    error, same = raised_there_and_here(pool, cx.ConfigError, "not a sandbox!", ["true"])
 
     assert type(error) is cx.ConfigError
     assert isinstance(error, ValueError)
     assert isinstance(error, cx.CreateOSError)
-    assert str(error) == str(raised_here.value)
+    assert str(error) == str(same)
     assert error.process_id is None and error.result is None
     assert server.requests == []  # found before anything was sent
 
 
 def test_an_api_error_keeps_its_status_and_operation(server, pool):
-    future = pool.submit(cx.execute, "sb_unknown", ["true"])
-    with pytest.raises(cx.APIError) as raised:
-        future.result(timeout=RESULT_TIMEOUT)
-    error = raised.value
-    with pytest.raises(cx.APIError) as raised_here:
-        cx.execute("sb_unknown", ["true"])
-    same = raised_here.value
+    error, same = raised_there_and_here(pool, cx.APIError, "sb_unknown", ["true"])
 
     assert type(error) is cx.APIError
     assert (error.status, error.operation) == (same.status, same.operation)

@@ -19,21 +19,19 @@ between the client and the server and plays it.
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import os
 import threading
 import time
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import pytest
-from support import SANDBOX, make_client
+from support import SANDBOX, THREE_TRIES, Recorder, chain, make_client
 
 import createos_exec as cx
-
-# A small policy whose budget is spent after three failures without progress.
-SHORT_RETRY = cx.RetryPolicy(max_attempts=3, budget=10.0, initial_backoff=0.01, max_backoff=0.05)
 
 # Three lines in three frames (the pauses keep the writes apart), then status 3.
 THREE_LINES = "echo one; sleep 0.05; echo two; sleep 0.05; echo six; exit 3"
@@ -51,21 +49,6 @@ def connects(server: Any) -> int:
 def only_process(server: Any) -> str:
     (record,) = server.processes()
     return str(record["process_id"])
-
-
-class Recorder:
-    """An on_output that keeps every delivery and when it came."""
-
-    def __init__(self) -> None:
-        self.deliveries: List[Tuple[str, str]] = []
-        self.times: List[float] = []
-
-    def __call__(self, stream: str, text: str) -> None:
-        self.deliveries.append((stream, text))
-        self.times.append(time.monotonic())
-
-    def text(self, stream: str = "stdout") -> str:
-        return "".join(text for name, text in self.deliveries if name == stream)
 
 
 def exit_status_known_later(server: Any) -> None:
@@ -90,7 +73,7 @@ def test_exit_status_from_wait_is_the_result_once_the_replay_brings_the_output(s
     server.end_stream(after_frames=2)  # the replay brings two and six, then no exit frame
     server.end_stream(after_frames=0, count=50)  # and no later connect brings one either
     seen = Recorder()
-    with make_client(server, retry=SHORT_RETRY) as client:
+    with make_client(server, retry=THREE_TRIES) as client:
         result = client.execute(SANDBOX, THREE_LINES, shell=True, on_output=seen)
     assert result.exit_code == 3 and result.signal is None
     assert result.exit_recovered is True
@@ -106,7 +89,7 @@ def test_output_that_cannot_be_replayed_is_output_incomplete_with_the_known_stat
     # received; it does not claim that the status is missing.
     exit_status_known_later(server)
     server.fail("connect", 503, count=100)  # no connection brings the missing output
-    with make_client(server, retry=SHORT_RETRY) as client:
+    with make_client(server, retry=THREE_TRIES) as client:
         with pytest.raises(cx.StreamEndedError) as caught:
             client.execute(SANDBOX, THREE_LINES, shell=True)
     error = caught.value
@@ -129,7 +112,7 @@ def test_stream_ended_error_keeps_its_message_when_wait_cannot_tell_the_status(s
     server.drop_stream(after_frames=1)
     server.fail("connect", 503, count=100)
     server.fail("wait", 503, count=100)
-    with make_client(server, retry=SHORT_RETRY) as client:
+    with make_client(server, retry=THREE_TRIES) as client:
         with pytest.raises(cx.StreamEndedError) as caught:
             client.execute(SANDBOX, THREE_LINES, shell=True)
     error = caught.value
@@ -296,7 +279,7 @@ def test_a_stream_that_only_sends_heartbeats_still_ends_with_the_status_recovere
     # exit status is recovered out of band (promise 4), even without a timeout.
     seen = Recorder()
     with MisbehavingProxy(server.url, heartbeat_instead_of_exit) as proxy:
-        with make_client(server, api_url=proxy.url, retry=SHORT_RETRY) as client:
+        with make_client(server, api_url=proxy.url, retry=THREE_TRIES) as client:
             finished, outcome = run_bounded(
                 lambda cancel: client.execute(
                     SANDBOX, "echo done; exit 4", shell=True, on_output=seen, cancel=cancel
@@ -313,7 +296,6 @@ def test_a_stream_that_only_sends_heartbeats_still_ends_with_the_status_recovere
 
 
 QUIET_SECONDS = float(os.environ.get("CREATEOS_QUIET_JOB_SECONDS", "12"))
-QUIET_RETRY = cx.RetryPolicy(max_attempts=3, budget=2.0, initial_backoff=0.01, max_backoff=0.05)
 
 
 @pytest.mark.timeout(QUIET_SECONDS + 90)
@@ -325,7 +307,9 @@ def test_a_quiet_job_behind_a_proxy_that_closes_after_each_heartbeat_completes_l
     script = f"echo first; sleep {QUIET_SECONDS}; echo second"
     seen = Recorder()
     with MisbehavingProxy(server.url, end_after_a_heartbeat) as proxy:
-        with make_client(server, api_url=proxy.url, retry=QUIET_RETRY) as client:
+        # A budget of 2 s, so that the quiet job is silent for several whole budgets.
+        quiet = dataclasses.replace(THREE_TRIES, budget=2.0)
+        with make_client(server, api_url=proxy.url, retry=quiet) as client:
             started = time.monotonic()
             result = client.execute(SANDBOX, script, shell=True, on_output=seen)
             returned = time.monotonic()
@@ -342,23 +326,10 @@ def test_a_quiet_job_behind_a_proxy_that_closes_after_each_heartbeat_completes_l
 # -- 5 and 6. a timeout whose termination is unconfirmed --------------------------------
 
 
-def exception_chain(error: BaseException) -> Iterator[BaseException]:
-    """`error` and every exception reachable through __cause__ and __context__."""
-    seen: List[BaseException] = []
-    todo = [error]
-    while todo:
-        current = todo.pop()
-        if any(current is known for known in seen):
-            continue
-        seen.append(current)
-        yield current
-        todo.extend(e for e in (current.__cause__, current.__context__) if e is not None)
-
-
 def private_classes(error: BaseException) -> List[str]:
     return [
         type(e).__name__
-        for e in exception_chain(error)
+        for e in chain(error)
         if type(e).__module__ == cx.__name__ and type(e).__name__.startswith("_")
     ]
 
@@ -446,8 +417,7 @@ def test_an_interruption_during_the_grace_period_returns_after_the_delete_answer
     )
     if interruption == "callback-raises":
         assert caught is raised or (
-            isinstance(caught, cx.CreateOSError)
-            and any(e is raised for e in exception_chain(caught))
+            isinstance(caught, cx.CreateOSError) and any(e is raised for e in chain(caught))
         ), repr(caught)
     elif interruption == "ctrl-c":
         assert type(caught) is KeyboardInterrupt

@@ -23,23 +23,43 @@ import base64
 import codecs
 import collections
 import contextlib
+import dataclasses
 import io
 import itertools
 import json
 import string
+import types
 import urllib.parse
 from datetime import timedelta
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import pytest
 import responses
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from support import (
+    CANNED_RETRY,
+    CANNED_THREE_TRIES,
+    CONNECT,
+    EXIT0,
+    PID,
+    PROC,
+    PROCS,
+    SB,
+    WAIT,
+    add_created,
+    add_deleted,
     agrees_with_json,
+    assert_clean,
     blocks,
+    calls,
+    data,
+    exited,
+    figures_at_end,
     frames,
-    jsend_ok,
+    make_client,
+    nd,
+    ok,
     process_record,
     take_block,
     taken,
@@ -62,16 +82,16 @@ FUZZ = settings(
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _figures(figures: Any) -> Iterator[None]:
-    yield
-    figures.record(
-        "8. reader fuzz",
+def fuzz_figures() -> Dict[str, float]:
+    return dict(
         examples=STATS["examples"],
         max_pending=STATS["max_pending"],
         frame_limit=LIMIT,
         errors_other_than_createos=STATS["errors_other_than_createos"],
     )
+
+
+_figures = figures_at_end("8. reader fuzz", fuzz_figures)
 
 
 # --------------------------------------------------------------------------
@@ -500,7 +520,7 @@ LINES = st.lists(
 )
 
 
-def per_line(lines: List[bytes]) -> Tuple[List[Any], bool]:
+def per_nd(lines: List[bytes]) -> Tuple[List[Any], bool]:
     """What a reader that parses one line at a time makes of `lines`."""
     values = []
     for line in lines:
@@ -521,7 +541,7 @@ def test_a_block_is_parsed_exactly_as_its_lines_one_at_a_time(lines):
     """Parsing a block in one pass may never accept a line that alone would fail
     (two values on one line, a value spread over lines) nor reject a good one."""
     STATS["examples"] += 1
-    expected, fails = per_line(lines)
+    expected, fails = per_nd(lines)
     got = []
     failed = False
     try:
@@ -779,24 +799,7 @@ def test_a_frame_of_exactly_the_limit_passes_and_one_byte_more_fails(size):
 # (b) the public path: Client.execute() against canned answers
 # --------------------------------------------------------------------------
 
-BASE = "https://api.fuzz.test"
-SB = "sb_fuzz"
-PID = "proc_fuzzfuzzfuzzfuzz"
-PROCS = f"{BASE}/v1/sandboxes/{SB}/processes"
-PROC = f"{PROCS}/{PID}"
-CONNECT = f"{PROC}/connect"
-WAIT = f"{PROC}/wait"
-KEY = "fuzz-key"
-
-
-ok = jsend_ok
-
-
-def record(newest: int = 0, **fields: Any) -> Dict[str, Any]:
-    return process_record(PID, newest=newest, **fields)
-
-
-EXITED = record(leader_exited=True, tree_exited=True, state="exited", exit_code=0)
+EXITED = exited(0, exit_code=0)
 
 
 class Body(io.BufferedReader):
@@ -829,41 +832,19 @@ def after_of(request: Any) -> int:
     return int(query["after"])
 
 
-def client(**kw: Any) -> cx.Client:
-    kw.setdefault(
-        "retry",
-        cx.RetryPolicy(max_attempts=10, budget=30.0, initial_backoff=0, max_backoff=0),
-    )
-    return cx.Client(
-        BASE,
-        KEY,
-        rate_limit=None,
-        request_timeout=5.0,
-        stream_idle_timeout=5.0,
-        cleanup_timeout=5.0,
-        **kw,
-    )
-
-
 @contextlib.contextmanager
-def mocked() -> Iterator[Tuple[responses.RequestsMock, List[Any]]]:
-    """The canned API, and the list of its calls (which outlives the mock's reset)."""
+def mocked() -> Iterator[Tuple[responses.RequestsMock, Any]]:
+    """The canned API, and a record whose `calls` outlive the mock's reset (for
+    support.calls). Not the `rsps` fixture: hypothesis runs many examples in one test.
+    """
     with responses.RequestsMock(assert_all_requests_are_fired=False) as mock:
-        mock.add(responses.POST, PROCS, json=ok(record()))
-        mock.add(responses.DELETE, PROC, json=ok(EXITED))
-        calls: List[Any] = []
+        add_created(mock)
+        add_deleted(mock)
+        made = types.SimpleNamespace(calls=[])
         try:
-            yield mock, calls
+            yield mock, made
         finally:
-            calls.extend(mock.calls)
-
-
-def calls_to(calls: List[Any], method: str, url: str) -> int:
-    return sum(
-        1
-        for call in calls
-        if call.request.method == method and call.request.url.split("?", 1)[0] == url
-    )
+            made.calls.extend(mock.calls)
 
 
 CUTS = st.lists(
@@ -876,14 +857,18 @@ CUTS = st.lists(
 )
 
 
-@pytest.mark.timeout(120)
-@settings(FUZZ, max_examples=100)
-@given(
-    valid=valid_streams(),
-    cuts=CUTS,
-    sizes=CHUNK_SIZES,
-    limit=st.just(4 * 1024 * 1024) | st.integers(0, 40),
-)
+def through_execute(max_examples: int, **strategies: Any) -> Callable[[Any], Any]:
+    """A fuzz test of execute() on canned answers: valid_streams() read in
+    CHUNK_SIZES and `strategies`, `max_examples` examples, 120 s in all."""
+
+    def decorate(test: Any) -> Any:
+        test = given(valid=valid_streams(), sizes=CHUNK_SIZES, **strategies)(test)
+        return pytest.mark.timeout(120)(settings(FUZZ, max_examples=max_examples)(test))
+
+    return decorate
+
+
+@through_execute(100, cuts=CUTS, limit=st.just(4 * 1024 * 1024) | st.integers(0, 40))
 def test_valid_streams_through_execute_come_back_exactly(valid, cuts, sizes, limit):
     STATS["examples"] += 1
     afters: List[int] = []
@@ -905,7 +890,9 @@ def test_valid_streams_through_execute_come_back_exactly(valid, cuts, sizes, lim
         return (200, {}, Body(split(body[:cut], sizes), reset=reset))
 
     seen: List[Tuple[str, str]] = []
-    with mocked() as (mock, calls), client() as local:
+    # Up to five cuts without progress in a row (CUTS), each a failure of the policy.
+    retry = dataclasses.replace(CANNED_RETRY, max_attempts=10)
+    with mocked() as (mock, made), make_client(retry=retry) as local:
         mock.add_callback(responses.GET, CONNECT, callback=connect)
         try:
             result = local.execute(
@@ -929,7 +916,7 @@ def test_valid_streams_through_execute_come_back_exactly(valid, cuts, sizes, lim
     assert result.process_id == PID
     assert result.reconnects == len(cuts) == len(afters) - 1
     assert afters == expected_afters  # resumed after the last accepted seq, every time
-    assert calls_to(calls, "POST", PROCS) == 1
+    assert len(calls(made, "POST", PROCS)) == 1
 
 
 # What the server may answer to a later connect or to a wait, in the corrupted runs.
@@ -939,13 +926,10 @@ ANSWERS = st.one_of(
 )
 
 
-@pytest.mark.timeout(120)
-@settings(FUZZ, max_examples=150)
-@given(
-    valid=valid_streams(),
+@through_execute(
+    150,
     fields=FIELD_EDITS,
     edits=BYTE_EDITS,
-    sizes=CHUNK_SIZES,
     reset=st.booleans(),
     later=st.lists(ANSWERS, max_size=3),
     waits=st.lists(ANSWERS | st.tuples(st.just(200), st.just(ok(EXITED))), max_size=3),
@@ -977,18 +961,17 @@ def test_corrupted_streams_through_execute_fail_closed(
             return canned(*waits[len(waited) - 1])
         return (503, {}, "")
 
-    with mocked() as (mock, calls), client(
-        retry=cx.RetryPolicy(max_attempts=3, budget=30.0, initial_backoff=0, max_backoff=0)
-    ) as local:
+    with mocked() as (mock, made), make_client(retry=CANNED_THREE_TRIES) as local:
         mock.add_callback(responses.GET, CONNECT, callback=connect)
         mock.add_callback(responses.GET, WAIT, callback=wait)
         try:
             result = local.execute(SB, ["fuzz"], on_output=lambda stream, text: None)
         except cx.CreateOSError as exc:
             # Contained: whatever went wrong after creation, the tree was deleted.
-            assert calls_to(list(mock.calls), "DELETE", PROC) == 1
+            assert len(calls(mock, "DELETE", PROC)) == 1
             assert exc.process_id == PID
-            assert KEY not in str(exc) and "{" not in str(exc)
+            assert_clean(exc)
+            assert "{" not in str(exc)
             return
         except BaseException:
             STATS["errors_other_than_createos"] += 1
@@ -1005,81 +988,73 @@ def test_corrupted_streams_through_execute_fail_closed(
 # --------------------------------------------------------------------------
 
 
-def line(frame: Any) -> str:
-    return (frame if isinstance(frame, str) else json.dumps(frame)) + "\n"
+def one_byte(seq: Any, stream: str = "stdout", **fields: Any) -> Dict[str, Any]:
+    """A data frame of one byte, "x", with `fields` overriding."""
+    return dict(data(seq, stream, b"x"), **fields)
 
 
-def data(seq: Any, raw: bytes = b"x", stream: str = "stdout", **extra: Any) -> Dict[str, Any]:
-    frame = {"type": "data", "seq": seq, "stream": stream}
-    frame["data_base64"] = base64.b64encode(raw).decode("ascii")
-    frame.update(extra)
-    return frame
-
-
-EXIT0 = {"type": "exit", "exit_code": 0}
-FIRST = line(data(1, b"first\n"))
+FIRST = nd(data(1, "stdout", b"first\n"))
 EVICTED_410 = (410, {"status": "fail", "data": {"error": "output_offset_expired"}})
 
 # name: (connect answer: a body or (status, JSON), wait answer or None, expected class,
 #        wait requests expected)
 MALFORMED = {
-    "gap": (FIRST + line(data(3)) + line(EXIT0), None, cx.ProtocolError, 0),
-    "seq true": (FIRST + line(data(True)) + line(EXIT0), None, cx.ProtocolError, 0),
-    "seq false": (FIRST + line(data(False)) + line(EXIT0), None, cx.ProtocolError, 0),
-    'seq "2"': (FIRST + line(data("2")) + line(EXIT0), None, cx.ProtocolError, 0),
-    "seq 2.0": (FIRST + line(data(2.0)) + line(EXIT0), None, cx.ProtocolError, 0),
-    "seq 0": (line(data(0)) + line(EXIT0), None, cx.ProtocolError, 0),
-    "seq -1": (line(data(-1)) + line(EXIT0), None, cx.ProtocolError, 0),
-    "seq null": (line(data(None)) + line(EXIT0), None, cx.ProtocolError, 0),
-    "stream pty": (FIRST + line(data(2, stream="pty")) + line(EXIT0), None, cx.ProtocolError, 0),
+    "gap": (FIRST + nd(one_byte(3), EXIT0), None, cx.ProtocolError, 0),
+    "seq true": (FIRST + nd(one_byte(True), EXIT0), None, cx.ProtocolError, 0),
+    "seq false": (FIRST + nd(one_byte(False), EXIT0), None, cx.ProtocolError, 0),
+    'seq "2"': (FIRST + nd(one_byte("2"), EXIT0), None, cx.ProtocolError, 0),
+    "seq 2.0": (FIRST + nd(one_byte(2.0), EXIT0), None, cx.ProtocolError, 0),
+    "seq 0": (nd(one_byte(0), EXIT0), None, cx.ProtocolError, 0),
+    "seq -1": (nd(one_byte(-1), EXIT0), None, cx.ProtocolError, 0),
+    "seq null": (nd(one_byte(None), EXIT0), None, cx.ProtocolError, 0),
+    "stream pty": (FIRST + nd(one_byte(2, stream="pty"), EXIT0), None, cx.ProtocolError, 0),
     "stream missing": (
-        FIRST + line({"type": "data", "seq": 2, "data_base64": "eA=="}) + line(EXIT0),
+        FIRST + nd({"type": "data", "seq": 2, "data_base64": "eA=="}, EXIT0),
         None,
         cx.ProtocolError,
         0,
     ),
     "non-canonical base64": (
-        FIRST + line(data(2, data_base64="eR==")) + line(EXIT0),
+        FIRST + nd(one_byte(2, data_base64="eR=="), EXIT0),
         None,
         cx.ProtocolError,
         0,
     ),
     "base64 url alphabet": (
-        FIRST + line(data(2, data_base64="-_-_")) + line(EXIT0),
+        FIRST + nd(one_byte(2, data_base64="-_-_"), EXIT0),
         None,
         cx.ProtocolError,
         0,
     ),
-    "invalid JSON": (FIRST + '{"type":"data",\n' + line(EXIT0), None, cx.ProtocolError, 0),
-    "not an object": (FIRST + '["data"]\n' + line(EXIT0), None, cx.ProtocolError, 0),
-    "unknown type": (FIRST + line({"type": "progress"}) + line(EXIT0), None, cx.ProtocolError, 0),
+    "invalid JSON": (FIRST + '{"type":"data",\n' + nd(EXIT0), None, cx.ProtocolError, 0),
+    "not an object": (FIRST + '["data"]\n' + nd(EXIT0), None, cx.ProtocolError, 0),
+    "unknown type": (FIRST + nd({"type": "progress"}, EXIT0), None, cx.ProtocolError, 0),
     "oversized line": (
-        FIRST + '{"type":"heartbeat","pad":"' + "x" * LIMIT + '"}\n' + line(EXIT0),
+        FIRST + '{"type":"heartbeat","pad":"' + "x" * LIMIT + '"}\n' + nd(EXIT0),
         None,
         cx.ProtocolError,
         0,
     ),
     "exit without status, wait 408": (
-        FIRST + line({"type": "exit"}),
+        FIRST + nd({"type": "exit"}),
         (408, {"status": "fail", "data": {}}),
         cx.ProtocolError,
         1,
     ),
     "exit with null status, wait fails": (
-        FIRST + line({"type": "exit", "exit_code": None, "signal": None}),
+        FIRST + nd({"type": "exit", "exit_code": None, "signal": None}),
         (500, {"status": "error", "message": "down"}),
         cx.ProtocolError,
         3,  # the wait is an ordinary request: retried under the policy (3 attempts)
     ),
     "error frame": (
-        FIRST + line({"type": "error", "error": "internal"}),
+        FIRST + nd({"type": "error", "error": "internal"}),
         None,
         cx.ProtocolError,
         0,
     ),
     "output_offset_expired frame": (
-        FIRST
-        + line({"type": "error", "error": "output_offset_expired", "oldest_available_seq": 7}),
+        FIRST + nd({"type": "error", "error": "output_offset_expired", "oldest_available_seq": 7}),
         None,
         cx.OutputEvictedError,
         0,
@@ -1097,9 +1072,7 @@ def ignore_output(stream: str, text: str) -> None:
 def test_each_malformed_input_fails_closed_without_reconnecting(name):
     answer, wait_answer, expected, waits = MALFORMED[name]
     STATS["examples"] += 1
-    with mocked() as (mock, calls), client(
-        retry=cx.RetryPolicy(max_attempts=3, budget=30.0, initial_backoff=0, max_backoff=0)
-    ) as local:
+    with mocked() as (mock, made), make_client(retry=CANNED_THREE_TRIES) as local:
         if isinstance(answer, str):
             mock.add(responses.GET, CONNECT, body=answer)
         else:
@@ -1109,9 +1082,9 @@ def test_each_malformed_input_fails_closed_without_reconnecting(name):
         with pytest.raises(cx.CreateOSError) as caught:
             local.execute(SB, ["fuzz"], on_output=ignore_output)  # live: eviction fails too
     assert type(caught.value) is expected
-    assert calls_to(calls, "GET", CONNECT) == 1  # a protocol error is never retried
-    assert calls_to(calls, "GET", WAIT) == waits
-    assert calls_to(calls, "DELETE", PROC) == 1  # the tree is terminated
+    assert len(calls(made, "GET", CONNECT)) == 1  # a protocol error is never retried
+    assert len(calls(made, "GET", WAIT)) == waits
+    assert len(calls(made, "DELETE", PROC)) == 1  # the tree is terminated
     assert caught.value.process_id == PID
     if isinstance(answer, str) and answer.startswith(FIRST) and expected is cx.ProtocolError:
         assert caught.value.result is not None and caught.value.result.stdout == "first\n"
@@ -1119,12 +1092,12 @@ def test_each_malformed_input_fails_closed_without_reconnecting(name):
 
 def test_exit_without_status_is_recovered_by_one_wait():
     STATS["examples"] += 1
-    with mocked() as (mock, calls), client() as local:
-        mock.add(responses.GET, CONNECT, body=FIRST + line({"type": "exit"}))
+    with mocked() as (mock, made), make_client() as local:
+        mock.add(responses.GET, CONNECT, body=FIRST + nd({"type": "exit"}))
         mock.add(responses.GET, WAIT, json=ok(dict(EXITED, exit_code=5)))
         result = local.execute(SB, ["fuzz"])
     assert (result.exit_code, result.exit_recovered, result.stdout) == (5, True, "first\n")
-    assert calls_to(calls, "GET", WAIT) == 1 and calls_to(calls, "GET", CONNECT) == 1
+    assert len(calls(made, "GET", WAIT)) == 1 and len(calls(made, "GET", CONNECT)) == 1
 
 
 # --------------------------------------------------------------------------
@@ -1138,14 +1111,12 @@ DEEP = "[" * 100_000 + "]" * 100_000  # RecursionError inside json.loads
 @pytest.mark.parametrize("where", ["410 on connect", "wait", "create", "delete"])
 def test_deeply_nested_json_answers_are_protocol_errors(where):
     mock = responses.RequestsMock(assert_all_requests_are_fired=False)
-    with mock, client(
-        retry=cx.RetryPolicy(max_attempts=2, budget=30.0, initial_backoff=0, max_backoff=0)
-    ) as local:
+    with mock, make_client() as local:
         if where == "create":
             mock.add(responses.POST, PROCS, body=DEEP)
             mock.add(responses.GET, PROCS, json=ok({"processes": []}))
         else:
-            mock.add(responses.POST, PROCS, json=ok(record()))
+            mock.add(responses.POST, PROCS, json=ok(process_record()))
         mock.add(
             responses.DELETE,
             PROC,
@@ -1154,9 +1125,9 @@ def test_deeply_nested_json_answers_are_protocol_errors(where):
         if where == "410 on connect":
             mock.add(responses.GET, CONNECT, status=410, body=DEEP)
         elif where == "wait":
-            mock.add(responses.GET, CONNECT, body=FIRST + line({"type": "exit"}))
+            mock.add(responses.GET, CONNECT, body=FIRST + nd({"type": "exit"}))
             mock.add(responses.GET, WAIT, body=DEEP)
         else:  # a gap: the run fails and the tree is deleted
-            mock.add(responses.GET, CONNECT, body=FIRST + line(data(3)))
+            mock.add(responses.GET, CONNECT, body=FIRST + nd(one_byte(3)))
         with pytest.raises(cx.CreateOSError):
             local.execute(SB, ["fuzz"])

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from local_server import LocalServer
-from support import FAST_RETRY, SANDBOX, make_client
+from support import FAST_RETRY, SANDBOX, THREE_TRIES, TWO_TRIES, make_client
 
 import createos_exec as cx
 
@@ -305,10 +305,9 @@ def test_4xx_on_create_means_not_created_and_removes_the_staged_file(client, ser
     assert set(glob.glob("/tmp/.createos_exec-*")) == before
 
 
-def test_429_on_create_is_waited_out_and_one_process_runs(server):
-    server.fail("create", 429, retry_after="1")
-    with make_client(server, retry=cx.RetryPolicy(max_retry_after=2.0)) as client:
-        result = client.execute(SANDBOX, ["echo", "once"], env={"K": "v"})
+def test_429_on_create_is_waited_out_and_one_process_runs(client, server):
+    server.fail("create", 429, retry_after="1")  # within FAST_RETRY's max_retry_after
+    result = client.execute(SANDBOX, ["echo", "once"], env={"K": "v"})
     assert result.stdout == "once\n" and result.exit_code == 0
     assert len(server.processes()) == 1
     sent = [(r.method, r.status) for r in server.requests if r.path.endswith("/processes")]
@@ -319,8 +318,7 @@ def test_429_on_create_is_waited_out_and_one_process_runs(server):
 def test_429_on_create_until_the_policy_runs_out_means_not_created(server):
     before = set(glob.glob("/tmp/.createos_exec-*"))
     server.fail("create", 429, count=50, retry_after="0")
-    policy = cx.RetryPolicy(max_attempts=3, initial_backoff=0.01, max_backoff=0.02)
-    with make_client(server, retry=policy) as client:
+    with make_client(server, retry=THREE_TRIES) as client:
         with pytest.raises(cx.APIError) as caught:
             client.execute(SANDBOX, ["true"], env={"SECRET": "s"}, stdin="in")
     assert (caught.value.status, caught.value.operation) == (429, "process creation")
@@ -334,7 +332,7 @@ def test_429_on_create_until_the_policy_runs_out_means_not_created(server):
 
 
 def test_refused_connection_is_a_transport_error_without_creation():
-    with cx.Client("http://127.0.0.1:9", "key", retry=cx.RetryPolicy(max_attempts=2)) as client:
+    with make_client(api_url="http://127.0.0.1:9", retry=TWO_TRIES) as client:
         with pytest.raises(cx.TransportError) as caught:
             client.execute(SANDBOX, ["true"])
     assert not isinstance(caught.value, cx.CleanupError)

@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 from hashlib import sha256
 from secrets import token_hex
 
@@ -38,13 +39,34 @@ import pytest
 import requests
 import responses
 from local_server import STOLEN_LOCATION, LocalServer, endpoint_of
-from support import SANDBOX, cli_argv, cli_env, make_client
+from support import (
+    BASE,
+    CONNECT,
+    EXEC,
+    FILES,
+    PROC,
+    PROCS,
+    SANDBOX,
+    SB,
+    WAIT,
+    add_created,
+    chain,
+    cli_argv,
+    cli_env,
+    data,
+    exited,
+    figures_at_end,
+    make_client,
+    nd,
+    ok,
+)
 
 import createos_exec as cx
 
 # Distinctive secrets. Each carries a random hex token that survives any
 # encoding (JSON, URL, repr) unchanged, so a partial or escaped leak is found
-# too; the full values are never spelled out in this file.
+# too; the full values are never spelled out in this file. (Not support.KEY,
+# which is a constant: every run here searches for a key of its own.)
 KEY = "KEY-5ecret-" + token_hex(12)
 ENV_A = "ENV-5ecret-" + token_hex(12)
 ENV_B = "ENV-5ecret-" + token_hex(12) + "\nsecond line = 'quoted' $HOME \"x\""
@@ -123,17 +145,17 @@ class Tally:
 TALLY = Tally()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _secrets_figures(figures):
-    yield
-    figures.record(
-        "5. secrets",
+def secrets_figures():
+    return dict(
         paths=len(TALLY.paths),
         checks=TALLY.checks,
         leaks=TALLY.leaks,
         stolen_capture=TALLY.stolen_capture,
         staged_left=TALLY.staged_left,
     )
+
+
+_secrets_figures = figures_at_end("5. secrets", secrets_figures)
 
 
 class Scan:
@@ -231,18 +253,6 @@ def listing(server):
         if response.status_code == 200 and response.json().get("status") == "success":
             return response.text
     raise AssertionError("GET …/processes kept failing")
-
-
-def chain(exc):
-    """Every exception reachable through __cause__ and __context__, once each."""
-    seen, todo = [], [exc]
-    while todo:
-        link = todo.pop()
-        if link is None or any(link is known for known in seen):
-            continue
-        seen.append(link)
-        todo.extend((link.__cause__, link.__context__))
-    return seen
 
 
 @pytest.fixture
@@ -920,7 +930,6 @@ def test_stdin_not_unicode_is_refused_without_echoing_it(server, caplog):
 # --------------------------------------------------------------------------
 
 REDIRECTS = (301, 302, 303, 307, 308)
-FAST = cx.RetryPolicy(max_attempts=2, budget=5.0, initial_backoff=0, max_backoff=0)
 
 
 class Redirector(Background):
@@ -990,8 +999,9 @@ def test_real_redirects_are_not_followed(capture, caplog, status, origin, own_se
     session = None if own_session else requests.Session()
     before = len(capture.requests)
     try:
-        client = cx.Client(
-            redirector.url, KEY, retry=FAST, rate_limit=None, cleanup_timeout=2.0, session=session
+        # The canned service's settings (CANNED_RETRY), at a real redirector.
+        client = make_client(
+            api_url=redirector.url, api_key=KEY, cleanup_timeout=2.0, session=session
         )
         with client:
             for first, call in _redirect_runs(client):
@@ -1022,11 +1032,9 @@ def test_command_line_redirect_is_not_followed(capture):
     redirector = Redirector(307, capture.url + "/stolen")
     before = len(capture.requests)
     try:
-        env = dict(os.environ, CREATEOS_API_URL=redirector.url, CREATEOS_API_KEY=KEY)
-        env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         done = subprocess.run(
             cli_argv(*CLI_ARGS, SANDBOX, "--", "true"),
-            env=env,
+            env=cli_env(types.SimpleNamespace(url=redirector.url, api_key=KEY)),
             input=STDIN.encode(),
             capture_output=True,
             timeout=60,
@@ -1043,50 +1051,19 @@ def test_command_line_redirect_is_not_followed(capture):
 
 
 # Canned answers (responses): every endpoint, same- and cross-origin Locations.
-BASE = "https://api.example.test"
 SAME = BASE + "/v1/moved"
 CROSS = "https://capture.example.test/stolen"
-SB = "sb_1"
-PID = "proc_x"
-PROCS = f"{BASE}/v1/sandboxes/{SB}/processes"
-PROC = f"{PROCS}/{PID}"
-
-
-def _ok(data):
-    return {"status": "success", "data": data}
-
-
-def _record(**fields):
-    base = {
-        "process_id": PID,
-        "kind": "process",
-        "pid": 42,
-        "state": "exited",
-        "leader_exited": True,
-        "tree_exited": True,
-        "created_at": "2024-01-01T00:00:00Z",
-        "output": {"oldest_seq": 1, "newest_seq": 1, "bytes": 1},
-    }
-    base.update(fields)
-    return base
-
-
-def _ndjson(*frames):
-    return "".join(json.dumps(frame) + "\n" for frame in frames)
-
-
-DATA1 = {"type": "data", "seq": 1, "stream": "stdout", "data_base64": "eA=="}
+DATA1 = data(1, "stdout", b"x")
 
 
 def _canned(rsps, endpoint, status, location):
     """Answers that lead the run to `endpoint`, which redirects; the expected error."""
     redirect = dict(status=status, headers={"Location": location}, json=echo_body(status))
-    created = dict(json=_ok(_record(state="running", leader_exited=False, tree_exited=False)))
-    deleted = dict(json=_ok(_record()))
+    deleted = dict(json=ok(exited(1)))
     if endpoint == "files_put":
-        rsps.add(responses.PUT, f"{BASE}/v1/sandboxes/{SB}/files", **redirect)
+        rsps.add(responses.PUT, FILES, **redirect)
         return cx.APIError
-    rsps.add(responses.PUT, f"{BASE}/v1/sandboxes/{SB}/files", json=_ok({}))
+    rsps.add(responses.PUT, FILES, json=ok({}))
     if endpoint == "create":
         rsps.add(responses.POST, PROCS, **redirect)
         return cx.APIError
@@ -1096,20 +1073,20 @@ def _canned(rsps, endpoint, status, location):
         return cx.CleanupError
     if endpoint == "exec":
         rsps.add(responses.POST, PROCS, status=400, json=echo_body(400))
-        rsps.add(responses.POST, f"{BASE}/v1/sandboxes/{SB}/exec", **redirect)
+        rsps.add(responses.POST, EXEC, **redirect)
         return cx.APIError
-    rsps.add(responses.POST, PROCS, **created)
+    add_created(rsps)
     if endpoint == "connect":
-        rsps.add(responses.GET, f"{PROC}/connect", **redirect)
+        rsps.add(responses.GET, CONNECT, **redirect)
         rsps.add(responses.DELETE, PROC, **deleted)
         return cx.APIError
     if endpoint == "wait":  # the stream never brings the exit frame: recover by wait
-        rsps.add(responses.GET, f"{PROC}/connect", body=_ndjson(DATA1))
-        rsps.add(responses.GET, f"{PROC}/wait", **redirect)
+        rsps.add(responses.GET, CONNECT, body=nd(DATA1))
+        rsps.add(responses.GET, WAIT, **redirect)
         rsps.add(responses.DELETE, PROC, **deleted)
         return cx.StreamEndedError
     # delete: a protocol violation, then the termination is redirected
-    rsps.add(responses.GET, f"{PROC}/connect", body=_ndjson(DATA1, {"type": "bogus"}))
+    rsps.add(responses.GET, CONNECT, body=nd(DATA1, {"type": "bogus"}))
     rsps.add(responses.DELETE, PROC, **redirect)
     return cx.CleanupError
 
@@ -1117,24 +1094,23 @@ def _canned(rsps, endpoint, status, location):
 @pytest.mark.parametrize("origin", ["same", "cross"])
 @pytest.mark.parametrize("status", REDIRECTS)
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
-def test_canned_redirects_are_not_followed(caplog, endpoint, status, origin):
+def test_canned_redirects_are_not_followed(rsps, caplog, endpoint, status, origin):
     location = SAME if origin == "same" else CROSS
     hits = []
 
     def trap(request):
         hits.append((request.method, request.url, request.headers.get("X-Api-Key")))
-        return (200, {}, json.dumps(_ok({})))
+        return (200, {}, json.dumps(ok({})))
 
-    with responses.RequestsMock(assert_all_requests_are_fired=False) as rsps:
-        for method in (responses.GET, responses.POST, responses.PUT, responses.DELETE):
-            rsps.add_callback(method, re.compile(re.escape(location) + ".*"), callback=trap)
-        expected = _canned(rsps, endpoint, status, location)
-        client = cx.Client(BASE, KEY, retry=FAST, rate_limit=None, cleanup_timeout=2.0)
-        with client, pytest.raises(expected) as caught:
-            client.execute(SB, ["true"], env=ENV, stdin=STDIN)
-        redirected = [
-            call for call in rsps.calls if getattr(call.response, "status_code", None) == status
-        ]
+    for method in (responses.GET, responses.POST, responses.PUT, responses.DELETE):
+        rsps.add_callback(method, re.compile(re.escape(location) + ".*"), callback=trap)
+    expected = _canned(rsps, endpoint, status, location)
+    client = make_client(api_key=KEY, cleanup_timeout=2.0)
+    with client, pytest.raises(expected) as caught:
+        client.execute(SB, ["true"], env=ENV, stdin=STDIN)
+    redirected = [
+        call for call in rsps.calls if getattr(call.response, "status_code", None) == status
+    ]
     assert type(caught.value) is expected
     assert hits == []
     assert len(redirected) == 1  # asked once, never again, never at the Location

@@ -27,7 +27,7 @@ import pytest
 import requests
 import urllib3
 from local_server import LocalServer
-from support import SANDBOX, campaign_size, make_client
+from support import SANDBOX, THREE_TRIES, assert_clean, campaign_size, make_client
 
 import createos_exec as cx
 
@@ -208,8 +208,7 @@ def test_a_piece_whose_answer_is_lost_is_reported_and_never_sent_twice(server, p
 def test_a_piece_refused_until_the_policy_runs_out_was_not_sent(server):
     data = os.urandom(2 * PIECE)
     server.fail("input", 429, count=100, retry_after="0")
-    policy = cx.RetryPolicy(max_attempts=3, initial_backoff=0.01, max_backoff=0.02)
-    with make_client(server, retry=policy) as client:
+    with make_client(server, retry=THREE_TRIES) as client:
         proc = client.start(SANDBOX, DIGEST, stdin=cx.PIPE)
         with pytest.raises(cx.InputUnconfirmedError) as caught:
             proc.write(data)
@@ -354,14 +353,11 @@ def test_written_input_and_env_stay_out_of_records_messages_and_logs(server, cap
     listing = json.dumps(server.processes())
     texts = [listing, repr(proc), repr(proc._stdin)]
     texts += [record.getMessage() for record in caplog.records]
-    link = caught.value
-    while link is not None:
-        texts += [str(link), repr(link)]
-        link = link.__cause__ or link.__context__
     for text in texts:
         assert env_secret not in text
         for value in hidden:
             assert value not in text
+    assert_clean(caught.value, env_secret, *hidden)
     marker = server.process(proc.process_id)["args"][2]  # the wrapper's $0
     assert marker.startswith("createos_exec-") and not os.path.exists("/tmp/." + marker)
 
