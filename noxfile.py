@@ -38,6 +38,7 @@ CANNED_CONTAINMENT = (
 )
 ONE_PROCESS_WINDOW = (
     "test_rate_limiter_waits_only_above_limit",
+    "test_rate_limiter_paces_requests_without_delay_below_the_limit",
     "test_rate_limiter_threads_share_the_window",
     "test_rate_limiter_holds_a_place_until_the_answer_starts",
     "test_rate_limiter_shared_per_origin",

@@ -323,6 +323,13 @@ def run_example(name: str) -> "subprocess.CompletedProcess[bytes]":
     )
 
 
+def closed_port() -> int:
+    """A loopback port nobody listens on: bound once, then let go."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
 # --------------------------------------------------------------------------
 # Campaign sizes, CI and test-only dependencies
 # --------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """No process left behind by a 429, a cancel noticed at once in every wait of a
-run, and one deadline for every request of it (design.md items 4, 5 and 7).
+run, and one deadline for every request of it (design.md rules 1, 5 and 6).
 
 Against the real local server: a proxy that forwards a creation and answers
 429 is its `refuse_created` fault; the waits are long `Retry-After`s (5 s)

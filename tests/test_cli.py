@@ -38,6 +38,7 @@ from support import (
     calls,
     cli_argv,
     cli_env,
+    closed_port,
     data,
     in_ci,
     nd,
@@ -126,9 +127,25 @@ def test_cli_config_errors_are_125(
     rsps: responses.RequestsMock, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert run_main(SB, "--", "true") == 125  # no key
-    assert capsys.readouterr().err.startswith("python -m createos_exec: no API key: set ")
+    err = capsys.readouterr().err
+    assert err.startswith("python -m createos_exec: no API key: set ")
+    assert "CREATEOS_API_KEY" in err and "api_key=" not in err  # the variable, not the keyword
+    assert run_main("--json", SB, "--", "true") == 125
+    error = json.loads(capsys.readouterr().out)["error"]
+    assert error["type"] == "ConfigError" and "status" not in error
     assert cx.main(["--api-url", "http://api.example.test", SB, "--", "true"]) == 125
     assert len(rsps.calls) == 0
+
+
+def test_cli_messages_carry_the_program_name_as_typed(
+    monkeypatch: pytest.MonkeyPatch, key_in_env: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr("sys.argv", ["/usr/local/bin/createos-exec"])
+    assert cx.main(["--api-url", "http://api.example.test", SB, "--", "true"]) == 125
+    assert capsys.readouterr().err.startswith("createos-exec: The API URL must use https")
+    with pytest.raises(SystemExit):
+        cx.main(["--timeout", "0", SB, "--", "true"])
+    assert "createos-exec: error: argument --timeout" in capsys.readouterr().err
 
 
 def test_cli_invalid_sandbox_and_env_name_are_125(
@@ -153,6 +170,8 @@ def test_cli_unreadable_stdin_file_is_125(
         f"python -m createos_exec: cannot read the --stdin file {missing}: "
         "No such file or directory.\n"
     )
+    assert run_main("--stdin", str(tmp_path), SB, "--", "cat") == 125
+    assert "Is a directory" in capsys.readouterr().err
     assert len(rsps.calls) == 0
 
 
@@ -178,6 +197,17 @@ def test_cli_usage_errors_exit_2(
         run_main(*args)
     assert info.value.code == 2
     assert len(rsps.calls) == 0
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "soon"])
+def test_cli_bad_timeout_is_a_usage_error_naming_the_option(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        run_main("--timeout", value, SB, "--", "true")
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --timeout" in err and "positive number of seconds" in err
 
 
 def test_cli_env_shell_cwd_and_stdin_file(
@@ -214,8 +244,9 @@ def test_cli_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
         cx.main(["--help"])
     assert info.value.code == 0
     out = capsys.readouterr().out
-    assert "124" in out and "125" in out and "128+N" in out
+    assert "124" in out and "125" in out and "128+N" in out and "usage error" in out
     assert "examples:" in out and "python -m createos_exec sb_123 -- uname -a" in out
+    assert "CREATEOS_API_KEY" in out and "api_key=" not in out
 
 
 # -- as a subprocess, against the local server ------------------------------------------
@@ -262,10 +293,13 @@ def test_signal_death_is_128_plus_n(server):
     assert done.returncode == 128 + signal.SIGTERM
 
 
-def test_timeout_is_124(server):
+def test_timeout_is_124_and_says_it_expired(server):
     done = run_cli(server, "--timeout", "0.5", "--shell", SANDBOX, "--", "echo t; sleep 30")
     assert done.returncode == 124
     assert done.stdout == b"t\n"
+    (line,) = done.stderr.decode().splitlines()
+    assert line.startswith("python -m createos_exec: ")
+    assert "timed out after 0.5 s" in line and "terminated" in line
 
 
 def test_version_prints_the_modules_version(server):
@@ -350,11 +384,20 @@ def test_json_reports_errors_as_one_object(server):
     done = run_cli(server, "--json", "sb_missing", "--", "true")
     assert done.returncode == 125
     error = json.loads(done.stdout)["error"]
-    assert error["type"] == "APIError"
+    assert (error["type"], error["status"], error["operation"]) == (
+        "APIError",
+        404,
+        "process creation",
+    )
     assert error["message"] == (
         "CreateOS answered HTTP 404 to process creation: no sandbox with this id here "
         "(a wrong id, or a sandbox in another region)."
     )
+    closed = f"http://127.0.0.1:{closed_port()}"
+    unreachable = run_cli(server, "--json", SANDBOX, "--", "true", CREATEOS_API_URL=closed)
+    error = json.loads(unreachable.stdout)["error"]
+    assert error["type"] == "TransportError" and error["operation"] == "process creation"
+    assert "status" not in error
 
 
 def test_errors_say_what_to_do_in_the_librarys_own_sentences(server):

@@ -30,7 +30,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 import requests
@@ -56,6 +56,7 @@ from support import (
     cli_argv,
     cli_env,
     data,
+    figures_at_end,
     make_client,
     nd,
     ok,
@@ -93,16 +94,17 @@ TREE = (
 SCENARIOS: List[Tuple[str, float, bool]] = []
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _figures(figures: Any) -> Iterator[None]:
-    yield
-    if SCENARIOS:
-        figures.record(
-            "4. containment",
-            scenarios=len(SCENARIOS),
-            trees_left=sum(left for _, _, left in SCENARIOS),
-            max_return_seconds=round(max(seconds for _, seconds, _ in SCENARIOS), 3),
-        )
+def containment_figures() -> Optional[Dict[str, float]]:
+    if not SCENARIOS:
+        return None
+    return dict(
+        scenarios=len(SCENARIOS),
+        trees_left=sum(left for _, _, left in SCENARIOS),
+        max_return_seconds=round(max(seconds for _, seconds, _ in SCENARIOS), 3),
+    )
+
+
+_figures = figures_at_end("4. containment", containment_figures)
 
 
 def ready_pids(text: str) -> List[int]:

@@ -1,4 +1,4 @@
-"""The deadline holds when nobody waits (design.md item 12), with real processes.
+"""The deadline holds when nobody waits (design.md rule 12), with real processes.
 
 With `timeout=T` the wrapper's watchdog terminates the tree in the sandbox at
 T (SIGTERM, the grace period, SIGKILL) even when the client is gone: here a

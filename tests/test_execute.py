@@ -308,20 +308,6 @@ def test_many_threads_share_one_client(client):
     }
 
 
-def test_rate_limiter_paces_requests_without_delay_below_the_limit(server):
-    with make_client(server, rate_limit=(4, 1.0)) as client:
-        started = time.monotonic()
-        client.execute(SANDBOX, ["true"])  # two requests: create + connect
-        below = time.monotonic() - started
-        client.execute(SANDBOX, ["true"])
-        client.execute(SANDBOX, ["true"])  # requests 5 and 6 wait for the window
-        paced = time.monotonic() - started
-    assert below < 0.9
-    assert paced >= 0.9
-    stamps = sorted(r.time for r in server.requests)
-    assert all(b - a >= 0.9 for a, b in zip(stamps, stamps[4:]))
-
-
 def test_logging_reconnects_at_info_requests_at_debug_without_secrets(client, server, caplog):
     server.drop_stream(after_frames=1)
     with caplog.at_level(logging.DEBUG, logger="createos_exec"):

@@ -7,10 +7,8 @@ message comes from a real run, with canned answers where one is enough.
 
 from __future__ import annotations
 
-import json
 import pickle
 import socket
-import subprocess
 import time
 
 import pytest
@@ -25,8 +23,7 @@ from support import (
     SB,
     TWO_TRIES,
     assert_clean,
-    cli_argv,
-    cli_env,
+    closed_port,
     make_client,
 )
 
@@ -186,12 +183,6 @@ def test_a_signal_is_taken_as_kill_takes_it(client, server, tmp_path):
 # -- TransportError: host and port, the kind of failure, no process ------------
 
 
-def closed_port():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def test_a_refused_connection_names_host_port_and_says_no_process_started():
     port = closed_port()
     with make_client(api_url=f"http://127.0.0.1:{port}", retry=TWO_TRIES) as client:
@@ -264,90 +255,3 @@ def test_the_other_errors_say_what_to_do():
     assert "proxy" in str(cx.ProtocolError("a frame is not JSON"))
     for status in (400, 401, 403, 404, 409, 429, 500):
         assert "rate_limit" not in str(cx.APIError(status, "process creation"))
-
-
-# -- the command line -------------------------------------------------------------
-
-
-def run_cli(server, *args, **extra):
-    return subprocess.run(
-        cli_argv(*args), env=cli_env(server, **extra), capture_output=True, timeout=60
-    )
-
-
-def test_cli_timeout_says_it_expired_and_exits_124(server):
-    done = run_cli(server, "--timeout", "0.5", SANDBOX, "--", "sleep", "30")
-    assert done.returncode == 124
-    (line,) = done.stderr.decode().splitlines()
-    assert line.startswith("python -m createos_exec: ")
-    assert "timed out after 0.5 s" in line and "terminated" in line
-
-
-@pytest.mark.parametrize("value", ["0", "-1", "nan", "soon"])
-def test_cli_bad_timeout_is_a_usage_error_naming_the_option(value, capsys):
-    with pytest.raises(SystemExit) as exited:
-        cx.main(["--timeout", value, "sb_1", "--", "true"])
-    assert exited.value.code == 2
-    err = capsys.readouterr().err
-    assert "argument --timeout" in err and "positive number of seconds" in err
-
-
-def test_cli_unreadable_stdin_names_the_path_and_the_reason(monkeypatch, capsys, tmp_path):
-    monkeypatch.setenv("CREATEOS_API_KEY", KEY)
-    missing = str(tmp_path / "nonexistent")
-    assert cx.main(["--stdin", missing, "sb_1", "--", "cat"]) == 125
-    err = capsys.readouterr().err
-    assert missing in err and "No such file or directory" in err
-    assert cx.main(["--stdin", str(tmp_path), "sb_1", "--", "cat"]) == 125
-    assert "Is a directory" in capsys.readouterr().err
-
-
-def test_cli_without_a_key_names_only_the_variable(monkeypatch, capsys):
-    monkeypatch.delenv("CREATEOS_API_KEY", raising=False)
-    monkeypatch.delenv("CREATEOS_SANDBOX_API_KEY", raising=False)
-    assert cx.main(["sb_1", "--", "true"]) == 125
-    err = capsys.readouterr().err
-    assert "CREATEOS_API_KEY" in err and "api_key=" not in err
-    assert cx.main(["--json", "sb_1", "--", "true"]) == 125
-    error = json.loads(capsys.readouterr().out)["error"]
-    assert error["type"] == "ConfigError" and "status" not in error
-
-
-def test_cli_messages_carry_the_program_name_as_typed(monkeypatch, capsys):
-    monkeypatch.setenv("CREATEOS_API_KEY", KEY)
-    monkeypatch.setattr("sys.argv", ["/usr/local/bin/createos-exec"])
-    assert cx.main(["--api-url", "http://api.example.test", "sb_1", "--", "true"]) == 125
-    assert capsys.readouterr().err.startswith("createos-exec: The API URL must use https")
-    with pytest.raises(SystemExit):
-        cx.main(["--timeout", "0", "sb_1", "--", "true"])
-    assert "createos-exec: error: argument --timeout" in capsys.readouterr().err
-
-
-def test_cli_json_errors_carry_status_and_operation(server):
-    done = run_cli(server, "--json", "sb_missing", "--", "true")
-    assert done.returncode == 125
-    error = json.loads(done.stdout)["error"]
-    assert (error["type"], error["status"], error["operation"]) == (
-        "APIError",
-        404,
-        "process creation",
-    )
-    unreachable = run_cli(
-        server,
-        "--json",
-        SANDBOX,
-        "--",
-        "true",
-        CREATEOS_API_URL=f"http://127.0.0.1:{closed_port()}",
-    )
-    error = json.loads(unreachable.stdout)["error"]
-    assert error["type"] == "TransportError" and error["operation"] == "process creation"
-    assert "status" not in error
-
-
-def test_cli_help_speaks_of_the_options_and_the_variables(capsys):
-    with pytest.raises(SystemExit):
-        cx.main(["--help"])
-    shown = capsys.readouterr().out
-    assert "CREATEOS_API_KEY" in shown and "124" in shown and "usage error" in shown
-    assert "api_key=" not in shown

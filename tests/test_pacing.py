@@ -373,6 +373,20 @@ def test_rate_limiter_waits_only_above_limit() -> None:
     assert 0.4 <= waited < 1.5  # the 4th waited until the window freed
 
 
+def test_rate_limiter_paces_requests_without_delay_below_the_limit(server, runtime_dir):
+    with make_client(server, rate_limit=(4, 1.0)) as client:
+        started = time.monotonic()
+        client.execute(SANDBOX, ["true"])  # two requests: create + connect
+        below = time.monotonic() - started
+        client.execute(SANDBOX, ["true"])
+        client.execute(SANDBOX, ["true"])  # requests 5 and 6 wait for the window
+        paced = time.monotonic() - started
+    assert below < 0.9
+    assert paced >= 0.9
+    stamps = sorted(r.time for r in server.requests)
+    assert all(b - a >= 0.9 for a, b in zip(stamps, stamps[4:]))
+
+
 def test_rate_limiter_threads_share_the_window() -> None:
     limiter = cx._RateLimiter(2, 0.3)
     stamps: List[float] = []

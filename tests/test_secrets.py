@@ -1,6 +1,6 @@
-"""5. Secrets: the API key, env values and stdin never leak, whatever fails.
+"""Secrets: the API key, env values and stdin never leak, whatever fails.
 
-Every failure path of items 1-4 (stream faults and resume, chaos, protocol
+Every failure path (stream faults and resume, chaos, protocol
 violations, creation trouble, containment: Ctrl-C, cancel, a raising
 on_output, timeout) and HTTP errors whose bodies echo the request back are
 run with distinctive secrets. Then the secrets must appear in no exception
@@ -306,7 +306,7 @@ def run_and_scan(server, caplog, command, *, client_options=None, **options):
 
 
 # --------------------------------------------------------------------------
-# Every failure path of items 1-4, with env and stdin
+# Every failure path, with env and stdin
 # --------------------------------------------------------------------------
 
 GAP = b'{"type":"data","seq":9,"stream":"stdout","data_base64":"eA=="}'

@@ -217,7 +217,7 @@ def test_a_piece_refused_until_the_policy_runs_out_was_not_sent(server):
         assert proc.communicate().stdout == digest(b"")
 
 
-# A bounded campaign for RELIABILITY.md (item 9): seeded schedules of faults on
+# A bounded campaign for RELIABILITY.md (writes under faults): seeded schedules of faults on
 # the requests of writes of one to four pieces, each write checked against
 # what its process received.
 # 30 runs of 8 drawn pieces meet every fault of INPUT_FAULTS many times over.
@@ -248,7 +248,7 @@ def test_writes_under_random_faults_arrive_once_or_are_reported(server, figures)
         tally["exact" if received == digest(data) else "prefix_reported"] += 1
     assert tally["exact"] + tally["prefix_reported"] == INPUT_RUNS
     figures.record(
-        "9. input",
+        "10. input",
         runs=INPUT_RUNS,
         faults=tally["faults"],
         delivered_whole=tally["exact"],
