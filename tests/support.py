@@ -59,6 +59,9 @@ FAST_RETRY = cx.RetryPolicy(max_attempts=6, budget=10.0, initial_backoff=0.01, m
 CANNED_RETRY = cx.RetryPolicy(
     max_attempts=2, budget=10.0, initial_backoff=0, max_backoff=0, max_retry_after=0.05
 )
+# Canned answers, a third try: for a test that counts the requests of a policy
+# that runs out after three.
+CANNED_THREE_TRIES = dataclasses.replace(CANNED_RETRY, max_attempts=3)
 # A failure is final at once: what a route does when nothing may be sent again.
 NO_RETRY = cx.RetryPolicy(max_attempts=1)
 # A second or third try after a short backoff, for a fault injected once or twice.
@@ -95,6 +98,15 @@ def make_client(server: Any = None, **overrides: Any) -> cx.Client:
     )
     settings.update(overrides)
     return cx.Client(**settings)
+
+
+def campaign_client(server: Any, **overrides: Any) -> cx.Client:
+    """A client for a campaign's local server: CAMPAIGN_RETRY, and one request
+    bounded at 10 s, so that an answer a fault stalls costs a run seconds, not
+    the default 30."""
+    settings: Dict[str, Any] = dict(retry=CAMPAIGN_RETRY, request_timeout=10.0)
+    settings.update(overrides)
+    return make_client(server, **settings)
 
 
 # --------------------------------------------------------------------------
@@ -171,6 +183,16 @@ def add_connect(rsps: responses.RequestsMock, body: Any, status: int = 200, **kw
         responses.GET, CONNECT, body=body, status=status,
         content_type="application/x-ndjson", **kw,
     )  # fmt: skip
+
+
+def add_stalled_connect(rsps: responses.RequestsMock, seconds: float, body: str) -> None:
+    """One answer to the stream's connect that comes only after `seconds` of silence."""
+
+    def answer(request: Any) -> Any:
+        time.sleep(seconds)
+        return (200, {}, body)
+
+    rsps.add_callback(responses.GET, CONNECT, callback=answer, content_type="application/x-ndjson")
 
 
 def add_waited(rsps: responses.RequestsMock, record: Dict[str, Any]) -> None:
@@ -293,7 +315,7 @@ def agrees_with_json(block: bytes, cursor: int = 0) -> bool:
 
 
 # --------------------------------------------------------------------------
-# Programs: remote commands, the command line, the examples
+# Programs: remote commands, their output, the command line, the examples, sockets
 # --------------------------------------------------------------------------
 
 
@@ -323,6 +345,48 @@ def run_example(name: str) -> "subprocess.CompletedProcess[bytes]":
         capture_output=True,
         timeout=120,
     )
+
+
+class Recorder:
+    """An on_output that keeps every delivery and when it came."""
+
+    def __init__(self) -> None:
+        self.deliveries: List[Tuple[str, str]] = []
+        self.times: List[float] = []
+
+    def __call__(self, stream: str, text: str) -> None:
+        self.deliveries.append((stream, text))
+        self.times.append(time.monotonic())
+
+    def text(self, stream: str = "stdout") -> str:
+        return "".join(text for name, text in self.deliveries if name == stream)
+
+    def output(self) -> str:
+        """Everything delivered, both streams, in the order it came."""
+        return "".join(text for _, text in self.deliveries)
+
+
+class Listener:
+    """A socket on loopback that hands each connection it accepts to
+    `handle(connection)`, on a thread of its own, until close()."""
+
+    def __init__(self, handle: Callable[[socket.socket], None]) -> None:
+        self._socket = socket.create_server(("127.0.0.1", 0), backlog=16)
+        self.url = "http://127.0.0.1:%d" % self._socket.getsockname()[1]
+        self._handle = handle
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection, _ = self._socket.accept()
+            except OSError:  # closed
+                return
+            self._handle(connection)
+
+    def close(self) -> None:
+        self._socket.close()
 
 
 def closed_port() -> int:
@@ -371,81 +435,11 @@ class Figures:
         self._path = path
 
     def record(self, item: str, **figures: float) -> None:
-        """`item`: e.g. "fault matrix"; figures: runs=, faults=, exact=, ... (numbers)."""
+        """`item`: its row of RELIABILITY.md's table, e.g. "1. fault matrix"; figures:
+        runs=, faults=, exact=, ... (numbers)."""
         if self._path:
             with open(self._path, "a", encoding="utf-8") as report:
                 report.write(json.dumps({"item": item, **figures}) + "\n")
-
-
-# --------------------------------------------------------------------------
-# Added for the unit homes
-# --------------------------------------------------------------------------
-
-
-def add_stalled_connect(rsps: responses.RequestsMock, seconds: float, body: str) -> None:
-    """One answer to the stream's connect that comes only after `seconds` of silence."""
-
-    def answer(request: Any) -> Any:
-        time.sleep(seconds)
-        return (200, {}, body)
-
-    rsps.add_callback(responses.GET, CONNECT, callback=answer, content_type="application/x-ndjson")
-
-
-# --------------------------------------------------------------------------
-# Added for the campaigns and end-to-end tests
-# --------------------------------------------------------------------------
-
-
-class Recorder:
-    """An on_output that keeps every delivery and when it came."""
-
-    def __init__(self) -> None:
-        self.deliveries: List[Tuple[str, str]] = []
-        self.times: List[float] = []
-
-    def __call__(self, stream: str, text: str) -> None:
-        self.deliveries.append((stream, text))
-        self.times.append(time.monotonic())
-
-    def text(self, stream: str = "stdout") -> str:
-        return "".join(text for name, text in self.deliveries if name == stream)
-
-    def output(self) -> str:
-        """Everything delivered, both streams, in the order it came."""
-        return "".join(text for _, text in self.deliveries)
-
-
-class Listener:
-    """A socket on loopback that hands each connection it accepts to
-    `handle(connection)`, on a thread of its own, until close()."""
-
-    def __init__(self, handle: Callable[[socket.socket], None]) -> None:
-        self._socket = socket.create_server(("127.0.0.1", 0), backlog=16)
-        self.url = "http://127.0.0.1:%d" % self._socket.getsockname()[1]
-        self._handle = handle
-        self._thread = threading.Thread(target=self._accept, daemon=True)
-        self._thread.start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                connection, _ = self._socket.accept()
-            except OSError:  # closed
-                return
-            self._handle(connection)
-
-    def close(self) -> None:
-        self._socket.close()
-
-
-def campaign_client(server: Any, **overrides: Any) -> cx.Client:
-    """A client for a campaign's local server: CAMPAIGN_RETRY, and one request
-    bounded at 10 s, so that an answer a fault stalls costs a run seconds, not
-    the default 30."""
-    settings: Dict[str, Any] = dict(retry=CAMPAIGN_RETRY, request_timeout=10.0)
-    settings.update(overrides)
-    return make_client(server, **settings)
 
 
 def figures_at_end(item: str, figures_of: Callable[[], Optional[Dict[str, float]]]) -> Any:
@@ -462,8 +456,3 @@ def figures_at_end(item: str, figures_of: Callable[[], Optional[Dict[str, float]
             figures.record(item, **found)
 
     return _figures_at_end
-
-
-# Canned answers, a third try: for a test that counts the requests of a policy
-# that runs out after three.
-CANNED_THREE_TRIES = dataclasses.replace(CANNED_RETRY, max_attempts=3)
