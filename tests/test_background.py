@@ -7,8 +7,10 @@ under both readings of the local server (see conftest.BOTH_READINGS).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import inspect
+import subprocess
 import threading
 import time
 import warnings
@@ -123,7 +125,7 @@ def test_the_loop_timeout_only_stops_waiting(client, server):
         for piece in proc.iter_output(timeout=0.5):
             seen.append(piece)
     assert by_stream(seen)["stdout"] == "up\n" and caught.value.timeout == 0.5
-    assert isinstance(caught.value, cx.subprocess.TimeoutExpired)
+    assert isinstance(caught.value, subprocess.TimeoutExpired)
     assert proc.poll() is None and server.tree_alive(proc.process_id)
     proc.kill()
     assert proc.wait().signal == "SIGKILL"
@@ -323,7 +325,7 @@ def test_no_warning_once_the_run_has_ended(client):
 
 
 PROCESS_OPTIONS = ("timeout", "on_output", "check", "max_output_chars", "encoding", "errors")
-ALL_OPTIONS = {field.name for field in cx.dataclasses.fields(cx._Options)}
+ALL_OPTIONS = {field.name for field in dataclasses.fields(cx._Options)}
 
 
 @pytest.mark.parametrize(

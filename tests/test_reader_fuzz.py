@@ -114,7 +114,7 @@ def split(data: bytes, sizes: Sequence[int]) -> List[bytes]:
 class Feed:
     """A byte stream in chunks; counts what the reader pulled and gave back.
 
-    When `_blocks` asks for the next chunk it has handed out every complete
+    When `_Reader.blocks` asks for the next chunk it has handed out every complete
     line of the previous one, so `consumed - emitted` is exactly the unterminated
     tail it buffers (its `pending`) at that moment.
     """
@@ -402,7 +402,7 @@ def corrupt(valid: Valid, field_edits: Any, byte_edits: Any) -> bytes:
 
 
 def lines_oracle(data: bytes, limit: int) -> Tuple[List[bytes], Any]:
-    """The lines `_blocks` must hand out for `data`, however it is chunked."""
+    """The lines `_Reader.blocks` must hand out for `data`, however it is chunked."""
     *lines, tail = data.split(b"\n")
     good: List[bytes] = []
     for line in lines:
