@@ -1297,13 +1297,12 @@ class _Transport:
         """One request, retried under the retry policy while it fails and time remains.
         A cancel ends its waits (see _Deadline.pause)."""
         budget = _Budget(self.retry)
-        timeout = (self.request_timeout, read_timeout or self.request_timeout)
         while True:
             answer = self.attempt(
                 method,
                 path,
                 operation=operation,
-                timeout=timeout,
+                read_timeout=read_timeout,
                 deadline=deadline,
                 process_id=process_id,
                 **request,
@@ -1313,11 +1312,7 @@ class _Transport:
             delay = budget.delay_within(answer.retry_after, deadline.at)
             if delay is None:
                 raise answer.final(process_id) from answer.__cause__
-            try:
-                deadline = deadline.pause(delay)
-            except CancelledError as cancelled:
-                cancelled.process_id = process_id
-                raise
+            deadline = deadline.pause(delay)  # the run names the process on a cancel
 
     def attempt(self, method: str, path: str, **send: Any) -> Union[requests.Response, _Retryable]:
         """The response, or the failure worth another attempt (returned, not raised:
@@ -1343,7 +1338,7 @@ class _Transport:
         path: str,
         *,
         operation: str,
-        timeout: Tuple[float, float],
+        read_timeout: Optional[float] = None,
         deadline: _Deadline = _ENDLESS,
         process_id: Optional[str] = None,
         params: Optional[Dict[str, Any]] = None,
@@ -1355,11 +1350,16 @@ class _Transport:
     ) -> requests.Response:
         """One attempt: a 2xx (or an `ok_statuses`) response; any other status raises.
 
-        `timeout` is cut to what remains of `deadline`, whose cancel ends a wait in the pacing
-        window. `data` is a raw body of `data_type` (a JSON body built by hand costs less)."""
+        Connecting takes at most request_timeout, reading `read_timeout` (by default
+        request_timeout too), both cut to what remains of `deadline`, whose cancel ends a
+        wait in the pacing window. `data` is a raw body of `data_type` (a JSON body built
+        by hand costs less)."""
         logger.debug("%s %s", method, path)
         headers = self._headers_for(data_type=None if data is None else data_type, stream=stream)
-        timeout = (_within(timeout[0], deadline.at), _within(timeout[1], deadline.at))
+        timeout = (
+            _within(self.request_timeout, deadline.at),
+            _within(read_timeout or self.request_timeout, deadline.at),
+        )
         place = self._limiter.acquire(sum(timeout), deadline) if self._limiter is not None else None
         status: Optional[int] = None
         try:
@@ -1602,8 +1602,8 @@ class _Reader:
                 if kind == "data":
                     data.append(_data_frame(frame))
                     continue
-                self._take_data(data)
-                data.clear()
+                done, data = data, []  # never taken twice, even if that fails
+                self._take_data(done)
                 if kind == "exit":
                     return _exit_status(frame) or _NO_STATUS
                 if kind == "error":
@@ -1882,12 +1882,13 @@ def _evicted_seq(response: requests.Response) -> Optional[int]:
     return oldest if _is_int(oldest) else None
 
 
-def _newest_seq(record: Dict[str, Any]) -> int:
+def _output_seq(record: Dict[str, Any], field: str) -> int:
+    """The record's output.newest_seq or output.oldest_seq: its journal's window."""
     output = record.get("output")
-    newest: Any = output.get("newest_seq") if isinstance(output, dict) else None
-    if not _is_int(newest) or newest < 0:
-        raise ProtocolError("the process record has no valid output.newest_seq")
-    return int(newest)
+    seq: Any = output.get(field) if isinstance(output, dict) else None
+    if not _is_int(seq) or seq < 0:
+        raise ProtocolError(f"the process record has no valid output.{field}")
+    return int(seq)
 
 
 def _listing_page(listing: Any, offset: int) -> Tuple[List[Any], Optional[int]]:
@@ -1919,14 +1920,6 @@ def _checked_process_id(value: Any) -> str:
     if not isinstance(value, str) or not _ID.match(value):
         raise ProtocolError("a process record has an invalid process_id")
     return value
-
-
-def _oldest_seq(record: Dict[str, Any]) -> int:
-    output = record.get("output")
-    oldest: Any = output.get("oldest_seq") if isinstance(output, dict) else None
-    if not _is_int(oldest) or oldest < 0:
-        raise ProtocolError("the process record has no valid output.oldest_seq")
-    return int(oldest)
 
 
 def _process_info(record: Any) -> ProcessInfo:
@@ -2711,13 +2704,18 @@ def _staged_bytes(env: Optional[Dict[str, str]], stdin: Union[str, bytes, None])
 
 
 def _utf8(what: str, text: str) -> bytes:
-    """UTF-8 of a secret; the error raised for a lone surrogate must not carry the text."""
+    """UTF-8 of a secret (env or stdin)."""
+    return _encoded(text, "utf-8", f"{what} is not valid Unicode (pass bytes for binary stdin).")
+
+
+def _encoded(text: str, encoding: str, complaint: str) -> bytes:
+    """`text` encoded; the error for what cannot be encoded must not carry the text."""
     try:
-        encoded: Optional[bytes] = text.encode("utf-8")
+        encoded: Optional[bytes] = text.encode(encoding)
     except UnicodeEncodeError:
         encoded = None  # raised below, outside the handler: no __context__ holding the text
     if encoded is None:
-        raise ConfigError(f"{what} is not valid Unicode (pass bytes for binary stdin).")
+        raise ConfigError(complaint)
     return encoded
 
 
@@ -2787,12 +2785,10 @@ class _Launch:
     def _attempt(self, deadline: _Deadline) -> Union[requests.Response, _Retryable]:
         """One POST, its timeouts cut to what remains of `deadline`: one that the
         deadline cut is a lost answer, and the process is looked for."""
-        transport = self._transport
-        return transport.attempt(
+        return self._transport.attempt(
             "POST",
             _sandbox_path(self._sandbox_id, "/processes"),
             operation="process creation",
-            timeout=(transport.request_timeout, transport.request_timeout),
             deadline=deadline,
             json_body=self._plan.body,
         )
@@ -2911,7 +2907,7 @@ class _Launch:
                 "POST",
                 _sandbox_path(self._sandbox_id, "/exec"),
                 operation="removal of the staged file",
-                timeout=(transport.request_timeout, transport.cleanup_timeout),
+                read_timeout=transport.cleanup_timeout,
                 deadline=_Deadline(limit="cleanup", cancel=hurry),
                 json_body={"cmd": "rm", "args": ["-f", "--", self._plan.staged_path]},
             ).close()
@@ -3262,7 +3258,7 @@ class RemoteProcess:
         reading, the DELETE is waited for (a second Ctrl-C ends that wait).
         """
         follower = self._follower
-        termination = _Termination(self._endpoints, ending, self._deadline.cancel)
+        termination = _Termination(self._endpoints, ending.grace, self._deadline.cancel)
         if ending.timed_out or ending.asked:
             ending = yield from self._follower.through_termination(ending)
         first = ending.error
@@ -3315,8 +3311,8 @@ class _Turn:
         left_loop = held[1]() if held is not None and held[0] == threading.get_ident() else None
         if left_loop is not None:
             left_loop.close()
-        left = None if until.at is None else max(0.0, until.at - time.monotonic())
-        if not self._lock.acquire(timeout=-1 if left is None else left):
+        left = _remaining(until.at)
+        if not self._lock.acquire(timeout=-1 if left is None else max(0.0, left)):
             yield False
             return
         self._loop = None if loop is None else (threading.get_ident(), loop)
@@ -3331,11 +3327,10 @@ class _Termination:
     """A tree's DELETE in a thread of its own, so that the grace period's output can be read."""
 
     def __init__(
-        self, endpoints: _Endpoints, ending: _Ending, cancel: Optional[threading.Event]
+        self, endpoints: _Endpoints, grace: Optional[float], hurry: Optional[threading.Event]
     ) -> None:
-        # A cancel hurries the termination (see _Deadline.pause); after Ctrl-C it
-        # goes at the pace of the window and the service, and a second Ctrl-C ends it.
-        grace, hurry = ending.grace, cancel
+        # The run's cancel hurries the termination (see _Deadline.pause); after Ctrl-C
+        # it goes at the pace of the window and the service, and a second Ctrl-C ends it.
         self._failure: Optional[BaseException] = None
         self._thread = threading.Thread(
             target=self._run, args=(endpoints, grace, hurry), name="createos_exec-cleanup"
@@ -3479,7 +3474,7 @@ class _Follower:
         creation_recovered: bool = False,
     ) -> None:
         self.endpoints = endpoints
-        self.process_id = self._process_id = endpoints.process_id
+        self.process_id = endpoints.process_id
         self._cancel = options.cancel
         self._output = _Output(
             options.encoding, options.errors, options.max_output_chars, options.on_output
@@ -3525,7 +3520,7 @@ class _Follower:
             stderr_truncated=err.truncated,
             output=self._output.combined.text(),
             combined_truncated=self._output.combined.truncated,
-            process_id=self._process_id,
+            process_id=self.process_id,
             reconnects=self.reconnects,
             exit_recovered=self.exit_recovered,
             creation_recovered=self.creation_recovered,
@@ -3545,7 +3540,7 @@ class _Follower:
         while True:
             self.raise_if_interrupted(deadline)
             record, cursor, beats = self._record, self._reader.cursor, self._reader.heartbeats
-            until = None if record is None else _newest_seq(record)
+            until = None if record is None else _output_seq(record, "newest_seq")
             ended: Union[_Exit, None, _Retryable]  # what ended one connection
             try:
                 response = self.endpoints.connect(cursor, deadline)
@@ -3586,7 +3581,7 @@ class _Follower:
         logger.info(
             "Output stream of %s broke after %d new frames and %d heartbeats; "
             "resuming after seq %d in %.2f s",
-            self._process_id,
+            self.process_id,
             self._reader.cursor - cursor,
             self._reader.heartbeats - beats,
             self._reader.cursor,
@@ -3601,12 +3596,12 @@ class _Follower:
         hole in it. Drop what was read and go on from the oldest output kept."""
         oldest = evicted.oldest_available_seq
         if oldest is None:
-            oldest = _oldest_seq(self.endpoints.record(deadline))
+            oldest = _output_seq(self.endpoints.record(deadline), "oldest_seq")
         if oldest <= self._reader.cursor + 1:
             raise evicted  # the next frame is kept after all: fail closed
         logger.info(
             "Output of %s up to seq %d was evicted unread; following on from seq %d",
-            self._process_id,
+            self.process_id,
             oldest - 1,
             oldest,
         )
@@ -3617,10 +3612,8 @@ class _Follower:
     def _exit_from_frame(self, status: _Exit, deadline: _Deadline) -> _Exit:
         if status != _NO_STATUS:
             return status
-        logger.info("Exit frame of %s has no status; asking the process record", self._process_id)
-        problem = ProtocolError(
-            "the exit frame carries no exit status", process_id=self._process_id
-        )
+        logger.info("Exit frame of %s has no status; asking the process record", self.process_id)
+        problem = ProtocolError("the exit frame carries no exit status", process_id=self.process_id)
         try:
             record = self.endpoints.exit_record("leader", _EXIT_CHECK_MS, deadline)
         except CreateOSError as exc:
@@ -3652,11 +3645,11 @@ class _Follower:
 
     def cleanup_deadline(self) -> _Deadline:
         """A fresh deadline for reading what is left once nothing is waited for."""
-        return _Deadline.after(self.endpoints.cleanup_timeout, "cleanup", time.monotonic())
+        return self.endpoints.cleanup_deadline()
 
     def raise_if_interrupted(self, deadline: _Deadline) -> None:
         if self._cancel is not None and self._cancel.is_set():
-            raise CancelledError(process_id=self._process_id)
+            raise CancelledError(process_id=self.process_id)
         if deadline.expired():
             raise _TimedOut(deadline)
 
@@ -3696,23 +3689,23 @@ class _Follower:
             self.exit_recovered = True
             status = _exit_status(record)
             raise OutputIncompleteError(
-                process_id=self._process_id, result=self.result(status, partial=True)
+                process_id=self.process_id, result=self.result(status, partial=True)
             )
-        logger.info("Output stream of %s keeps failing; asking whether it runs", self._process_id)
+        logger.info("Output stream of %s keeps failing; asking whether it runs", self.process_id)
         try:
             record = self.endpoints.exit_record("tree", _LIVENESS_POLL_MS, deadline)
         except (TransportError, APIError) as exc:
             self.raise_if_interrupted(deadline)  # the deadline cut the wait short
-            raise StreamEndedError(process_id=self._process_id) from exc
+            raise StreamEndedError(process_id=self.process_id) from exc
         if record is None:
-            logger.info("Process %s still runs; following it on", self._process_id)
+            logger.info("Process %s still runs; following it on", self.process_id)
         elif _exit_status(record) is None:
-            raise StreamEndedError(process_id=self._process_id) from failure.__cause__
+            raise StreamEndedError(process_id=self.process_id) from failure.__cause__
         return record
 
     def _caught_up(self, record: Dict[str, Any]) -> bool:
         """Whether the output read reaches the end of the exited process's journal."""
-        newest = _newest_seq(record)
+        newest = _output_seq(record, "newest_seq")
         if newest < self._reader.cursor:
             raise ProtocolError("the journal ends before output already read")
         return newest == self._reader.cursor
@@ -3722,7 +3715,7 @@ class _Follower:
         if status is None:  # _when_spent lets only a record with a status through
             raise ProtocolError("the wait answer carries no exit status")
         self.exit_recovered = True
-        logger.info("Recovered the exit status of %s out of band", self._process_id)
+        logger.info("Recovered the exit status of %s out of band", self.process_id)
         return status
 
 
@@ -3745,9 +3738,9 @@ class _Endpoints:
         self.process_id = process_id
         self._path = _sandbox_path(sandbox_id, f"/processes/{process_id}")
 
-    @property
-    def cleanup_timeout(self) -> float:
-        return self.transport.cleanup_timeout
+    def cleanup_deadline(self, hurry: Optional[threading.Event] = None) -> _Deadline:
+        """A fresh deadline of cleanup_timeout, from now; `hurry` is its cancel."""
+        return _Deadline.after(self.transport.cleanup_timeout, "cleanup", time.monotonic(), hurry)
 
     def connect(self, after: int, deadline: _Deadline) -> requests.Response:
         """The output stream from seq `after` + 1; OutputEvictedError on 410."""
@@ -3756,7 +3749,7 @@ class _Endpoints:
             "GET",
             self._path + "/connect",
             operation="output connection",
-            timeout=(transport.request_timeout, transport.stream_idle_timeout),
+            read_timeout=transport.stream_idle_timeout,
             deadline=deadline,
             process_id=self.process_id,
             params={"after": after},
@@ -3829,7 +3822,7 @@ class _Endpoints:
         transport = self.transport
         if grace is None:
             grace = _termination_grace(transport.cleanup_timeout)
-        deadline = _Deadline.after(transport.cleanup_timeout, "cleanup", time.monotonic(), hurry)
+        deadline = self.cleanup_deadline(hurry)
         try:
             response = transport.call(
                 "DELETE",
@@ -3855,12 +3848,10 @@ class _Endpoints:
     def input(self, body: bytes) -> Union[requests.Response, _Retryable]:
         """One attempt to write a piece to stdin (a JSON body): never sent twice here.
         404 and 409 (closed, or the process ended) are answers too."""
-        transport = self.transport
-        return transport.attempt(
+        return self.transport.attempt(
             "POST",
             self._path + "/input",
             operation="stdin write",
-            timeout=(transport.request_timeout, transport.request_timeout),
             process_id=self.process_id,
             data=body,
             data_type="application/json",
@@ -3887,12 +3878,10 @@ class _Endpoints:
 
     def _once(self, method: str, rest: str, operation: str, **request: Any) -> requests.Response:
         """One request, never retried: acting on the process twice may not be once."""
-        transport = self.transport
-        answer = transport.attempt(
+        answer = self.transport.attempt(
             method,
             self._path + rest,
             operation=operation,
-            timeout=(transport.request_timeout, transport.request_timeout),
             process_id=self.process_id,
             **request,
         )
@@ -3984,13 +3973,8 @@ def _input_bytes(data: Any, encoding: str) -> bytes:
         return bytes(data)
     if not isinstance(data, str):
         raise ConfigError("write() takes str or bytes.")
-    try:
-        encoded: Optional[bytes] = data.encode(encoding)
-    except UnicodeEncodeError:
-        encoded = None  # raised below, outside the handler: no __context__ holding the text
-    if encoded is None:
-        raise ConfigError("The input cannot be encoded with the run's encoding; pass bytes.")
-    return encoded
+    complaint = "The input cannot be encoded with the run's encoding; pass bytes."
+    return _encoded(data, encoding, complaint)
 
 
 # -- wait_for_port: a probe inside the sandbox, ended before the call returns ----
