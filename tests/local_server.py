@@ -641,6 +641,14 @@ class Process:
         with self.cond:
             return self.returncode is not None
 
+    def settled(self) -> bool:
+        """The tree gone and both pipes read to their end: the journal is complete,
+        as protocol §5.6 has a client assume when `wait?scope=tree` answers."""
+        if not self.tree_exited():
+            return False
+        with self.cond:
+            return self._open_pipes == 0
+
     def kill_group(self, signum: int) -> None:
         with self.cond:
             if self._tree_gone:
@@ -1854,7 +1862,7 @@ class LocalServer:
         timeout = uint_param(req.query, "timeout_ms", self.reading.wait_default_ms) / 1000.0
         if self.reading.wait_cap is not None:
             timeout = min(timeout, self.reading.wait_cap)
-        condition = proc.leader_exited if scope == "leader" else proc.tree_exited
+        condition = proc.leader_exited if scope == "leader" else proc.settled
         if not self._await(condition, timeout):
             raise ApiError(408, {"timeout": "the %s has not exited yet" % scope})
         return proc.record()
