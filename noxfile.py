@@ -109,10 +109,7 @@ def lint(session: nox.Session) -> None:
 def tests(session: nox.Session) -> None:
     session.install("-e", ".[test]")
     # pytest-cov combines the workers' data: the figure is the serial run's.
-    if session.posargs:
-        session.run("python", "-m", "pytest", *WORKERS, "--cov=createos_exec", *session.posargs)
-        return
-    session.run("python", "-m", "pytest", *WORKERS, "--cov=createos_exec")
+    session.run("python", "-m", "pytest", *WORKERS, "--cov=createos_exec", *session.posargs)
 
 
 @nox.session

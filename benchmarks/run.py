@@ -97,6 +97,9 @@ sys.path.insert(0, HERE)
 import readers  # noqa: E402
 import requests  # noqa: E402
 import urllib3  # noqa: E402
+from local_server import DEFAULT_API_KEY as LOCAL_KEY  # noqa: E402
+from local_server import DEFAULT_SANDBOX as LOCAL_SANDBOX  # noqa: E402
+from local_server import LocalServer  # noqa: E402
 from stream_server import Shape, StreamServer, connect_path, payload  # noqa: E402
 
 import createos_exec  # noqa: E402
@@ -123,7 +126,6 @@ WARMUP_SHAPES = (
     Shape("warmup", 256 * KiB, 100, 64 * KiB),
     Shape("warmup-mixed", 256 * KiB, 100, 64 * KiB, mixed=True),
 )
-LOCAL_SANDBOX = "sb_local"  # the sandbox tests/local_server.py starts with
 
 SERVER_ALONE = "server alone (drain, no parsing)"
 PER_LINE = "per-line ceiling (raw socket)"
@@ -746,8 +748,6 @@ def replay(session: requests.Session, captured: List[requests.PreparedRequest], 
 
 
 def run_latency(report: Report, runs: int, resume_runs: int) -> None:
-    from local_server import LocalServer
-
     report.heading("Latency against tests/local_server.py (real bash processes)")
     with LocalServer() as server:
         captured = capture_requests(server)
@@ -892,8 +892,6 @@ def stamper(stamps: List[float], clock: Callable[[], float]) -> Callable[[str, s
 
 def run_resume(report: Report, runs: int) -> None:
     """The pause in on_output around a connection reset, with the default Client settings."""
-    from local_server import LocalServer
-
     expected = "".join("%d\n" % number for number in range(1, 3001))
     gaps, normal = [], []
     with LocalServer(frame_limit=RESUME_FRAME_LIMIT) as server:
@@ -1072,9 +1070,6 @@ def run_stdin(report: Report, repeat: int, scale: float) -> None:
             if sdk_client is not None:
                 sdk_client.close()
     report_stdin(report, size, timings, requests_per_mib)
-
-
-LOCAL_KEY = "local-dev-key"  # tests/local_server.py's default
 
 
 @contextlib.contextmanager

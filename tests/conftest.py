@@ -11,9 +11,8 @@ import sys
 import pytest
 import responses
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The helpers beside this file; support.py puts the repository's module on the path.
 sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, ROOT)
 
 from local_server import READINGS, LocalServer, Reading  # noqa: E402
 from support import Figures, make_client  # noqa: E402

@@ -13,9 +13,11 @@ import dataclasses
 import importlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 import urllib.parse
@@ -30,10 +32,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from local_server import DEFAULT_SANDBOX  # noqa: E402
+
 import createos_exec as cx  # noqa: E402
 
-# The local server's sandbox.
-SANDBOX = "sb_local"
+SANDBOX = DEFAULT_SANDBOX  # the local server's sandbox, there from the start
 
 # Canned answers: a service that is never reached, at a name that cannot resolve.
 BASE = "https://api.example.test"
@@ -114,12 +117,9 @@ def campaign_client(server: Any, **overrides: Any) -> cx.Client:
 # --------------------------------------------------------------------------
 
 
-def jsend_ok(data: Any) -> Dict[str, Any]:
+def ok(data: Any) -> Dict[str, Any]:
     """A JSend success envelope, as CreateOS answers a 2xx."""
     return {"status": "success", "data": data}
-
-
-ok = jsend_ok
 
 
 def process_record(process_id: str = PID, *, newest: int = 0, **fields: Any) -> Dict[str, Any]:
@@ -141,7 +141,6 @@ def process_record(process_id: str = PID, *, newest: int = 0, **fields: Any) -> 
 def exited(newest: int, **fields: Any) -> Dict[str, Any]:
     """The record of a process whose tree is gone, its journal at `newest`."""
     fields.setdefault("state", "exited")
-    fields.setdefault("process_id", PID)
     return process_record(
         leader_exited=True,
         tree_exited=True,
@@ -193,10 +192,6 @@ def add_stalled_connect(rsps: responses.RequestsMock, seconds: float, body: str)
         return (200, {}, body)
 
     rsps.add_callback(responses.GET, CONNECT, callback=answer, content_type="application/x-ndjson")
-
-
-def add_waited(rsps: responses.RequestsMock, record: Dict[str, Any]) -> None:
-    rsps.add(responses.GET, WAIT, json=ok(record))
 
 
 def add_deleted(rsps: responses.RequestsMock) -> None:
@@ -387,6 +382,17 @@ class Listener:
 
     def close(self) -> None:
         self._socket.close()
+
+
+def shown_parts() -> List[Tuple[str, str, str]]:
+    """The parts of examples/background.py that a Markdown file shows, as
+    (file, part, code): between `# -- FILE.md: part --` and `# -- end --`."""
+    with open(os.path.join(ROOT, "examples", "background.py"), encoding="utf-8") as handle:
+        example = handle.read()
+    marked = re.finditer(
+        r"\n    # -- (\S+\.md): ([^\n]+) --\n(.*?)\n    # -- end --", example, re.S
+    )
+    return [(m.group(1), m.group(2), textwrap.dedent(m.group(3)).strip()) for m in marked]
 
 
 def closed_port() -> int:

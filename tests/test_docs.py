@@ -23,12 +23,11 @@ import os
 import re
 import subprocess
 import sys
-import textwrap
 from typing import List, NamedTuple, Optional
 
 import pytest
 from local_server import LocalServer
-from support import ROOT, cli_env
+from support import ROOT, cli_env, shown_parts
 
 SANDBOX = "sb_123"  # the sandbox id of the docs' examples
 DOCUMENTS = ["README.md", "benchmarks/README.md"] + sorted(
@@ -92,15 +91,8 @@ def blocks_of(document: str) -> List[Block]:
 BLOCKS = [block for document in DOCUMENTS for block in blocks_of(document)]
 
 
-def shown_from_the_example() -> List[str]:
-    """The parts of examples/background.py that the docs show (see test_example.py)."""
-    with open(os.path.join(ROOT, "examples", "background.py"), encoding="utf-8") as handle:
-        example = handle.read()
-    parts = re.findall(r"\n    # -- \S+\.md: [^\n]+ --\n(.*?)\n    # -- end --", example, re.S)
-    return [textwrap.dedent(part).strip() + "\n" for part in parts]
-
-
-SHOWN = shown_from_the_example()
+# The parts of examples/background.py that the docs show (see test_example.py).
+SHOWN = [code + "\n" for _, _, code in shown_parts()]
 
 
 def kind(block: Block) -> str:

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import os
 import re
-import textwrap
 
 import pytest
-from support import ROOT, run_example
+from support import ROOT, run_example, shown_parts
 
 
 def test_quickstart_runs_and_shows_a_resumed_stream():
@@ -38,17 +37,6 @@ def test_background_example_starts_a_server_uses_it_and_leaves_it():
         "taken up: True | last: step 5 done | rc 0",
     ]
     assert lines[7:] == ["6 * 7 -> 42", "... -> 43", "the REPL said bye and exited 0"]
-
-
-def shown_parts():
-    """The parts of examples/background.py that a Markdown file shows, as
-    (file, part, code): between `# -- FILE.md: part --` and `# -- end --`."""
-    with open(os.path.join(ROOT, "examples", "background.py"), encoding="utf-8") as handle:
-        example = handle.read()
-    marked = re.finditer(
-        r"\n    # -- (\S+\.md): ([^\n]+) --\n(.*?)\n    # -- end --", example, re.S
-    )
-    return [(m.group(1), m.group(2), textwrap.dedent(m.group(3)).strip()) for m in marked]
 
 
 def test_the_example_marks_the_parts_the_docs_show():

@@ -16,7 +16,7 @@ import pytest
 import requests
 import responses
 from local_server import LocalServer
-from support import NO_RETRY, PROCS, SANDBOX, SB, calls, jsend_ok, make_client, process_record
+from support import NO_RETRY, PROCS, SANDBOX, SB, calls, make_client, ok, process_record
 
 import createos_exec as cx
 
@@ -59,7 +59,7 @@ def test_pages_are_followed_until_the_marker_is_found(rsps):
         offset = int(request.params.get("offset", 0))
         limit = int(request.params.get("limit", 3))
         body = paginated(records, offset, min(limit, 3), len(records))
-        return (200, {}, json.dumps(jsend_ok(body)))
+        return (200, {}, json.dumps(ok(body)))
 
     rsps.add_callback(responses.POST, PROCS, callback=create)
     rsps.add_callback(responses.GET, PROCS, callback=listing)
@@ -102,7 +102,7 @@ def test_a_listing_that_never_ends_is_read_for_a_bounded_number_of_pages(rsps):
             "data": [process_record("proc_%022d" % offset)],
             "pagination": {"total": 10**9, "offset": offset},
         }
-        return (200, {}, json.dumps(jsend_ok(page)))
+        return (200, {}, json.dumps(ok(page)))
 
     rsps.add_callback(responses.GET, PROCS, callback=endless)
     with pytest.raises(cx.CleanupError) as caught:

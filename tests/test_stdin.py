@@ -27,7 +27,15 @@ import pytest
 import requests
 import urllib3
 from local_server import LocalServer
-from support import SANDBOX, THREE_TRIES, assert_clean, campaign_size, make_client
+from support import (
+    SANDBOX,
+    THREE_TRIES,
+    assert_clean,
+    campaign_size,
+    closed_port,
+    make_client,
+    python,
+)
 
 import createos_exec as cx
 
@@ -41,22 +49,11 @@ DIGEST = [
     "print(len(data), hashlib.sha256(data).hexdigest())\n",
 ]
 # Doubles each number it reads, one line at a time.
-DOUBLER = [
-    sys.executable,
-    "-u",
-    "-c",
-    "import sys\nfor line in sys.stdin:\n    print(2 * int(line), flush=True)\n",
-]
+DOUBLER = python("import sys\nfor line in sys.stdin:\n    print(2 * int(line), flush=True)\n")
 
 
 def digest(data):
     return "%d %s\n" % (len(data), hashlib.sha256(data).hexdigest())
-
-
-def free_port():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def refused():
@@ -382,7 +379,7 @@ def probes_all_gone(server, proc):
 
 
 def test_wait_for_port_returns_once_the_server_listens(client, server):
-    port = free_port()
+    port = closed_port()
     proc = client.start(SANDBOX, [sys.executable, "-c", LISTEN_LATER, str(port), "1.0"])
     started = time.monotonic()
     proc.wait_for_port(port, timeout=20)
@@ -396,7 +393,7 @@ def test_wait_for_port_returns_once_the_server_listens(client, server):
 
 
 def test_wait_for_port_raises_at_once_when_the_process_ends_first(client, server):
-    port = free_port()
+    port = closed_port()
     proc = client.start(SANDBOX, "sleep 0.5; echo port in use >&2; exit 7", shell=True)
     started = time.monotonic()
     with pytest.raises(cx.ProcessEndedError) as caught:
@@ -419,7 +416,7 @@ def test_wait_for_port_times_out_within_a_request_a_second(server):
             before = len(quiet.requests)
             started = time.monotonic()
             with pytest.raises(cx.WaitTimeout) as caught:
-                proc.wait_for_port(free_port(), timeout=8)
+                proc.wait_for_port(closed_port(), timeout=8)
             took = time.monotonic() - started
             assert 8 <= took < 9
             assert caught.value.timeout == 8 and caught.value.process_id == proc.process_id

@@ -104,7 +104,7 @@ def test_a_copy_of_the_module_alone_runs_a_command_in_a_fresh_venv(server, tmp_p
     venv = tmp_path / "venv"
     app = tmp_path / "app"
     app.mkdir()
-    env = _clean_env()
+    env = _clean_env(TMPDIR=str(tmp_path))  # what the installers leave is the test's
 
     python = _fresh_venv(venv, env)
     _pip(python, "install", "--quiet", "requests", env=env)
@@ -191,7 +191,7 @@ def test_the_installed_package_types_users_code_and_has_its_command(tmp_path):
     for name in DISTRIBUTION:
         shutil.copy(os.path.join(ROOT, name), source / name)
     venv = tmp_path / "venv"
-    env = _clean_env()
+    env = _clean_env(TMPDIR=str(tmp_path))  # what the installers leave is the test's
     python = _fresh_venv(venv, env)
     _pip(python, "install", "--quiet", str(source), env=env)
 
