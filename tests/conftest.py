@@ -14,7 +14,7 @@ import responses
 # The helpers beside this file; support.py puts the repository's module on the path.
 sys.path.insert(0, os.path.dirname(__file__))
 
-from local_server import READINGS, LocalServer, Reading  # noqa: E402
+from local_server import CONSERVATIVE, READINGS, LocalServer, Reading  # noqa: E402
 from support import Figures, make_client  # noqa: E402
 
 # Modules whose tests run against both readings of protocol.md §11 (see
@@ -40,15 +40,22 @@ def pytest_make_parametrize_id(config, val, argname):
 
 def pytest_generate_tests(metafunc):
     module = metafunc.module.__name__.rpartition(".")[2]
-    if module in BOTH_READINGS and "server" in metafunc.fixturenames:
-        metafunc.parametrize("server", READINGS, indirect=True)
+    if module in BOTH_READINGS and "server_reading" in metafunc.fixturenames:
+        metafunc.parametrize("server_reading", READINGS, indirect=True)
 
 
 @pytest.fixture
-def server(request):
+def server_reading(request):
+    """The reading of protocol §11 that the test's servers play: each of them in
+    the modules of BOTH_READINGS, else the conservative one. A test that needs a
+    server built otherwise takes this, not a `server` it would leave unused."""
+    return getattr(request, "param", CONSERVATIVE)
+
+
+@pytest.fixture
+def server(server_reading):
     """A local server; `server.reading` says which reading of protocol §11 it plays."""
-    reading = getattr(request, "param", "conservative")
-    with LocalServer(heartbeat_interval=0.5, reading=reading) as local:
+    with LocalServer(heartbeat_interval=0.5, reading=server_reading) as local:
         yield local
 
 

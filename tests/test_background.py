@@ -280,10 +280,10 @@ FLOOD_OUT = "".join("%07d\n" % i for i in range(40000))
 
 
 @pytest.fixture
-def small_journal(server):
+def small_journal(server_reading):
     # Frames of 4 KiB: the journal holds several, whatever the reading adds at EOF.
     with LocalServer(
-        heartbeat_interval=0.5, reading=server.reading, journal_limit=32768, frame_limit=4096
+        heartbeat_interval=0.5, reading=server_reading, journal_limit=32768, frame_limit=4096
     ) as local:
         yield local
 

@@ -332,8 +332,8 @@ def test_eviction_of_live_output_is_a_410_or_an_error_event(sdk, sandbox, server
     processes.delete(process_id)
 
 
-def test_strict_mode_refuses_only_the_sdks_body_less_post(sdk, server, monkeypatch):
-    with LocalServer(strict=True, reading=server.reading) as strict:
+def test_strict_mode_refuses_only_the_sdks_body_less_post(sdk, server_reading, monkeypatch):
+    with LocalServer(strict=True, reading=server_reading) as strict:
         monkeypatch.setenv("CREATEOS_SANDBOX_BASE_URL", strict.url)
         monkeypatch.setenv("CREATEOS_API_KEY", strict.api_key)
         with sdk.Client() as client:

@@ -408,9 +408,9 @@ def test_wait_for_port_raises_at_once_when_the_process_ends_first(client, server
         proc.wait_for_port(port, timeout=30)
 
 
-def test_wait_for_port_times_out_within_a_request_a_second(server):
+def test_wait_for_port_times_out_within_a_request_a_second(server_reading):
     # Heartbeats far apart: the timeout must not wait for the next one.
-    with LocalServer(heartbeat_interval=5.0, reading=server.reading) as quiet:
+    with LocalServer(heartbeat_interval=5.0, reading=server_reading) as quiet:
         with make_client(quiet) as client:
             proc = client.start(SANDBOX, ["sleep", "60"])
             before = len(quiet.requests)
