@@ -8,7 +8,7 @@ Sandbox REST API (see ``protocol.md``), and the GET of a sandbox that SDKs
 use to get a handle on one: JSend envelopes, ``X-Api-Key`` auth,
 NDJSON output streams over chunked HTTP/1.1 with heartbeats, a bounded
 replay journal with whole-frame eviction, ``wait`` long-polls and
-process-group termination with a grace period. Tests can also inject faults
+termination of the whole tree with a grace period. Tests can also inject faults
 (error statuses, dropped / ended / stalled / corrupted streams, eviction, a
 lost create response, a lost answer to a delivered input), and turn on strict
 POST framing and a per-address rate limit
@@ -29,8 +29,15 @@ Command line::
 
     python tests/local_server.py --port 0  # prints the base URL, serves until SIGINT/SIGTERM
 
+A managed process's tree is its cgroup where the server may make one (root,
+a writable cgroup v2 hierarchy with ``cgroup.kill``: Linux 5.14 or later), as
+the service's is: ``tree_exited``, ``wait?scope=tree``, DELETE and ``stop()``
+then reach every process started in it, a double-forked daemon included.
+Elsewhere, or with ``cgroups=False``, it is the process group the leader
+leads and which its descendants keep unless they leave it (``setsid``).
+
 Only the standard library is used; Linux only (process groups are inspected
-through ``/proc``).
+through ``/proc``, cgroups through ``/sys/fs/cgroup``).
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ import binascii
 import collections
 import dataclasses
 import datetime
+import errno
 import hmac
 import ipaddress
 import itertools
@@ -445,8 +453,133 @@ class Sandbox:
                 self._workdir = None
 
 
+# --------------------------------------------------------------------------
+# The tree of a managed process: its cgroup, or its process group
+
+
+class ProcessGroup:
+    """The tree as the process group the leader leads (start_new_session): a
+    descendant that leaves it (``setsid``, a double-forked daemon) is out of reach."""
+
+    def __init__(self, pgid: int):
+        self.pgid = pgid
+
+    def signal_all(self, signum: int) -> None:
+        try:
+            os.killpg(self.pgid, signum)
+        except ProcessLookupError:
+            pass
+
+    def empty(self, groups: set[int] | None = None) -> bool:
+        """No live member left (`groups`: a scan of live_process_groups() already made)."""
+        return self.pgid not in (live_process_groups() if groups is None else groups)
+
+    def remove(self) -> None:
+        """Nothing to remove: a process group ends with its last member."""
+
+
+class Cgroup:
+    """A cgroup v2 directory. A process put in it before it runs anything, and
+    every descendant it starts, stay in it whatever they do short of writing to
+    another cgroup's ``cgroup.procs``, as in the service's sandbox."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    @classmethod
+    def create(cls, path: str) -> Cgroup:
+        os.mkdir(path, 0o755)
+        return cls(path)
+
+    def child(self, name: str) -> Cgroup:
+        return Cgroup.create(os.path.join(self.path, name))
+
+    def join(self) -> None:
+        """Move the calling process into this cgroup (a preexec_fn: between
+        fork and exec, so that nothing the command runs starts outside it)."""
+        self._write("cgroup.procs", b"0")  # 0: the writer itself
+
+    def signal_all(self, signum: int) -> None:
+        """SIGKILL at once to the whole cgroup (``cgroup.kill``: nothing forked
+        meanwhile escapes); another signal to each process listed, once."""
+        if signum == signal.SIGKILL:
+            self._write("cgroup.kill", b"1")
+            return
+        for pid in self.members():
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:  # ended since the listing
+                pass
+
+    def members(self) -> list[int]:
+        """The pids in it (an exited process, a zombie, is no longer listed)."""
+        with open(os.path.join(self.path, "cgroup.procs"), "rb") as procs:
+            return [int(pid) for pid in procs.read().split()]
+
+    def empty(self, groups: set[int] | None = None) -> bool:
+        """No live process left in it (a zombie does not count): ``populated 0``."""
+        try:
+            with open(os.path.join(self.path, "cgroup.events"), "rb") as events:
+                return b"populated 0" in events.read().splitlines()
+        except OSError as exc:  # removed, before or while it was read: it was empty
+            if exc.errno not in (errno.ENOENT, errno.ENODEV):
+                raise
+            return True
+
+    def remove(self) -> None:
+        try:
+            os.rmdir(self.path)
+        except OSError:  # gone already, or a tree that survived SIGKILL keeps it
+            pass
+
+    def _write(self, name: str, data: bytes) -> None:
+        fd = os.open(os.path.join(self.path, name), os.O_WRONLY)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+
+
+def cgroup2_mount() -> str | None:
+    """Where the cgroup v2 hierarchy is mounted (``/sys/fs/cgroup``, or
+    ``/sys/fs/cgroup/unified`` beside v1 controllers), or None."""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as mounts:
+            for line in mounts:
+                # "ID PARENT MAJ:MIN ROOT MOUNT_POINT OPTIONS [OPTIONAL...] - FSTYPE SOURCE ..."
+                fields = line.split()
+                if fields[fields.index("-") + 1] == "cgroup2":
+                    return fields[4]
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def server_cgroup() -> Cgroup | None:
+    """A cgroup of this server's own, under which each managed process gets one,
+    if this machine lets it: it is made, a probe process is put in it and ends,
+    and it has ``cgroup.kill``. None: the process groups are the trees."""
+    mount = cgroup2_mount()
+    if mount is None:
+        return None
+    name = "local_server-%d-%s" % (os.getpid(), secrets.token_hex(4))  # xdist runs many
+    try:
+        parent = Cgroup.create(os.path.join(mount, name))
+    except OSError:
+        return None
+    try:
+        if not os.path.exists(os.path.join(parent.path, "cgroup.kill")):  # Linux < 5.14
+            raise OSError("no cgroup.kill")
+        subprocess.run(["true"], preexec_fn=parent.join, check=True)
+    except (OSError, subprocess.SubprocessError):
+        parent.remove()
+        return None
+    return parent
+
+
 class Process:
-    """A managed process: a real subprocess leading its own process group.
+    """A managed process: a real subprocess leading its own process group,
+    in a cgroup of its own where the server may make one (``tree``).
 
     ``cond`` guards every field below it. The leader is reaped only while
     ``cond`` is held, so code holding ``cond`` may signal ``pid`` without
@@ -458,6 +591,7 @@ class Process:
         process_id: str,
         sandbox_id: str,
         popen: subprocess.Popen[bytes],
+        tree: ProcessGroup | Cgroup,
         cmd: str,
         args: list[str],
         cwd: str,
@@ -469,6 +603,7 @@ class Process:
         self.id = process_id
         self.sandbox_id = sandbox_id
         self.pid = popen.pid  # also the process group id (start_new_session)
+        self.tree = tree
         self.cmd, self.args, self.cwd = cmd, args, cwd
         # Stamped before the spawn by the caller: a record is created before its
         # process runs, so that finished_at - created_at bounds how long it ran.
@@ -627,14 +762,17 @@ class Process:
                 self.cond.notify_all()
 
     def tree_exited(self, groups: set[int] | None = None) -> bool:
-        """Leader reaped and no live member left in its process group."""
+        """Leader reaped and no live process left in its tree (cgroup or process
+        group; `groups`: a scan of live_process_groups() already made). The
+        tree's cgroup is removed once it is empty."""
         with self.cond:
             if self._tree_gone or self.returncode is None:
                 return self._tree_gone
-        if groups is None:
-            groups = live_process_groups()
+        empty = self.tree.empty(groups)
         with self.cond:
-            self._tree_gone = self._tree_gone or self.pid not in groups
+            if empty and not self._tree_gone:
+                self._tree_gone = True
+                self.tree.remove()
             return self._tree_gone
 
     def leader_exited(self) -> bool:
@@ -649,14 +787,10 @@ class Process:
         with self.cond:
             return self._open_pipes == 0
 
-    def kill_group(self, signum: int) -> None:
+    def kill_tree(self, signum: int) -> None:
         with self.cond:
-            if self._tree_gone:
-                return
-            try:
-                os.killpg(self.pid, signum)
-            except ProcessLookupError:
-                pass
+            if not self._tree_gone:
+                self.tree.signal_all(signum)
 
     def send_signal(self, signum: int) -> None:
         """Signal the process group, as the vendor CLI documents for pipe
@@ -1352,6 +1486,16 @@ class LocalServer:
     ``list_page_size`` is the default page size of that paginated listing
     (100), small in tests so that a few processes fill several pages.
 
+    ``cgroups=True`` (the default) puts each managed process, before it runs
+    anything, in a cgroup v2 of its own where the server may (see
+    ``server_cgroup``; ``containment`` says which it got): the tree that
+    ``tree_exited`` and ``wait?scope=tree`` wait for and that DELETE and
+    ``stop()`` end is then every process of that cgroup, as on the service
+    (protocol §5.2), a double-forked daemon included: DELETE sends SIGTERM to
+    each, waits the grace period, then ``cgroup.kill``. Elsewhere, or with
+    ``cgroups=False``, it is the leader's process group, which a descendant
+    leaves with ``setsid``. A ``signal`` reaches the process group either way.
+
     ``strict=True`` frames POSTs as the vendor's control forwarder does
     (whatever the reading): 411 to a POST that names no ``Content-Length`` (and is
     not chunked), 400 to a POST that is not ``application/json``, body-less
@@ -1383,6 +1527,7 @@ class LocalServer:
         list_page_size: int = 100,
         strict: bool = False,
         rate_limit: tuple[int, float] | None = None,
+        cgroups: bool = True,
         verbose: bool = False,
     ):
         reading = reading_of(reading)
@@ -1415,6 +1560,8 @@ class LocalServer:
         self.list_page_size = list_page_size
         self.strict = strict
         self._rate_window = None if rate_limit is None else SlidingWindow(*rate_limit)
+        self.cgroups = cgroups
+        self._cgroup: Cgroup | None = None  # the parent of the processes' cgroups, once started
         self.verbose = verbose
         self.url = ""
         self.requests: list[RequestRecord] = []
@@ -1435,6 +1582,7 @@ class LocalServer:
             raise RuntimeError("a LocalServer can be started once")
         server_class = _HTTPServerV6 if ":" in self.host else _HTTPServer
         self._httpd = server_class((self.host, self.port), self)
+        self._cgroup = server_cgroup() if self.cgroups else None
         port = self._httpd.server_address[1]
         host = "[%s]" % self.host if ":" in self.host else self.host
         self.url = "http://%s:%d" % (host, port)
@@ -1447,8 +1595,13 @@ class LocalServer:
         self._thread.start()
         return self
 
+    @property
+    def containment(self) -> str:
+        """What a managed process's tree is: ``"cgroup"`` or ``"process group"``."""
+        return "process group" if self._cgroup is None else "cgroup"
+
     def stop(self) -> None:
-        """Stop serving, SIGKILL every remaining process group, remove temp dirs."""
+        """Stop serving, SIGKILL every remaining tree, remove its cgroups and the temp dirs."""
         if self._httpd is None or self._thread is None or self._stopping.is_set():
             return
         self._stopping.set()
@@ -1459,10 +1612,12 @@ class LocalServer:
             processes = list(self._processes.values())
             connections = dict(self._connections)
         for proc in processes:
-            proc.kill_group(signal.SIGKILL)
+            proc.kill_tree(signal.SIGKILL)
         self._await(
             lambda: all(proc.tree_exited() for proc in processes), KILL_TIMEOUT, stoppable=False
         )
+        if self._cgroup is not None:
+            self._cgroup.remove()  # each tree removed its own once empty
         for proc in processes:
             with proc.cond:
                 proc.cond.notify_all()  # wake streams so they see _stopping
@@ -1515,14 +1670,14 @@ class LocalServer:
             if sandbox_id not in self._sandboxes:
                 raise KeyError(sandbox_id)
             procs = [p for p in self._processes.values() if p.sandbox_id == sandbox_id]
-        groups = live_process_groups()
+        groups = live_process_groups() if self._cgroup is None else None  # one scan for all
         return [proc.record(groups) for proc in procs]
 
     def process(self, process_id: str) -> dict[str, Any]:
         return self._get_process(process_id).record()
 
     def tree_alive(self, process_id: str) -> bool:
-        """Whether the leader or any non-zombie member of its process group lives."""
+        """Whether the leader or any non-zombie process of its tree lives."""
         return not self._get_process(process_id).tree_exited()
 
     def wait_tree_gone(self, process_id: str, timeout: float = 10.0) -> bool:
@@ -1754,6 +1909,8 @@ class LocalServer:
             raise ApiError(400, {"cwd": "no such directory"})
         env = environment_of(spec, sandbox)
         created_at = utc_now()
+        process_id = "proc_" + secrets.token_urlsafe(16)
+        cgroup = None if self._cgroup is None else self._cgroup.child(process_id)
         try:
             popen = subprocess.Popen(
                 [cmd] + args,
@@ -1763,14 +1920,18 @@ class LocalServer:
                 cwd=cwd,
                 env=env,
                 start_new_session=True,
+                preexec_fn=None if cgroup is None else cgroup.join,
                 bufsize=0,
             )
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, subprocess.SubprocessError) as exc:
+            if cgroup is not None:
+                cgroup.remove()
             raise start_error(exc) from None
         proc = Process(
-            "proc_" + secrets.token_urlsafe(16),
+            process_id,
             sandbox_id,
             popen,
+            ProcessGroup(popen.pid) if cgroup is None else cgroup,
             cmd,
             args,
             cwd,
@@ -1873,9 +2034,9 @@ class LocalServer:
         if not proc.tree_exited():
             with proc.cond:
                 proc.terminating = True
-            proc.kill_group(signal.SIGTERM)
+            proc.kill_tree(signal.SIGTERM)
             if not self._await(proc.tree_exited, grace):
-                proc.kill_group(signal.SIGKILL)
+                proc.kill_tree(signal.SIGKILL)
                 if not self._await(proc.tree_exited, KILL_TIMEOUT):
                     raise ApiError(500, "the process tree survived SIGKILL")
         record = proc.record()
@@ -1993,7 +2154,13 @@ def main(argv: list[str] | None = None) -> int:
             "CreateOS-compatible test server. WARNING: it RUNS COMMANDS ON THIS "
             "MACHINE, as you, for anyone holding the API key. It binds loopback "
             "addresses only. Prints its base URL as the first line of stdout, "
-            "then serves until SIGINT or SIGTERM. Sandbox 'sb_local' exists."
+            "then serves until SIGINT or SIGTERM. Sandbox 'sb_local' exists.\n\n"
+            "Each managed process runs in a cgroup v2 of its own where it may (root, a "
+            "writable cgroup2 mount with cgroup.kill: Linux 5.14 or later): tree_exited, "
+            "wait?scope=tree and DELETE then reach every process of that cgroup, a "
+            "double-forked daemon included, as on the service. Elsewhere, or with "
+            "--no-cgroups, they reach the leader's process group, which a process leaves "
+            "with setsid."
         ),
         epilog=reading_fields_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -2044,6 +2211,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N/SECONDS",
         help="answer 429 to a client address over N requests in any SECONDS (default: no limit)",
     )
+    parser.add_argument(
+        "--no-cgroups",
+        dest="cgroups",
+        action="store_false",
+        help="make no cgroup: a process's tree is its process group, even where a cgroup "
+        "could be made",
+    )
     parser.add_argument("--verbose", action="store_true", help="log requests to stderr")
     options = parser.parse_args(argv)
     try:
@@ -2059,6 +2233,7 @@ def main(argv: list[str] | None = None) -> int:
             list_page_size=options.list_page_size,
             strict=options.strict,
             rate_limit=options.rate_limit,
+            cgroups=options.cgroups,
             verbose=options.verbose,
         )
     except ValueError as exc:

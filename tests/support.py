@@ -319,6 +319,28 @@ def python(code: str) -> List[str]:
     return [sys.executable, "-u", "-c", code]
 
 
+# A script that starts a daemon as a service does (a session of its own, a
+# second fork, reparented to init, stdio on /dev/null), writes its pid to
+# ./daemon, and then sleeps: only a cgroup still holds the daemon in its tree.
+DAEMON = "setsid -w sh -c 'sleep 300 </dev/null >/dev/null 2>&1 & echo $! >daemon'; exec sleep 300"
+
+
+def daemon_pid(directory: str) -> int:
+    """The pid DAEMON, run in `directory`, wrote there (waited for, 10 s at most)."""
+    path = os.path.join(directory, "daemon")
+    deadline = time.monotonic() + 10.0
+    while True:
+        try:
+            with open(path) as written:
+                line = written.read()
+        except FileNotFoundError:
+            line = ""
+        if line.endswith("\n"):
+            return int(line)
+        assert time.monotonic() < deadline, "DAEMON wrote no pid"
+        time.sleep(0.02)
+
+
 def cli_argv(*args: str) -> List[str]:
     return [sys.executable, "-m", "createos_exec", *args]
 
@@ -431,6 +453,14 @@ def require(name: str) -> Any:
     if not in_ci():
         return pytest.importorskip(name)
     return importlib.import_module(name)
+
+
+def require_cgroup(server: Any) -> None:
+    """For a test of a local server that puts each process in a cgroup of its
+    own: skipped where it may not (not root, no writable cgroup2), an error in CI."""
+    if server.containment != "cgroup":
+        assert not in_ci(), "the local server made no cgroup in CI"
+        pytest.skip("the local server may make no cgroup on this machine")
 
 
 class Figures:

@@ -38,6 +38,7 @@ import responses
 from support import (
     CANNED_RETRY,
     CONNECT,
+    DAEMON,
     EXEC,
     EXIT0,
     FILES,
@@ -55,6 +56,7 @@ from support import (
     calls,
     cli_argv,
     cli_env,
+    daemon_pid,
     data,
     figures_at_end,
     make_client,
@@ -62,6 +64,7 @@ from support import (
     ok,
     process_record,
     query,
+    require_cgroup,
 )
 
 import createos_exec as cx
@@ -360,6 +363,18 @@ def test_timeout_keeps_what_the_grace_period_printed(server):
     assert result.timed_out and result.exit_code is None
     assert result.stdout == "ready\ngrace-output\n"
     assert not server.tree_alive(result.process_id)
+
+
+@posix_only
+def test_terminate_ends_a_double_forked_daemon_of_the_tree(server, tmp_path):
+    require_cgroup(server)  # a daemon leaves the process group: only its cgroup holds it
+    with make_client(server, cleanup_timeout=CLEANUP) as client:
+        proc = client.start(SANDBOX, DAEMON, shell=True, cwd=str(tmp_path))
+        daemon = daemon_pid(str(tmp_path))
+        assert pid_alive(daemon)
+        proc.terminate()
+    assert not pid_alive(daemon) and not server.tree_alive(proc.process_id)
+    assert proc.wait().signal == "SIGTERM"
 
 
 # -- canned answers: each interruption ends with the tree terminated -------------------

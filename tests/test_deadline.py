@@ -22,7 +22,16 @@ from typing import Any, Dict, List, Optional
 
 import pytest
 from local_server import LocalServer
-from support import ROOT, SANDBOX, campaign_size, figures_at_end, make_client
+from support import (
+    DAEMON,
+    ROOT,
+    SANDBOX,
+    campaign_size,
+    daemon_pid,
+    figures_at_end,
+    make_client,
+    require_cgroup,
+)
 
 import createos_exec as cx
 
@@ -174,6 +183,13 @@ def test_the_watchdog_ends_a_tree_that_obeys_sigterm_at_once(client, server):
     assert seconds < 0.5, "SIGTERM ended the tree: no grace period is waited out"
     result = proc.wait()
     assert result.timed_out and result.exit_code is None and result.signal == "SIGTERM"
+
+
+def test_a_run_that_timed_out_leaves_no_double_forked_daemon(client, server, tmp_path):
+    require_cgroup(server)  # a daemon leaves the process group: only its cgroup holds it
+    result = client.execute(SANDBOX, DAEMON, shell=True, cwd=str(tmp_path), timeout=1.0)
+    assert result.timed_out
+    assert not alive(daemon_pid(str(tmp_path))) and not server.tree_alive(result.process_id)
 
 
 def test_a_result_waited_for_after_the_watchdog_fired_is_timed_out_with_grace_output(client):

@@ -24,7 +24,8 @@ import requests
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from local_server import DEFAULT_API_KEY, DEFAULT_SANDBOX, LocalServer  # noqa: E402
+from local_server import DEFAULT_API_KEY, DEFAULT_SANDBOX, LocalServer, cgroup2_mount  # noqa: E402
+from support import DAEMON, daemon_pid, require_cgroup  # noqa: E402
 
 SERVER_CLI = [sys.executable, os.path.join(HERE, "local_server.py")]  # its command line
 
@@ -171,10 +172,18 @@ def finished_three_frames(api: Api) -> str:
 
 
 @pytest.fixture
-def server():
-    local = LocalServer().start()
+def server(request):
+    """A local server; parametrized indirectly, with or without cgroups (see BOTH_TREES)."""
+    local = LocalServer(cgroups=getattr(request, "param", True)).start()
     yield local
     local.stop()
+
+
+# A test of how a tree is waited for and ended runs with each kind of tree: a
+# cgroup per process where the server may make one, else the process group.
+BOTH_TREES = pytest.mark.parametrize(
+    "server", [True, False], ids=["cgroup", "process-group"], indirect=True
+)
 
 
 @pytest.fixture
@@ -450,6 +459,7 @@ def test_reader_behind_eviction_gets_an_error_frame():
 # -- wait, delete, stdin, signal ------------------------------------------------------
 
 
+@BOTH_TREES
 def test_wait_for_leader_and_for_tree(server, api):
     process_id = api.sh("sleep 1 >/dev/null 2>&1 & exit 0")
     leader = api.wait(process_id, scope="leader")
@@ -485,6 +495,7 @@ def test_wait_without_timeout_is_a_bounded_long_poll(server, api):
     assert 0.3 <= time.monotonic() - started < 5
 
 
+@BOTH_TREES
 def test_delete_kills_a_tree_that_ignores_sigterm(server, api):
     process_id = api.sh('trap "" TERM; sleep 100 & sleep 100')
     time.sleep(0.2)  # let both sleeps start
@@ -602,6 +613,51 @@ def test_signal_reaches_the_leader_alone_under_the_alternative_reading():
         assert alive(child) and server.tree_alive(process_id)
         assert api.request("DELETE", "/processes/%s" % process_id).status_code == 200
         assert not alive(child)
+
+
+def cgroup_of(pid: int) -> str:
+    """The directory of the cgroup v2 that `pid` is in ("" without cgroup v2)."""
+    with open("/proc/%d/cgroup" % pid) as cgroups:
+        paths = [line[3:].strip() for line in cgroups if line.startswith("0::")]
+    return str(cgroup2_mount()) + paths[0] if paths else ""
+
+
+def test_a_cgroup_holds_a_double_forked_daemon_in_the_tree_until_it_ends():
+    with LocalServer() as server:
+        require_cgroup(server)
+        api = Api(server)
+        process_id = api.sh(DAEMON)
+        workdir = server.process(process_id)["cwd"]
+        daemon = daemon_pid(workdir)
+        os.remove(os.path.join(workdir, "daemon"))
+        api.sh(DAEMON)  # left to stop()
+        survivor = daemon_pid(workdir)
+        cgroup = cgroup_of(daemon)
+        assert cgroup.endswith("/" + process_id)
+        assert cgroup_of(server.process(process_id)["pid"]) == cgroup != cgroup_of(survivor)
+        path = "/processes/%s" % process_id
+        assert api.request("POST", path + "/signal", json={"signal": "SIGKILL"}).status_code == 200
+        assert api.wait(process_id, scope="leader")["tree_exited"] is False
+        expired = api.request("GET", path + "/wait", params={"scope": "tree", "timeout_ms": 50})
+        assert expired.status_code == 408 and alive(daemon)
+        deleted = api.request("DELETE", path + "?grace_ms=5000")
+        assert deleted.json()["data"]["tree_exited"] is True
+        assert not alive(daemon) and not os.path.exists(cgroup)
+        assert alive(survivor)
+    assert not alive(survivor) and not os.path.exists(os.path.dirname(cgroup))
+
+
+def test_without_cgroups_a_double_forked_daemon_is_out_of_the_tree():
+    with LocalServer(cgroups=False) as server:
+        assert server.containment == "process group"
+        api = Api(server)
+        process_id = api.sh(DAEMON)
+        daemon = daemon_pid(server.process(process_id)["cwd"])
+        try:
+            deleted = api.request("DELETE", "/processes/%s?grace_ms=300" % process_id)
+            assert deleted.json()["data"]["tree_exited"] is True and alive(daemon)
+        finally:
+            os.kill(daemon, signal.SIGKILL)
 
 
 # -- strict mode ------------------------------------------------------------------
@@ -919,8 +975,9 @@ def test_a_lost_input_answer_still_delivers_the_input(server, api):
 # -- lifecycle and command line ---------------------------------------------------
 
 
-def test_stop_kills_remaining_groups_and_removes_temp_dirs():
-    server = LocalServer().start()
+@pytest.mark.parametrize("cgroups", [True, False], ids=["cgroup", "process-group"])
+def test_stop_kills_remaining_groups_and_removes_temp_dirs(cgroups):
+    server = LocalServer(cgroups=cgroups).start()
     api = Api(server)
     process_id = api.sh("sleep 100 & sleep 100")
     time.sleep(0.1)
@@ -1034,3 +1091,10 @@ def test_cli_help_carries_the_warning():
     text = " ".join(shown.split())
     assert "RUNS COMMANDS ON THIS MACHINE" in text and "loopback" in text
     assert "signal_target group / leader" in text  # every field of the reading, both values
+    assert "cgroup v2 of its own where it may" in text and "--no-cgroups" in text
+
+
+def test_cli_no_cgroups_flag():
+    with cli_server("--no-cgroups") as api:
+        record = api.request("GET", "/processes/%s" % api.create("sleep", "30")).json()["data"]
+        assert cgroup_of(record["pid"]) == cgroup_of(os.getpid())
