@@ -3207,21 +3207,27 @@ class RemoteProcess:
     def _write(self, data: Union[str, bytes], deadline: _Deadline) -> None:
         if self._stdin is None:
             raise ConfigError("write() needs a process started with stdin=cx.PIPE.")
-        with self._timed_out_waiting():
+        with self._interruptible():
             self._stdin.write(data, deadline, ended=self._outcome is not None)
 
     def _close_stdin(self, deadline: _Deadline) -> None:
         if self._stdin is not None and self._outcome is None:
-            with self._timed_out_waiting():
+            with self._interruptible():
                 self._stdin.close(deadline)
 
     @contextlib.contextmanager
-    def _timed_out_waiting(self) -> Iterator[None]:
-        """A deadline that ends a wait outside the run is a WaitTimeout."""
+    def _interruptible(self) -> Iterator[None]:
+        """A wait outside the run: its deadline is a WaitTimeout, the process
+        running on; the cancel ends the run as it always does (the tree
+        terminated, then CancelledError)."""
         try:
             yield
         except _TimedOut as expired:
             raise self._wait_timeout(expired.args[0], read=False) from None
+        except CancelledError as cancelled:
+            cancelled.process_id = self.process_id
+            self.wait()
+            raise
 
     def wait_for_port(self, port: int, *, host: str = "127.0.0.1", timeout: float = 30.0) -> None:
         """Return once a TCP connect to host:port succeeds inside the sandbox; see _PortWait."""
