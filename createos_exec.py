@@ -3217,9 +3217,9 @@ class RemoteProcess:
 
     @contextlib.contextmanager
     def _interruptible(self) -> Iterator[None]:
-        """A wait outside the run: its deadline is a WaitTimeout, the process
-        running on; the cancel ends the run as it always does (the tree
-        terminated, then CancelledError)."""
+        """A wait outside the run (stdin, a port): its deadline is a WaitTimeout,
+        the process running on; the cancel ends the run as it always does (the
+        tree terminated, then CancelledError)."""
         try:
             yield
         except _TimedOut as expired:
@@ -3232,7 +3232,8 @@ class RemoteProcess:
     def wait_for_port(self, port: int, *, host: str = "127.0.0.1", timeout: float = 30.0) -> None:
         """Return once a TCP connect to host:port succeeds inside the sandbox; see _PortWait."""
         probe = _PortWait(self._endpoints, self.args, port=port, host=host, timeout=timeout)
-        probe.until_open(self.wait, self._deadline.cancel)
+        with self._interruptible():
+            probe.until_open(self.wait, self._deadline.cancel)
 
     def __enter__(self) -> "RemoteProcess":
         return self
