@@ -3198,10 +3198,11 @@ class RemoteProcess:
         (which also lets a process that stopped reading its stdin end as it ends).
         `timeout` bounds the writes too: WaitTimeout, the process running on."""
         until = _wait_deadline(timeout)
+        writing = self._deadline.sooner(until)
         with contextlib.suppress(StdinClosedError):
             if input is not None:
-                self._write(input, self._deadline.sooner(until))
-            self._close_stdin(self._deadline.sooner(until))
+                self._write(input, writing)
+            self._close_stdin(writing)
         return self._wait(until)
 
     def _write(self, data: Union[str, bytes], deadline: _Deadline) -> None:
