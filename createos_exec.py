@@ -679,42 +679,47 @@ def _checked_id(kind: str, value: Any) -> str:
 # --------------------------------------------------------------------------
 
 
-def _remaining(deadline: Optional[float]) -> Optional[float]:
-    return None if deadline is None else deadline - time.monotonic()
-
-
-def _within(seconds: float, deadline: Optional[float]) -> float:
-    left = _remaining(deadline)
-    # Never 0: urllib3 refuses a zero timeout; an expired deadline is caught by the caller.
-    return seconds if left is None else max(0.001, min(seconds, left))
-
-
 class _Deadline(NamedTuple):
     """When waiting must stop, on the monotonic clock (None: never), and which
-    limit that is: the command's `timeout`, a wait's own (`wait(timeout=)`,
-    `iter_output(timeout=)`) or a cleanup's. The one who meets it knows which
-    fired. `cancel`, the run's event, may end every wait under it sooner:
-    what may interrupt a wait travels with when it must end."""
+    kind of limit that is: the command's `timeout`, a wait's own
+    (`wait(timeout=)`, `iter_output(timeout=)`, `wait_for_port(timeout=)`,
+    `communicate(timeout=)`) or a cleanup's. The one who meets it knows which
+    fired. What may end a wait sooner travels with when it must end: `cancel`,
+    the run's event, stops every wait under it (CancelledError); `hurry`, the
+    event that asked for a cleanup, cuts the cleanup's next wait short, once.
+    A deadline carries one of the two at most. Every wait under a deadline
+    ends at it, or at its event, whichever comes first."""
 
     at: Optional[float] = None
-    limit: str = "command"
-    seconds: Optional[float] = None  # the limit it was made from
+    kind: str = "command"
+    seconds: Optional[float] = None  # the timeout it was made from
     cancel: Optional[threading.Event] = None
+    hurry: Optional[threading.Event] = None
 
     @classmethod
     def after(
         cls,
         seconds: Optional[float],
-        limit: str,
+        kind: str,
         now: float,
         cancel: Optional[threading.Event] = None,
+        hurry: Optional[threading.Event] = None,
     ) -> "_Deadline":
-        return cls(None if seconds is None else now + seconds, limit, seconds, cancel)
+        return cls(None if seconds is None else now + seconds, kind, seconds, cancel, hurry)
 
     def sooner(self, other: "_Deadline") -> "_Deadline":
-        """Whichever comes first (this one on a tie), interrupted by either's cancel."""
+        """Whichever comes first (this one on a tie), with either's events."""
         first = self if other.at is None or (self.at is not None and self.at <= other.at) else other
-        return first._replace(cancel=self.cancel or other.cancel)
+        return first._replace(cancel=self.cancel or other.cancel, hurry=self.hurry or other.hurry)
+
+    def remaining(self) -> Optional[float]:
+        return None if self.at is None else self.at - time.monotonic()
+
+    def within(self, seconds: float) -> float:
+        """`seconds`, cut to what remains; never 0 (urllib3 refuses a zero timeout):
+        an expired deadline is caught by the caller."""
+        left = self.remaining()
+        return seconds if left is None else max(0.001, min(seconds, left))
 
     def expired(self) -> bool:
         return self.at is not None and time.monotonic() >= self.at
@@ -722,18 +727,37 @@ class _Deadline(NamedTuple):
     def cancelled(self) -> bool:
         return self.cancel is not None and self.cancel.is_set()
 
-    def pause(self, seconds: float) -> "_Deadline":
-        """Wait `seconds` before the next attempt; the deadline to go on under.
+    def check(self, process_id: Optional[str] = None) -> None:
+        """CancelledError once the cancel is set; _TimedOut once the deadline has passed."""
+        if self.cancelled():
+            raise CancelledError(process_id=process_id)
+        if self.expired():
+            raise _TimedOut(self)
 
-        A cancel ends the wait at once: CancelledError. A cleanup's wait (a
-        cancel is what asked for the cleanup) is cut short once instead, and
-        the cleanup goes on at once, then at its own pace.
+    def sleep(self, seconds: float) -> bool:
+        """The one place a run sleeps: `seconds`, at most to the deadline, or until
+        the cancel or the hurry is set (then True). Ctrl-C interrupts either
+        (Event.wait is interruptible, as time.sleep is)."""
+        left = self.remaining()
+        seconds = seconds if left is None else max(0.0, min(seconds, left))
+        event = self.cancel or self.hurry
+        if event is None:
+            time.sleep(seconds)
+            return False
+        return event.wait(seconds)
+
+    def pause(self, seconds: float) -> "_Deadline":
+        """Wait `seconds` (at most to the deadline) before the next attempt; the
+        deadline to go on under.
+
+        The cancel ends the wait at once: CancelledError. The hurry cuts it
+        short once instead, and the cleanup goes on at once, then at its own pace.
         """
-        if not _sleep(seconds, self.cancel):
+        if not self.sleep(seconds):
             return self
-        if self.limit != "cleanup":
+        if self.cancelled():
             raise CancelledError()
-        return self._replace(cancel=None)
+        return self._replace(hurry=None)
 
 
 class _TimedOut(Exception):
@@ -741,15 +765,6 @@ class _TimedOut(Exception):
 
 
 _ENDLESS = _Deadline()  # no deadline, nothing that interrupts
-
-
-def _sleep(seconds: float, cancel: Optional[threading.Event]) -> bool:
-    """The one place a run sleeps: `seconds`, or until `cancel` is set (then True).
-    Ctrl-C interrupts either (Event.wait is interruptible, as time.sleep is)."""
-    if cancel is None:
-        time.sleep(seconds)
-        return False
-    return cancel.wait(seconds)
 
 
 # --------------------------------------------------------------------------
@@ -990,13 +1005,14 @@ class _RateLimiter:
                 cls._shared[key] = cls(limit, period, _window_file(origin, limit, period))
             return cls._shared[key]
 
-    def acquire(self, hold: float = math.inf, deadline: _Deadline = _ENDLESS) -> _Place:
+    def acquire(self, hold: float = math.inf, deadline: _Deadline = _ENDLESS) -> Optional[_Place]:
         """Wait for a place in the window; hand it to release() once answered.
+        None when `deadline` passed first.
 
         `hold` is the longest the request can take to arrive (its timeouts):
         should release() never come, the place frees that long plus a period
-        after it was let through. The cancel of `deadline` ends the wait; that
-        of a cleanup lets it through at once, over the limit if need be: the
+        after it was let through. The cancel of `deadline` ends the wait; its
+        hurry lets it through at once, over the limit if need be: the
         termination a cancel asks for waits for no other request.
         """
         hold = min(hold, _LONGEST_HOLD)
@@ -1005,8 +1021,10 @@ class _RateLimiter:
             taken = self._update(functools.partial(self._take, hold, first))
             if isinstance(taken, _Place):
                 return taken
+            if deadline.expired():
+                return None
             hurried = deadline.pause(min(taken, _PACING_POLL))
-            first = hurried.cancel is None and deadline.cancel is not None
+            first = hurried.hurry is None and deadline.hurry is not None
             deadline = hurried
 
     def release(self, place: _Place, status: Optional[int] = None) -> None:
@@ -1222,12 +1240,10 @@ class _Budget:
             delay = random.uniform(0, min(self._policy.max_backoff, ceiling))
         return min(delay, left)
 
-    def delay_within(
-        self, retry_after: Optional[float], deadline: Optional[float]
-    ) -> Optional[float]:
+    def delay_within(self, retry_after: Optional[float], deadline: _Deadline) -> Optional[float]:
         """next_delay(), or None too when the deadline would pass before it is over."""
         delay = self.next_delay(retry_after)
-        left = _remaining(deadline)
+        left = deadline.remaining()
         return None if delay is None or (left is not None and left <= delay) else delay
 
 
@@ -1309,7 +1325,7 @@ class _Transport:
             )
             if not isinstance(answer, _Retryable):
                 return answer
-            delay = budget.delay_within(answer.retry_after, deadline.at)
+            delay = budget.delay_within(answer.retry_after, deadline)
             if delay is None:
                 raise answer.final(process_id) from answer.__cause__
             deadline = deadline.pause(delay)  # the run names the process on a cancel
@@ -1351,16 +1367,22 @@ class _Transport:
         """One attempt: a 2xx (or an `ok_statuses`) response; any other status raises.
 
         Connecting takes at most request_timeout, reading `read_timeout` (by default
-        request_timeout too), both cut to what remains of `deadline`, whose cancel ends a
-        wait in the pacing window. `data` is a raw body of `data_type` (a JSON body built
-        by hand costs less)."""
+        request_timeout too), both cut to what remains of `deadline`, which with its cancel
+        ends a wait in the pacing window too (one that the deadline ends is a request
+        never sent). `data` is a raw body of `data_type` (a JSON body built by hand
+        costs less)."""
         logger.debug("%s %s", method, path)
         headers = self._headers_for(data_type=None if data is None else data_type, stream=stream)
         timeout = (
-            _within(self.request_timeout, deadline.at),
-            _within(read_timeout or self.request_timeout, deadline.at),
+            deadline.within(self.request_timeout),
+            deadline.within(read_timeout or self.request_timeout),
         )
-        place = self._limiter.acquire(sum(timeout), deadline) if self._limiter is not None else None
+        place = None
+        if self._limiter is not None:
+            place = self._limiter.acquire(sum(timeout), deadline)
+            if place is None:
+                address = _address(self.base)
+                raise _Retryable(operation, maybe_sent=False, address=address, reason="timeout")
         status: Optional[int] = None
         try:
             with _transport_errors(operation, self.base):
@@ -1466,34 +1488,47 @@ def _read_to_end(chunks: Iterator[bytes]) -> None:
 
 
 @contextlib.contextmanager
-def _unblocked_by(cancel: Optional[threading.Event], response: requests.Response) -> Iterator[None]:
-    """While reading `response`, let `cancel` end a read that is waiting for data.
+def _unblocked_by(deadline: _Deadline, response: requests.Response) -> Iterator[None]:
+    """While reading `response`, let `deadline` or its cancel end a read that is
+    waiting for data.
 
-    A quiet process sends nothing but heartbeats, whose interval is unknown:
-    without this, cancelling could wait that long. Shutting the socket down
-    wakes the blocked read; the reader then sees the cancel event.
+    A quiet process sends nothing but heartbeats, whose interval is unknown,
+    and each of them starts the read timeout again: without this, a wait
+    could go on that long past its deadline or its cancel. Shutting the
+    socket down wakes the blocked read; the reader then sees the cancel or
+    the deadline.
     """
-    if cancel is None:
+    if deadline.at is None and deadline.cancel is None:
         yield
         return
     done = threading.Event()
+    finishing = threading.Lock()
     watcher = threading.Thread(
-        target=_shut_down_on, args=(cancel, done, response), name="createos_exec-cancel"
+        target=_shut_down_at,
+        args=(deadline, done, finishing, response),
+        name="createos_exec-deadline",
     )
     watcher.daemon = True
     watcher.start()
     try:
         yield
     finally:
-        done.set()  # the watcher ends within one poll; nothing waits for it
+        with finishing:  # from here on the connection may serve another request
+            done.set()  # the watcher ends within one poll; nothing waits for it
 
 
-def _shut_down_on(cancel: threading.Event, done: threading.Event, response: Any) -> None:
+def _shut_down_at(
+    deadline: _Deadline, done: threading.Event, finishing: threading.Lock, response: Any
+) -> None:
     while not done.is_set():
-        if cancel.wait(_CANCEL_POLL):
-            connection: Any = getattr(response.raw, "connection", None)
-            with contextlib.suppress(OSError, AttributeError):
-                connection.sock.shutdown(socket.SHUT_RDWR)
+        deadline.sleep(_CANCEL_POLL)
+        if deadline.cancelled() or deadline.expired():
+            with finishing:
+                if done.is_set():
+                    return
+                connection: Any = getattr(response.raw, "connection", None)
+                with contextlib.suppress(OSError, AttributeError):
+                    connection.sock.shutdown(socket.SHUT_RDWR)
             return
 
 
@@ -2807,7 +2842,7 @@ class _Launch:
         through after all, or None to send it again. APIError 429 when the retry
         policy or the deadline runs out (or the listing fails); CancelledError
         when a cancel ends the wait or the listing."""
-        delay = budget.delay_within(refusal.retry_after, deadline.at)
+        delay = budget.delay_within(refusal.retry_after, deadline)
         if delay is None:
             raise refusal.final(None)
         logger.info("Process creation was answered 429; asking again in %.2f s", delay)
@@ -2840,7 +2875,7 @@ class _Launch:
     def _terminate_marked(self, hurry: Optional[threading.Event] = None) -> None:
         """Terminate the process with the run's marker, if the listing shows one;
         CleanupError when the listing or the termination fails."""
-        process_id = self._marked_or_unconfirmed(_Deadline(limit="cleanup", cancel=hurry))
+        process_id = self._marked_or_unconfirmed(_Deadline(kind="cleanup", hurry=hurry))
         if process_id is not None:
             logger.info("Terminating process %s: its creation ended in error", process_id)
             _Endpoints(self._transport, self._sandbox_id, process_id).delete(hurry=hurry)
@@ -2898,7 +2933,7 @@ class _Launch:
 
     def unstage(self, hurry: Optional[threading.Event] = None) -> None:
         """Remove the staged secrets file, best-effort, when the wrapper may not have;
-        a cleanup, which the cancel `hurry` hurries through the pacing window."""
+        a cleanup, which `hurry` hurries through the pacing window."""
         if self._plan.staged_path is None:
             return
         transport = self._transport
@@ -2908,7 +2943,7 @@ class _Launch:
                 _sandbox_path(self._sandbox_id, "/exec"),
                 operation="removal of the staged file",
                 read_timeout=transport.cleanup_timeout,
-                deadline=_Deadline(limit="cleanup", cancel=hurry),
+                deadline=_Deadline(kind="cleanup", hurry=hurry),
                 json_body={"cmd": "rm", "args": ["-f", "--", self._plan.staged_path]},
             ).close()
         except (CreateOSError, _Retryable):
@@ -3042,7 +3077,9 @@ class RemoteProcess:
         last output read. Once the run has ended, every wait() gives its
         result (or raises its error).
         """
-        until = _wait_deadline(timeout)
+        return self._wait(_wait_deadline(timeout))
+
+    def _wait(self, until: _Deadline) -> ExecResult:
         with self._turn.taken(until) as mine:
             if not mine:
                 raise self._wait_timeout(until, read=False)
@@ -3145,31 +3182,59 @@ class RemoteProcess:
             self._endpoints.signal(name)
 
     def write(self, data: Union[str, bytes]) -> None:
-        """Write to stdin (start(..., stdin=cx.PIPE)); see _Stdin.write."""
-        if self._stdin is None:
-            raise ConfigError("write() needs a process started with stdin=cx.PIPE.")
-        self._stdin.write(data, ended=self._outcome is not None)
+        """Write to stdin (start(..., stdin=cx.PIPE)); see _Stdin.write. The command's
+        `timeout`, passing meanwhile, is a WaitTimeout (the next wait() ends the
+        run), and its `cancel` a CancelledError."""
+        self._write(data, self._deadline)
 
     def close_stdin(self) -> None:
         """EOF on stdin; idempotent, and nothing to do without stdin=cx.PIPE."""
-        if self._stdin is not None and self._outcome is None:
-            self._stdin.close()
+        self._close_stdin(self._deadline)
 
     def communicate(
         self, input: Union[str, bytes, None] = None, timeout: Optional[float] = None
     ) -> ExecResult:
         """Write `input`, close stdin and wait(timeout), as Popen.communicate does
-        (which also lets a process that stopped reading its stdin end as it ends)."""
+        (which also lets a process that stopped reading its stdin end as it ends).
+        `timeout` bounds the writes too: WaitTimeout, the process running on."""
+        until = _wait_deadline(timeout)
+        writing = self._deadline.sooner(until)
         with contextlib.suppress(StdinClosedError):
             if input is not None:
-                self.write(input)
-            self.close_stdin()
-        return self.wait(timeout)
+                self._write(input, writing)
+            self._close_stdin(writing)
+        return self._wait(until)
+
+    def _write(self, data: Union[str, bytes], deadline: _Deadline) -> None:
+        if self._stdin is None:
+            raise ConfigError("write() needs a process started with stdin=cx.PIPE.")
+        with self._interruptible():
+            self._stdin.write(data, deadline, ended=self._outcome is not None)
+
+    def _close_stdin(self, deadline: _Deadline) -> None:
+        if self._stdin is not None and self._outcome is None:
+            with self._interruptible():
+                self._stdin.close(deadline)
+
+    @contextlib.contextmanager
+    def _interruptible(self) -> Iterator[None]:
+        """A wait outside the run (stdin, a port): its deadline is a WaitTimeout,
+        the process running on; the cancel ends the run as it always does (the
+        tree terminated, then CancelledError)."""
+        try:
+            yield
+        except _TimedOut as expired:
+            raise self._wait_timeout(expired.args[0], read=False) from None
+        except CancelledError as cancelled:
+            cancelled.process_id = self.process_id
+            self.wait()
+            raise
 
     def wait_for_port(self, port: int, *, host: str = "127.0.0.1", timeout: float = 30.0) -> None:
         """Return once a TCP connect to host:port succeeds inside the sandbox; see _PortWait."""
         probe = _PortWait(self._endpoints, self.args, port=port, host=host, timeout=timeout)
-        probe.until_open(self.wait)
+        with self._interruptible():
+            probe.until_open(self.wait, self._deadline.cancel)
 
     def __enter__(self) -> "RemoteProcess":
         return self
@@ -3227,7 +3292,7 @@ class RemoteProcess:
             status = yield from self._follower.follow(self._deadline.sooner(until))
             ending = _Ending(status=status)
         except _TimedOut as expired:
-            if expired.args[0].limit != "command":
+            if expired.args[0].kind != "command":
                 return None
             gone = (yield from self._follower.after_deadline(self._deadline)) if late else None
             if gone is not None:
@@ -3260,7 +3325,7 @@ class RemoteProcess:
         follower = self._follower
         termination = _Termination(self._endpoints, ending.grace, self._deadline.cancel)
         if ending.timed_out or ending.asked:
-            ending = yield from self._follower.through_termination(ending)
+            ending = yield from self._follower.through_termination(ending, self._deadline)
         first = ending.error
         ending = _contained(ending, termination.outcome(), follower)
         confirmed = first is not None and ending.error is first
@@ -3311,7 +3376,7 @@ class _Turn:
         left_loop = held[1]() if held is not None and held[0] == threading.get_ident() else None
         if left_loop is not None:
             left_loop.close()
-        left = _remaining(until.at)
+        left = until.remaining()
         if not self._lock.acquire(timeout=-1 if left is None else max(0.0, left)):
             yield False
             return
@@ -3475,7 +3540,6 @@ class _Follower:
     ) -> None:
         self.endpoints = endpoints
         self.process_id = endpoints.process_id
-        self._cancel = options.cancel
         self._output = _Output(
             options.encoding, options.errors, options.max_output_chars, options.on_output
         )
@@ -3544,7 +3608,7 @@ class _Follower:
             ended: Union[_Exit, None, _Retryable]  # what ended one connection
             try:
                 response = self.endpoints.connect(cursor, deadline)
-                with contextlib.closing(response), _unblocked_by(self._cancel, response):
+                with contextlib.closing(response), _unblocked_by(deadline, response):
                     interrupted = functools.partial(self.raise_if_interrupted, deadline)
                     ended = yield from self._reader.read(_arriving(response), interrupted, until)
             except _Retryable as failure:
@@ -3626,10 +3690,11 @@ class _Follower:
         return recovered
 
     def after_deadline(self, deadline: _Deadline) -> _Steps[Optional[ExecResult]]:
-        """First followed after its deadline: a tree already gone (the sandbox's
-        watchdog, or its own end) needs no containment. Its output is read to
-        the end, and its record says whether the deadline ended it. None to
-        contain it as at any deadline (one that still runs, or trouble)."""
+        """First followed after its deadline (the command's): a tree already gone
+        (the sandbox's watchdog, or its own end) needs no containment. Its
+        output is read to the end, and its record says whether the deadline
+        ended it. None to contain it as at any deadline (one that still runs,
+        or trouble)."""
         try:
             record = self.endpoints.current_record()
         except CreateOSError:
@@ -3638,33 +3703,31 @@ class _Follower:
             return None
         ended_by_deadline = _ended_by_deadline(record, deadline.seconds or 0.0)
         try:
-            status = yield from self.follow(self.cleanup_deadline())
+            status = yield from self.follow(self.reading_deadline(deadline))
         except (_TimedOut, CreateOSError):
             return None
         return self.result(status, timed_out=ended_by_deadline)
 
-    def cleanup_deadline(self) -> _Deadline:
-        """A fresh deadline for reading what is left once nothing is waited for."""
-        return self.endpoints.cleanup_deadline()
+    def reading_deadline(self, run: _Deadline) -> _Deadline:
+        """A fresh deadline for reading what is left once nothing is waited for,
+        under the cancel of the `run`'s deadline."""
+        return self.endpoints.cleanup_deadline(cancel=run.cancel)
 
     def raise_if_interrupted(self, deadline: _Deadline) -> None:
-        if self._cancel is not None and self._cancel.is_set():
-            raise CancelledError(process_id=self.process_id)
-        if deadline.expired():
-            raise _TimedOut(deadline)
+        deadline.check(self.process_id)
 
     def _pause(self, delay: float, deadline: _Deadline) -> None:
-        _sleep(_within(delay, deadline.at), self._cancel)
+        deadline.sleep(delay)
         self.raise_if_interrupted(deadline)
 
-    def through_termination(self, ending: _Ending) -> _Steps[_Ending]:
+    def through_termination(self, ending: _Ending, run: _Deadline) -> _Steps[_Ending]:
         """While the tree is terminated: read what the process prints in its grace period.
 
         A cancel, a callback's error or Ctrl-C ends the reading and becomes
         how the run ended; trouble with the stream only ends the reading.
         """
         try:
-            status = yield from self.follow(self.cleanup_deadline())
+            status = yield from self.follow(self.reading_deadline(run))
         except CancelledError as exc:
             return ending._replace(error=exc)
         except (_TimedOut, CreateOSError):
@@ -3738,9 +3801,12 @@ class _Endpoints:
         self.process_id = process_id
         self._path = _sandbox_path(sandbox_id, f"/processes/{process_id}")
 
-    def cleanup_deadline(self, hurry: Optional[threading.Event] = None) -> _Deadline:
-        """A fresh deadline of cleanup_timeout, from now; `hurry` is its cancel."""
-        return _Deadline.after(self.transport.cleanup_timeout, "cleanup", time.monotonic(), hurry)
+    def cleanup_deadline(
+        self, cancel: Optional[threading.Event] = None, hurry: Optional[threading.Event] = None
+    ) -> _Deadline:
+        """A fresh deadline of cleanup_timeout, from now, with its cancel or its hurry."""
+        now = time.monotonic()
+        return _Deadline.after(self.transport.cleanup_timeout, "cleanup", now, cancel, hurry)
 
     def connect(self, after: int, deadline: _Deadline) -> requests.Response:
         """The output stream from seq `after` + 1; OutputEvictedError on 410."""
@@ -3815,14 +3881,14 @@ class _Endpoints:
         self, grace: Optional[float] = None, hurry: Optional[threading.Event] = None
     ) -> None:
         """Terminate the tree with a grace period (None: the usual one), confirmed,
-        under a fresh deadline of its own, whose waits the cancel `hurry` cuts short.
+        under a fresh deadline of its own, whose waits `hurry` cuts short.
 
         Raises CleanupError unless the answer is `tree_exited: true`, or 404.
         """
         transport = self.transport
         if grace is None:
             grace = _termination_grace(transport.cleanup_timeout)
-        deadline = self.cleanup_deadline(hurry)
+        deadline = self.cleanup_deadline(hurry=hurry)
         try:
             response = transport.call(
                 "DELETE",
@@ -3845,27 +3911,28 @@ class _Endpoints:
             logger.warning("Termination of %s is unconfirmed", self.process_id)
             raise CleanupError(process_id=self.process_id)
 
-    def input(self, body: bytes) -> Union[requests.Response, _Retryable]:
+    def input(self, body: bytes, deadline: _Deadline) -> Union[requests.Response, _Retryable]:
         """One attempt to write a piece to stdin (a JSON body): never sent twice here.
         404 and 409 (closed, or the process ended) are answers too."""
         return self.transport.attempt(
             "POST",
             self._path + "/input",
             operation="stdin write",
+            deadline=deadline,
             process_id=self.process_id,
             data=body,
             data_type="application/json",
             ok_statuses=(404, 409),
         )
 
-    def close_stdin(self) -> None:
+    def close_stdin(self, deadline: _Deadline) -> None:
         """EOF on stdin; closing twice does no harm, so unlike a write it is retried.
         404 and 409 (closed already, the process ended) are fine."""
         self.transport.call(
             "POST",
             self._path + "/stdin/close",
             operation="stdin close",
-            deadline=_ENDLESS,
+            deadline=deadline,
             process_id=self.process_id,
             json_body={},  # a JSON body: the service's forwarder refuses a POST of no type
             ok_statuses=(404, 409),
@@ -3903,9 +3970,12 @@ class _Stdin:
 
     A piece is sent again only when it certainly did not reach the process:
     the connection was never made, or a 429. After any other failure it may
-    have arrived, so nothing is re-sent: InputUnconfirmedError says how much
-    of the write is confirmed. A 409 (stdin closed, the process ended) is a
-    broken pipe. Nothing written ever enters a message, a repr or a log record.
+    have arrived (a piece whose answer the deadline cut too), so nothing is
+    re-sent: InputUnconfirmedError says how much of the write is confirmed.
+    A 409 (stdin closed, the process ended) is a broken pipe. Writing and
+    closing stop at their deadline (_TimedOut) or its cancel (CancelledError),
+    waits between attempts included. Nothing written ever enters a message,
+    a repr or a log record.
     """
 
     def __init__(self, endpoints: _Endpoints, encoding: str) -> None:
@@ -3918,7 +3988,7 @@ class _Stdin:
     def __repr__(self) -> str:
         return f"_Stdin(process_id={self._process_id!r}, closed={self._closed!r})"
 
-    def write(self, data: Union[str, bytes], *, ended: bool = False) -> None:
+    def write(self, data: Union[str, bytes], deadline: _Deadline, *, ended: bool = False) -> None:
         """Return once the service has accepted every byte of `data` (str is encoded
         with the run's encoding). StdinClosedError once closed, or `ended` (the
         run is known to be over); InputUnconfirmedError when a piece's fate is
@@ -3930,22 +4000,30 @@ class _Stdin:
             budget = _Budget(self._endpoints.transport.retry)
             view = memoryview(payload)
             for confirmed in range(0, len(payload), _INPUT_PIECE):
-                self._send(view[confirmed : confirmed + _INPUT_PIECE], confirmed, budget)
+                piece = view[confirmed : confirmed + _INPUT_PIECE]
+                self._send(piece, confirmed, budget, deadline)
                 budget.progress()
 
-    def close(self) -> None:
+    def close(self, deadline: _Deadline) -> None:
         """EOF on the process's stdin; a second close, or one after the end, is fine."""
         with self._lock:
             if self._closed:
                 return
-            self._endpoints.close_stdin()
+            try:
+                self._endpoints.close_stdin(deadline)
+            except CreateOSError:
+                deadline.check(self._process_id)  # the deadline cut the close short
+                raise
             self._closed = True
 
-    def _send(self, piece: memoryview, confirmed: int, budget: _Budget) -> None:
+    def _send(
+        self, piece: memoryview, confirmed: int, budget: _Budget, deadline: _Deadline
+    ) -> None:
         # Base64 needs no JSON escaping: the body is built as bytes, not by json.dumps.
         body = b'{"data_base64":"' + binascii.b2a_base64(piece, newline=False) + b'"}'
         while True:
-            answer = self._endpoints.input(body)
+            deadline.check(self._process_id)
+            answer = self._endpoints.input(body, deadline)
             if not isinstance(answer, _Retryable):
                 return self._accepted(answer)
             if answer.maybe_sent and answer.status != 429:
@@ -3957,7 +4035,7 @@ class _Stdin:
                 raise InputUnconfirmedError(
                     confirmed, unsent=True, process_id=self._process_id
                 ) from answer.__cause__
-            time.sleep(delay)
+            deadline.pause(delay)
 
     def _accepted(self, response: requests.Response) -> None:
         """A 2xx accepted the piece (its input_seq is not needed); 404 or 409: no pipe."""
@@ -4024,13 +4102,19 @@ class _PortWait:
         self._port = port
         self._host = host
 
-    def until_open(self, finish: Callable[[float], ExecResult]) -> None:
+    def until_open(
+        self, finish: Callable[[float], ExecResult], cancel: Optional[threading.Event]
+    ) -> None:
         """Return once the port accepts a connection. ProcessEndedError, with the
         result `finish` (the process's wait) gives, when the process ends first;
-        WaitTimeout at the timeout, the process running on."""
-        deadline = time.monotonic() + self._timeout
-        pid = self._target_pid(deadline)
-        status = _PROBE_GONE if pid is None else self._probe(pid, deadline)
+        WaitTimeout at the timeout, the process running on; CancelledError once
+        `cancel` (the run's) is set."""
+        deadline = _Deadline.after(self._timeout, "wait", time.monotonic(), cancel)
+        try:
+            pid = self._target_pid(deadline)
+            status = _PROBE_GONE if pid is None else self._probe(pid, deadline)
+        except CancelledError:
+            status = None
         if status == _PROBE_OPEN:
             return
         if status == _PROBE_GONE:
@@ -4040,12 +4124,14 @@ class _PortWait:
                 "The port probe in the sandbox ended without an answer.",
                 process_id=self._process_id,
             )
+        if deadline.cancelled():
+            raise CancelledError(process_id=self._process_id)
         raise WaitTimeout(self._args, self._timeout, process_id=self._process_id)
 
-    def _target_pid(self, deadline: float) -> Optional[int]:
+    def _target_pid(self, deadline: _Deadline) -> Optional[int]:
         """The target's pid, or None once its leader has exited (or it is gone)."""
         try:
-            record = self._endpoints.record(_Deadline(deadline))
+            record = self._endpoints.record(deadline)
         except APIError as refused:
             if refused.status == 404:  # the service no longer keeps it: it has ended
                 return None
@@ -4057,36 +4143,28 @@ class _PortWait:
             raise ProtocolError("the process record has no valid pid", process_id=self._process_id)
         return int(pid)
 
-    def _probe(self, pid: int, deadline: float) -> Optional[_Exit]:
-        """The probe's exit status, or None at the deadline; the probe is gone either way."""
+    def _probe(self, pid: int, deadline: _Deadline) -> Optional[_Exit]:
+        """The probe's exit status, or None at the deadline or its cancel; the probe
+        is gone either way."""
         limit = math.ceil(self._timeout) + 2  # a backstop: the DELETE comes first
         argv = [str(pid), self._host, str(self._port), str(limit)]
         command = ["bash", "-c", _PROBE_SCRIPT, "createos_exec-port-probe", *argv]
         transport, sandbox_id = self._endpoints.transport, self._endpoints.sandbox_id
         launch = _Launch(transport, sandbox_id, _plan(command, _Options()))
-        probe = _Endpoints(transport, sandbox_id, launch.create(_Deadline(deadline))[0])
-        # A stream read sees the deadline only when a byte or its read timeout
-        # comes, which heartbeats put off: the timer's event cuts the read at it.
-        expired = threading.Event()
-        timer = threading.Timer(max(0.0, deadline - time.monotonic()), expired.set)
-        timer.daemon = True
-        timer.start()
+        probe = _Endpoints(transport, sandbox_id, launch.create(deadline)[0])
         try:
-            follower = _Follower(
-                probe, _Options(cancel=expired), args=command, started=time.monotonic()
-            )
-            return _to_end(follower.follow(_Deadline(deadline)))
+            follower = _Follower(probe, _Options(), args=command, started=time.monotonic())
+            return _to_end(follower.follow(deadline))
         except (_TimedOut, CancelledError):
             return None
         finally:
-            timer.cancel()
             with contextlib.suppress(CleanupError):  # logged; the probe's limit ends it
                 probe.delete(grace=0.0)
 
-    def _ended(self, finish: Callable[[float], ExecResult], deadline: float) -> None:
+    def _ended(self, finish: Callable[[float], ExecResult], deadline: _Deadline) -> None:
         result: Optional[ExecResult]
         try:
-            result = finish(max(_ENDED_GRACE, deadline - time.monotonic()))
+            result = finish(max(_ENDED_GRACE, deadline.remaining() or 0.0))
         except CommandError as failed:  # check=True: the result all the same
             result = failed.result
         raise ProcessEndedError(process_id=self._process_id, result=result)

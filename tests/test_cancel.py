@@ -277,6 +277,21 @@ def test_ctrl_c_ends_every_wait_at_once(server, wait):
     assert_nothing_runs(server)
 
 
+def test_cancel_ends_a_write_waiting_to_send_again(server):
+    server.fail("input", 429, retry_after=LONG)
+    canceller = Canceller(server, "input")
+    with make_client(server) as client:
+        proc = client.start(SANDBOX, ["cat"], stdin=cx.PIPE, cancel=canceller.event)
+        with pytest.raises(cx.CancelledError) as caught:
+            proc.write("refused once, never sent again")
+        assert canceller.latency() < BOUND  # the tree terminated by then, as a cancel ends a run
+        assert caught.value.process_id == proc.process_id
+        assert not server.tree_alive(proc.process_id)
+        with pytest.raises(cx.CancelledError):
+            proc.wait()
+    assert [r.status for r in server.requests_to("input")] == [429]
+
+
 def test_cancel_latencies_are_reported(figures):
     """The medians, per wait, of every cancel measured in this module's run."""
     for wait, latencies in sorted(LATENCIES.items()):

@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+from local_server import LocalServer
 from support import NO_RETRY, SANDBOX, make_client, python
 
 import createos_exec as cx
@@ -224,6 +225,26 @@ def test_a_wait_timeout_of_zero_does_not_block(client):
             proc.wait(timeout=-1)
     finally:
         proc.kill()
+
+
+def iterate(proc, timeout):
+    for _ in proc.iter_output(timeout=timeout):
+        pass
+
+
+@pytest.mark.parametrize("wait", [cx.RemoteProcess.wait, iterate], ids=["wait", "iter_output"])
+def test_a_wait_timeout_holds_between_heartbeats_far_apart(server_reading, wait):
+    # Each heartbeat starts the read timeout again: a deadline checked only
+    # between blocks would end this wait at the second heartbeat, at 4 s.
+    with LocalServer(heartbeat_interval=2.0, reading=server_reading) as quiet:
+        with make_client(quiet, stream_idle_timeout=30.0) as client:
+            proc = client.start(SANDBOX, ["sleep", "30"])
+            began = time.monotonic()
+            with pytest.raises(cx.WaitTimeout):
+                wait(proc, 2.5)
+            assert 2.5 <= time.monotonic() - began < 3.4
+            assert proc.poll() is None
+            proc.kill()
 
 
 # -- terminate(), kill(), send_signal() ------------------------------------------

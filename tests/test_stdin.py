@@ -308,6 +308,19 @@ def test_communicate_timeout_leaves_the_process_running(client):
     assert proc.wait().returncode < 0
 
 
+def test_communicate_timeout_bounds_a_write_held_up_and_sends_nothing_again(client, server):
+    server.fail("input", 429, retry_after="5")
+    proc = client.start(SANDBOX, DIGEST, stdin=cx.PIPE)
+    began = time.monotonic()
+    with pytest.raises(cx.WaitTimeout) as caught:
+        proc.communicate(b"held up", timeout=1)
+    assert 1 <= time.monotonic() - began < 2  # not after the Retry-After
+    assert (caught.value.timeout, caught.value.process_id) == (1, proc.process_id)
+    assert [r.status for r in server.requests_to("input")] == [429]
+    assert server.requests_to("stdin_close") == []
+    assert proc.communicate(timeout=30).stdout == digest(b"")
+
+
 # -- refused before any request ----------------------------------------------------------
 
 
