@@ -1338,16 +1338,6 @@ class _Transport:
         except _Retryable as failure:
             return failure
 
-    @staticmethod
-    def _headers_for(*, data_type: Optional[str], stream: bool) -> Dict[str, str]:
-        headers = {}
-        if data_type is not None:
-            headers["Content-Type"] = data_type
-        if stream:
-            # Compression on the way (gzip in a proxy) would hold live output back.
-            headers["Accept-Encoding"] = "identity"
-        return headers
-
     def send(
         self,
         method: str,
@@ -1372,7 +1362,12 @@ class _Transport:
         never sent). `data` is a raw body of `data_type` (a JSON body built by hand
         costs less)."""
         logger.debug("%s %s", method, path)
-        headers = self._headers_for(data_type=None if data is None else data_type, stream=stream)
+        headers = {}
+        if data is not None:
+            headers["Content-Type"] = data_type
+        if stream:
+            # Compression on the way (gzip in a proxy) would hold live output back.
+            headers["Accept-Encoding"] = "identity"
         timeout = (
             deadline.within(self.request_timeout),
             deadline.within(read_timeout or self.request_timeout),
@@ -1402,24 +1397,21 @@ class _Transport:
         finally:
             if place is not None and self._limiter is not None:
                 self._limiter.release(place, status)
-        return _triaged(response, operation, process_id, ok_statuses)
+        if 200 <= response.status_code < 300 or response.status_code in ok_statuses:
+            return response
+        raise _refusal(response, operation, process_id)
 
 
-def _triaged(
-    response: requests.Response,
-    operation: str,
-    process_id: Optional[str],
-    ok_statuses: Tuple[int, ...],
-) -> requests.Response:
-    """A 2xx (or an `ok_statuses`) response; a retryable status, or any other, raises."""
+def _refusal(
+    response: requests.Response, operation: str, process_id: Optional[str]
+) -> Union[_Retryable, APIError]:
+    """What a status other than 2xx says: one worth another attempt, or an APIError."""
     status = response.status_code
-    if 200 <= status < 300 or status in ok_statuses:
-        return response
     retry_after = _retry_after(response.headers.get("Retry-After"))
     response.close()
     if status in (408, 429) or status >= 500:
-        raise _Retryable(operation, status=status, retry_after=retry_after)
-    raise APIError(status, operation, process_id=process_id)
+        return _Retryable(operation, status=status, retry_after=retry_after)
+    return APIError(status, operation, process_id=process_id)
 
 
 def _jsend_data(response: requests.Response, operation: str) -> Any:
@@ -1472,19 +1464,6 @@ def _arriving(response: requests.Response) -> Iterator[bytes]:
         chunks = iter(functools.partial(raw.read1, _READ_SIZE, decode_content=True), b"")
     with _transport_errors("output connection"):
         yield from chunks
-
-
-def _read_to_end(chunks: Iterator[bytes]) -> None:
-    """Finish the body after the exit frame so the connection can be reused.
-
-    Whatever follows the exit frame is ignored, and at most 64 KiB is read.
-    """
-    read = 0
-    with contextlib.suppress(_Retryable, TransportError):
-        for chunk in chunks:
-            read += len(chunk)
-            if read > 65536:
-                return
 
 
 @contextlib.contextmanager
@@ -1569,7 +1548,14 @@ class _Reader:
             interrupted()
             status = self.take(block)
             if status is not None:
-                _read_to_end(chunks)
+                # Finish the body (at most 64 KiB more, whatever follows is
+                # ignored) so that the connection can be reused.
+                read = 0
+                with contextlib.suppress(_Retryable, TransportError):
+                    for chunk in chunks:
+                        read += len(chunk)
+                        if read > 65536:
+                            break
                 return status
             if until is not None and self.cursor >= until:
                 return None
@@ -1633,7 +1619,9 @@ class _Reader:
         data: List[Tuple[Any, str, Any]] = []
         try:
             for frame in frames:
-                kind = _frame_type(frame)
+                kind = frame.get("type") if type(frame) is dict else None
+                if type(kind) is not str:
+                    raise ProtocolError("an output frame is not an object with a type")
                 if kind == "data":
                     data.append(_data_frame(frame))
                     continue
@@ -1772,14 +1760,6 @@ def _line_value(line: str) -> Any:
         return json.loads(line)
     except (ValueError, RecursionError):
         raise ProtocolError("an output frame is not valid JSON") from None
-
-
-def _frame_type(value: Any) -> str:
-    """The type of a frame: a JSON object with a string `type`."""
-    kind = value.get("type") if type(value) is dict else None
-    if type(kind) is not str:
-        raise ProtocolError("an output frame is not an object with a type")
-    return kind
 
 
 def _data_frame(frame: Dict[str, Any]) -> Tuple[int, str, str]:
@@ -2074,7 +2054,8 @@ class _Tail:
             self._dropped = True
 
     def text(self) -> str:
-        self._drop_head()
+        if self._size > self._limit:
+            self._drop_head()
         parts = iter(self._parts)
         head = next(parts, "")[max(0, self._size - self._limit) :]
         return "".join(itertools.chain((head,), parts))  # one copy of the tail, no more
@@ -3602,14 +3583,14 @@ class _Follower:
         deadline cut is no failure: the deadline ends the following.
         """
         while True:
-            self.raise_if_interrupted(deadline)
+            deadline.check(self.process_id)
             record, cursor, beats = self._record, self._reader.cursor, self._reader.heartbeats
             until = None if record is None else _output_seq(record, "newest_seq")
             ended: Union[_Exit, None, _Retryable]  # what ended one connection
             try:
                 response = self.endpoints.connect(cursor, deadline)
                 with contextlib.closing(response), _unblocked_by(deadline, response):
-                    interrupted = functools.partial(self.raise_if_interrupted, deadline)
+                    interrupted = functools.partial(deadline.check, self.process_id)
                     ended = yield from self._reader.read(_arriving(response), interrupted, until)
             except _Retryable as failure:
                 ended = failure
@@ -3634,7 +3615,7 @@ class _Follower:
         if self._reader.cursor != self._progress_mark:
             self._progress_mark = self._reader.cursor
             self._budget.progress()
-        self.raise_if_interrupted(deadline)
+        deadline.check(self.process_id)
         delay = self._budget.next_delay(failure.retry_after)
         if delay is None:
             self._record = record = self._when_spent(self._record, deadline, failure)
@@ -3681,7 +3662,7 @@ class _Follower:
         try:
             record = self.endpoints.exit_record("leader", _EXIT_CHECK_MS, deadline)
         except CreateOSError as exc:
-            self.raise_if_interrupted(deadline)  # the deadline cut the wait short
+            deadline.check(self.process_id)  # the deadline cut the wait short
             raise problem from exc
         recovered = _exit_status(record) if record is not None else None
         if recovered is None:
@@ -3713,12 +3694,9 @@ class _Follower:
         under the cancel of the `run`'s deadline."""
         return self.endpoints.cleanup_deadline(cancel=run.cancel)
 
-    def raise_if_interrupted(self, deadline: _Deadline) -> None:
-        deadline.check(self.process_id)
-
     def _pause(self, delay: float, deadline: _Deadline) -> None:
         deadline.sleep(delay)
-        self.raise_if_interrupted(deadline)
+        deadline.check(self.process_id)
 
     def through_termination(self, ending: _Ending, run: _Deadline) -> _Steps[_Ending]:
         """While the tree is terminated: read what the process prints in its grace period.
@@ -3758,7 +3736,7 @@ class _Follower:
         try:
             record = self.endpoints.exit_record("tree", _LIVENESS_POLL_MS, deadline)
         except (TransportError, APIError) as exc:
-            self.raise_if_interrupted(deadline)  # the deadline cut the wait short
+            deadline.check(self.process_id)  # the deadline cut the wait short
             raise StreamEndedError(process_id=self.process_id) from exc
         if record is None:
             logger.info("Process %s still runs; following it on", self.process_id)

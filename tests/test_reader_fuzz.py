@@ -180,7 +180,9 @@ def read(feed: Feed) -> Decoded:
     decoded = Decoded()
     for frame in (frame for block in feed.blocks() for frame in frames(block)):
         decoded.frames.append(frame)
-        kind = cx._frame_type(frame)
+        kind = frame.get("type") if type(frame) is dict else None
+        if type(kind) is not str:  # as _Reader._take_frames decides
+            raise cx.ProtocolError("an output frame is not an object with a type")
         if kind == "data":
             _, stream, text = cx._data_frame(frame)
             decoded.output.feed(stream, cx._base64(text))
