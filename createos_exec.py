@@ -2182,7 +2182,8 @@ class _Output:
 # --------------------------------------------------------------------------
 # A call as it runs: its options and deadline, the client, start(), the plan
 # (wrapper script, staged secrets), the launch, the RemoteProcess that owns
-# the run, the following of its stream and the process's endpoints
+# the run, the following of its stream, and the requests the sandbox and the
+# process answer
 # --------------------------------------------------------------------------
 
 
@@ -3537,7 +3538,9 @@ class _Follower:
     that stops early is continued by the next one with nothing lost or
     repeated. Every wait takes the deadline it runs under as an argument.
     Following is a generator of steps, one after each block of output while
-    a loop over iter_output() takes the output (none otherwise).
+    a loop over iter_output() takes the output (none otherwise). It is the
+    one way a run is built (start(), process(), the port probe); how the run
+    ends is for RemoteProcess to decide.
     """
 
     def __init__(
