@@ -73,6 +73,7 @@ from typing import (
     Iterable,
     Iterator,
     List,
+    Literal,
     Mapping,
     NamedTuple,
     NoReturn,
@@ -2210,8 +2211,8 @@ class _RunKeywords(_FollowKeywords, total=False):
     env: Optional[Dict[str, str]]
     stdin: Stdin
     input: Union[str, bytes, None]
-    capture_output: bool
-    text: bool
+    capture_output: Literal[True]  # subprocess's; output is always captured, as text
+    text: Literal[True]
 
 
 @dataclasses.dataclass(frozen=True)
