@@ -41,6 +41,7 @@ import email.utils
 import functools
 import hashlib
 import http.client
+import inspect
 import ipaddress
 import itertools
 import json
@@ -63,6 +64,7 @@ import urllib.parse
 import warnings
 import weakref
 from typing import (
+    TYPE_CHECKING,
     Any,
     Callable,
     Deque,
@@ -71,6 +73,8 @@ from typing import (
     Iterable,
     Iterator,
     List,
+    Literal,
+    Mapping,
     NamedTuple,
     NoReturn,
     Optional,
@@ -78,12 +82,18 @@ from typing import (
     Set,
     Tuple,
     Type,
+    TypedDict,
     TypeVar,
     Union,
 )
 
 import requests
 import urllib3
+
+if sys.version_info >= (3, 11):
+    from typing import Unpack  # novermin: the branch runs on 3.11 and later only
+elif TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 try:
     import fcntl
@@ -210,6 +220,7 @@ class ProcessInfo:
     `args` is the command as it was given, for a process createos_exec
     started (`ours`): its argv, or the shell=True script; otherwise the
     listed `cmd` and `args`. `state` is "running" or "exited" (its leader).
+    `pid` is the leader's pid in the sandbox (None when the record shows none).
     """
 
     process_id: str
@@ -218,6 +229,7 @@ class ProcessInfo:
     exit_code: Optional[int]
     signal: Optional[str]
     ours: bool
+    pid: Optional[int] = None
 
 
 def _returncode(exit_code: Optional[int], signal: Optional[str]) -> Optional[int]:
@@ -296,7 +308,12 @@ _ADVICE = {
         "that shares the address a lower rate limit"
     ),
 }
-_SANDBOX_OPERATIONS = ("process creation", "staging of env and stdin", "process listing")
+_SANDBOX_OPERATIONS = (
+    "process creation",
+    "staging of env and stdin",
+    "process listing",
+    "sandbox lookup",
+)
 _NO_SANDBOX = "no sandbox with this id here (a wrong id, or a sandbox in another region)"
 
 
@@ -1951,7 +1968,14 @@ def _process_info(record: Any) -> ProcessInfo:
         exit_code=None if status is None else status.exit_code,
         signal=None if status is None else status.signal,
         ours=ours,
+        pid=_leader_pid(record),
     )
+
+
+def _leader_pid(record: Dict[str, Any]) -> Optional[int]:
+    """The leader's pid in the record, or None when it shows none (yet)."""
+    pid: Any = record.get("pid")
+    return int(pid) if _is_int(pid) and pid >= 1 else None
 
 
 def _ended_by_deadline(record: Dict[str, Any], timeout: float) -> bool:
@@ -2083,6 +2107,7 @@ class _Output:
         self._start(dropped=False)
 
     def _start(self, dropped: bool) -> None:
+        self.evicted = dropped  # the service dropped output nobody had read
         self._decoders = {name: self._decoder(self._errors) for name in _STREAMS}
         self.tails = {name: _Tail(self._limit, dropped) for name in _STREAMS}
         self.combined = _Tail(self._limit, dropped)
@@ -2148,19 +2173,69 @@ class _Output:
             self.feed(name, b"", final=True)
         self._file_recent()
 
+    def result(
+        self, status: Optional[_Exit], *, timed_out: bool, partial: bool, **about: Any
+    ) -> ExecResult:
+        """The result of a run that ended with `status` (None: not known) or at its
+        deadline: the tails, once the decoders gave up what they held (handed out
+        unless the result is `partial`), and `about` the run, ExecResult's other fields."""
+        self.finish(hand_out=not partial)
+        out, err = self.tails["stdout"], self.tails["stderr"]
+        return ExecResult(
+            exit_code=None if timed_out or status is None else status.exit_code,
+            signal=None if status is None else status.signal,
+            timed_out=timed_out,
+            stdout=out.text(),
+            stderr=err.text(),
+            stdout_truncated=out.truncated,
+            stderr_truncated=err.truncated,
+            output=self.combined.text(),
+            combined_truncated=self.combined.truncated,
+            output_evicted=self.evicted,
+            **about,
+        )
+
 
 # --------------------------------------------------------------------------
 # A call as it runs: its options and deadline, the client, start(), the plan
 # (wrapper script, staged secrets), the launch, the RemoteProcess that owns
-# the run, the following of its stream and the process's endpoints
+# the run, the following of its stream, and the requests the sandbox and the
+# process answer
 # --------------------------------------------------------------------------
+
+
+class _FollowKeywords(TypedDict, total=False):
+    """The keywords of a run that follows a process: those of process() and attach()."""
+
+    timeout: Optional[float]
+    on_output: Optional[OutputCallback]
+    check: bool
+    max_output_chars: int
+    encoding: str
+    errors: str
+    cancel: Optional[threading.Event]
+
+
+class _RunKeywords(_FollowKeywords, total=False):
+    """The keywords of a run that creates its process too: those of execute() and
+    start(), cx.execute() and cx.start(). A new keyword is a line here (its type,
+    as users' type checkers see it) and a field of _Options (its default and
+    its check)."""
+
+    shell: bool
+    cwd: Optional[str]
+    env: Optional[Dict[str, str]]
+    stdin: Stdin
+    input: Union[str, bytes, None]
+    capture_output: Literal[True]  # subprocess's; output is always captured, as text
+    text: Literal[True]
 
 
 @dataclasses.dataclass(frozen=True)
 class _Options:
-    """Every keyword of execute(), start(), attach() and process(), checked when built.
+    """The keywords of a run (_RunKeywords) with their defaults, checked when built.
 
-    The public signatures name these defaults: each is written here, once.
+    The signatures that help() shows name these defaults (see _shows).
     """
 
     shell: bool = False
@@ -2243,6 +2318,39 @@ def _wait_deadline(timeout: Optional[float]) -> _Deadline:
 
 _DEFAULT = _Options()  # the defaults the signatures below show
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _shows(keywords: Any) -> Callable[[_F], _F]:
+    """Show each of the `keywords` (a TypedDict of them) with its default in the
+    signature that help() and inspect give, in place of **options."""
+
+    def show(function: _F) -> _F:
+        signature = inspect.signature(function)
+        own = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
+        types = keywords.__annotations__
+        shown = [
+            inspect.Parameter(
+                field.name,
+                inspect.Parameter.KEYWORD_ONLY,
+                default=getattr(_DEFAULT, field.name),
+                annotation=getattr(types[field.name], "__forward_arg__", types[field.name]),
+            )
+            for field in dataclasses.fields(_Options)
+            if field.name in types
+        ]
+        function.__signature__ = signature.replace(parameters=own + shown)  # type: ignore[attr-defined]
+        return function
+
+    return show
+
+
+def _only(function: str, given: Mapping[str, Any], keywords: Any) -> None:
+    """TypeError, as Python's own, for a keyword that `function` does not take."""
+    unknown = sorted(set(given) - set(keywords.__annotations__))
+    if unknown:
+        raise TypeError(f"{function}() got an unexpected keyword argument {unknown[0]!r}")
+
 
 class Client:
     """A connection to the CreateOS API; thread-safe, reusable, a context manager."""
@@ -2309,44 +2417,22 @@ class Client:
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
 
+    @_shows(_RunKeywords)
     def execute(
-        self, sandbox_id: str, command: Command, *,
-        shell: bool = _DEFAULT.shell, cwd: Optional[str] = _DEFAULT.cwd,
-        env: Optional[Dict[str, str]] = _DEFAULT.env,
-        stdin: Stdin = _DEFAULT.stdin,
-        input: Union[str, bytes, None] = _DEFAULT.input,
-        timeout: Optional[float] = _DEFAULT.timeout,
-        on_output: Optional[OutputCallback] = _DEFAULT.on_output,
-        check: bool = _DEFAULT.check, max_output_chars: int = _DEFAULT.max_output_chars,
-        encoding: str = _DEFAULT.encoding, errors: str = _DEFAULT.errors,
-        cancel: Optional[threading.Event] = _DEFAULT.cancel,
-        capture_output: bool = _DEFAULT.capture_output, text: bool = _DEFAULT.text,
-    ) -> ExecResult:  # fmt: skip
+        self, sandbox_id: str, command: Command, **options: Unpack[_RunKeywords]
+    ) -> ExecResult:
         """Run `command` in the sandbox and return how it ended: start(...).wait()."""
-        if isinstance(stdin, _Pipe):
+        _only("execute", options, _RunKeywords)
+        if isinstance(options.get("stdin"), _Pipe):
             raise ConfigError(
                 "stdin=cx.PIPE needs start(): nothing can write while execute() waits."
             )
-        return self.start(
-            sandbox_id, command, shell=shell, cwd=cwd, env=env, stdin=stdin, input=input,
-            timeout=timeout, on_output=on_output, check=check,
-            max_output_chars=max_output_chars, encoding=encoding, errors=errors,
-            cancel=cancel, capture_output=capture_output, text=text,
-        ).wait()  # fmt: skip
+        return self.start(sandbox_id, command, **options).wait()
 
+    @_shows(_RunKeywords)
     def start(
-        self, sandbox_id: str, command: Command, *,
-        shell: bool = _DEFAULT.shell, cwd: Optional[str] = _DEFAULT.cwd,
-        env: Optional[Dict[str, str]] = _DEFAULT.env,
-        stdin: Stdin = _DEFAULT.stdin,
-        input: Union[str, bytes, None] = _DEFAULT.input,
-        timeout: Optional[float] = _DEFAULT.timeout,
-        on_output: Optional[OutputCallback] = _DEFAULT.on_output,
-        check: bool = _DEFAULT.check, max_output_chars: int = _DEFAULT.max_output_chars,
-        encoding: str = _DEFAULT.encoding, errors: str = _DEFAULT.errors,
-        cancel: Optional[threading.Event] = _DEFAULT.cancel,
-        capture_output: bool = _DEFAULT.capture_output, text: bool = _DEFAULT.text,
-    ) -> RemoteProcess:  # fmt: skip
+        self, sandbox_id: str, command: Command, **options: Unpack[_RunKeywords]
+    ) -> RemoteProcess:
         """Create the process (exactly once) and return at once, as subprocess.Popen does.
 
         The options are execute()'s; `timeout` counts from now: staging,
@@ -2354,36 +2440,30 @@ class Client:
         meets it terminates the tree.
         """
         started = time.monotonic()
-        options = _Options(
-            shell=shell, cwd=cwd, env=env, stdin=stdin, input=input, timeout=timeout,
-            on_output=on_output, check=check, max_output_chars=max_output_chars,
-            encoding=encoding, errors=errors, cancel=cancel,
-            capture_output=capture_output, text=text,
-        )  # fmt: skip
-        deadline = _Deadline.after(options.timeout, "command", started, options.cancel)
-        sandbox_id = _checked_id("sandbox", sandbox_id)
-        plan = _plan(command, options, _termination_grace(self._transport.cleanup_timeout))
-        launch = _Launch(self._transport, sandbox_id, plan)
+        _only("start", options, _RunKeywords)
+        checked = _Options(**options)
+        deadline = _Deadline.after(checked.timeout, "command", started, checked.cancel)
+        sandbox = self._sandbox(sandbox_id)
+        plan = _plan(command, checked, _termination_grace(self._transport.cleanup_timeout))
+        launch = _Launch(sandbox, plan)
         launch.stage(deadline)
-        process_id, recovered = launch.create(deadline)
+        endpoints, recovered = launch.create(deadline)
+        args = command if isinstance(command, str) else list(command)
         follower = _Follower(
-            _Endpoints(self._transport, sandbox_id, process_id),
-            options,
-            args=command if isinstance(command, str) else list(command),
-            started=started,
-            creation_recovered=recovered,
+            endpoints, checked, args=args, started=started, creation_recovered=recovered
         )
-        return RemoteProcess(follower, options, deadline, launch)
+        return RemoteProcess(follower, deadline, launch)
 
+    @_shows(_FollowKeywords)
     def process(
-        self, sandbox_id: str, process_id: str, *,
-        after: int = 0, stdin: None = None,
-        timeout: Optional[float] = _DEFAULT.timeout,
-        on_output: Optional[OutputCallback] = _DEFAULT.on_output,
-        check: bool = _DEFAULT.check, max_output_chars: int = _DEFAULT.max_output_chars,
-        encoding: str = _DEFAULT.encoding, errors: str = _DEFAULT.errors,
-        cancel: Optional[threading.Event] = _DEFAULT.cancel,
-    ) -> RemoteProcess:  # fmt: skip
+        self,
+        sandbox_id: str,
+        process_id: str,
+        *,
+        after: int = 0,
+        stdin: None = None,
+        **options: Unpack[_FollowKeywords],
+    ) -> RemoteProcess:
         """A handle on a process started elsewhere or earlier (a restarted kernel,
         another script), its output read from seq `after` + 1.
 
@@ -2396,49 +2476,45 @@ class Client:
             raise ConfigError(
                 "process() and attach() take no stdin: they follow a process started elsewhere."
             )
-        options = _Options(
-            timeout=timeout, on_output=on_output, check=check,
-            max_output_chars=max_output_chars, encoding=encoding, errors=errors, cancel=cancel,
-        )  # fmt: skip
-        deadline = _Deadline.after(options.timeout, "command", started, options.cancel)
-        endpoints = _Endpoints(
-            self._transport, _checked_id("sandbox", sandbox_id), _checked_id("process", process_id)
-        )
+        _only("process", options, _FollowKeywords)
+        checked = _Options(**options)
+        deadline = _Deadline.after(checked.timeout, "command", started, checked.cancel)
+        endpoints = self._sandbox(sandbox_id).process(_checked_id("process", process_id))
         if not _is_int(after) or after < 0:
             raise ConfigError("after must be an integer >= 0.")
-        record = endpoints.record(deadline)
-        args = _process_info(record).args
-        follower = _Follower(endpoints, options, args=args, started=started, cursor=after)
-        return RemoteProcess(follower, options, deadline)
+        args = _process_info(endpoints.record(deadline)).args
+        follower = _Follower(endpoints, checked, args=args, started=started, cursor=after)
+        return RemoteProcess(follower, deadline)
 
+    @_shows(_FollowKeywords)
     def attach(
-        self, sandbox_id: str, process_id: str, *,
-        after: int = 0, stdin: None = None,
-        timeout: Optional[float] = _DEFAULT.timeout,
-        on_output: Optional[OutputCallback] = _DEFAULT.on_output,
-        check: bool = _DEFAULT.check, max_output_chars: int = _DEFAULT.max_output_chars,
-        encoding: str = _DEFAULT.encoding, errors: str = _DEFAULT.errors,
-        cancel: Optional[threading.Event] = _DEFAULT.cancel,
-    ) -> ExecResult:  # fmt: skip
+        self,
+        sandbox_id: str,
+        process_id: str,
+        *,
+        after: int = 0,
+        stdin: None = None,
+        **options: Unpack[_FollowKeywords],
+    ) -> ExecResult:
         """Follow a process started elsewhere to its end: process(...).wait()."""
-        return self.process(
-            sandbox_id, process_id, after=after, stdin=stdin, timeout=timeout, on_output=on_output,
-            check=check, max_output_chars=max_output_chars, encoding=encoding, errors=errors,
-            cancel=cancel,
-        ).wait()  # fmt: skip
+        _only("attach", options, _FollowKeywords)
+        return self.process(sandbox_id, process_id, after=after, stdin=stdin, **options).wait()
 
     def processes(self, sandbox_id: str) -> List[ProcessInfo]:
         """Every managed process the sandbox keeps, running or exited."""
-        sandbox_id = _checked_id("sandbox", sandbox_id)
-        return [_process_info(record) for record in _listed(self._transport, sandbox_id)]
+        return [_process_info(record) for record in self._sandbox(sandbox_id).processes()]
+
+    def _sandbox(self, sandbox_id: str) -> _Sandbox:
+        return _Sandbox(self._transport, _checked_id("sandbox", sandbox_id))
 
 
+@_shows(_RunKeywords)
 def execute(
     sandbox_id: str,
     command: Command,
     *,
     client: Optional[Client] = None,
-    **options: Any,
+    **options: Unpack[_RunKeywords],
 ) -> ExecResult:
     """Client.execute() with a client built from the environment (or the one given)."""
     if client is not None:
@@ -2447,12 +2523,13 @@ def execute(
         return own.execute(sandbox_id, command, **options)
 
 
+@_shows(_RunKeywords)
 def start(
     sandbox_id: str,
     command: Command,
     *,
     client: Optional[Client] = None,
-    **options: Any,
+    **options: Unpack[_RunKeywords],
 ) -> RemoteProcess:
     """Client.start() with a client built from the environment (or the one given).
 
@@ -2739,31 +2816,26 @@ def _encoded(text: str, encoding: str, complaint: str) -> bytes:
 
 
 class _Launch:
-    """Staging the private file and creating the process, exactly once."""
+    """Staging the private file and creating the process, exactly once: the
+    policy; the requests are the sandbox's."""
 
-    def __init__(self, transport: _Transport, sandbox_id: str, plan: _Plan) -> None:
-        self._transport = transport
-        self._sandbox_id = sandbox_id
+    def __init__(self, sandbox: _Sandbox, plan: _Plan) -> None:
+        self._sandbox = sandbox
         self._plan = plan
 
     def stage(self, deadline: _Deadline) -> None:
-        if self._plan.staged_path is None:
+        if self._plan.staged_path is None or self._plan.staged is None:
             return
         try:
-            self._transport.call(
-                "PUT",
-                _sandbox_path(self._sandbox_id, "/files"),
-                operation="staging of env and stdin",
-                deadline=deadline,
-                params={"path": self._plan.staged_path},
-                data=self._plan.staged,
+            self._sandbox.put_file(
+                self._plan.staged_path, self._plan.staged, "staging of env and stdin", deadline
             )
         except CancelledError:
             self.unstage(deadline.cancel)  # an attempt before the wait may have written it
             raise
 
-    def create(self, deadline: _Deadline) -> Tuple[str, bool]:
-        """The new process id, and whether it had to be found by its marker.
+    def create(self, deadline: _Deadline) -> Tuple[_Endpoints, bool]:
+        """The new process, and whether it had to be found by its marker.
 
         A 4xx other than 429, or a refused connection, means no process; a
         lost answer or a 5xx means it may exist, so look for it: neither is
@@ -2773,7 +2845,7 @@ class _Launch:
         nothing is sent again. An error raised once an attempt may have
         reached the service means that no process exists (see _left_behind).
         """
-        budget = _Budget(self._transport.retry)
+        budget = _Budget(self._sandbox.transport.retry)
         reached = False  # whether an attempt may have reached the service
         try:
             while not deadline.cancelled():
@@ -2801,15 +2873,9 @@ class _Launch:
     def _attempt(self, deadline: _Deadline) -> Union[requests.Response, _Retryable]:
         """One POST, its timeouts cut to what remains of `deadline`: one that the
         deadline cut is a lost answer, and the process is looked for."""
-        return self._transport.attempt(
-            "POST",
-            _sandbox_path(self._sandbox_id, "/processes"),
-            operation="process creation",
-            deadline=deadline,
-            json_body=self._plan.body,
-        )
+        return self._sandbox.create(self._plan.body, deadline)
 
-    def _unanswered(self, failure: _Retryable) -> str:
+    def _unanswered(self, failure: _Retryable) -> _Endpoints:
         """After a failure other than 429: no process if nothing was sent, else find it."""
         if not failure.maybe_sent:
             raise failure.final(None) from failure.__cause__
@@ -2818,7 +2884,7 @@ class _Launch:
 
     def _after_refusal(
         self, refusal: _Retryable, budget: _Budget, deadline: _Deadline
-    ) -> Optional[str]:
+    ) -> Optional[_Endpoints]:
         """After a 429: wait, then list. The process, if the refused request went
         through after all, or None to send it again. APIError 429 when the retry
         policy or the deadline runs out (or the listing fails); CancelledError
@@ -2829,14 +2895,14 @@ class _Launch:
         logger.info("Process creation was answered 429; asking again in %.2f s", delay)
         deadline.pause(delay)
         try:
-            process_id = self._marked(deadline)
+            found = self._marked(deadline)
         except CancelledError:
             raise
         except CreateOSError as problem:
             raise refusal.final(None) from problem
-        if process_id is None and deadline.expired():
+        if found is None and deadline.expired():
             raise refusal.final(None)
-        return process_id
+        return found
 
     def _left_behind(self, error: CreateOSError, hurry: Optional[threading.Event]) -> NoReturn:
         """Creation ends with `error` after an attempt that may have reached the
@@ -2856,17 +2922,18 @@ class _Launch:
     def _terminate_marked(self, hurry: Optional[threading.Event] = None) -> None:
         """Terminate the process with the run's marker, if the listing shows one;
         CleanupError when the listing or the termination fails."""
-        process_id = self._marked_or_unconfirmed(_Deadline(kind="cleanup", hurry=hurry))
-        if process_id is not None:
-            logger.info("Terminating process %s: its creation ended in error", process_id)
-            _Endpoints(self._transport, self._sandbox_id, process_id).delete(hurry=hurry)
+        found = self._marked_or_unconfirmed(_Deadline(kind="cleanup", hurry=hurry))
+        if found is not None:
+            logger.info("Terminating process %s: its creation ended in error", found.process_id)
+            found.delete(hurry=hurry)
 
-    def _created(self, response: requests.Response) -> Tuple[str, bool]:
+    def _created(self, response: requests.Response) -> Tuple[_Endpoints, bool]:
         try:
             record = _jsend_data(response, "process creation")
             if not isinstance(record, dict):
                 raise ProtocolError("the created process record is not an object")
-            return _checked_process_id(record.get("process_id")), False
+            process_id = _checked_process_id(record.get("process_id"))
+            return self._sandbox.process(process_id, record), False
         except ProtocolError as exc:
             unreadable = exc
         # Created, but unnamed: it may run unseen. Find it by its marker.
@@ -2876,25 +2943,25 @@ class _Launch:
         except CleanupError as cleanup:
             raise cleanup from unreadable
 
-    def _find_created(self) -> str:
+    def _find_created(self) -> _Endpoints:
         """Find the process by the marker in its arguments, or fail as unconfirmed."""
-        process_id = self._marked_or_unconfirmed()
-        if process_id is None:
+        found = self._marked_or_unconfirmed()
+        if found is None:
             self.unstage()
             raise CleanupError(creation_unconfirmed=True)
-        return process_id
+        return found
 
-    def _marked(self, deadline: _Deadline = _ENDLESS) -> Optional[str]:
+    def _marked(self, deadline: _Deadline = _ENDLESS) -> Optional[_Endpoints]:
         """The process with the run's marker, or None when the listing shows none."""
-        listed = _listed(self._transport, self._sandbox_id, deadline)
+        listed = self._sandbox.processes(deadline)
         mine = next((record for record in listed if self._has_marker(record)), None)
         if mine is None:
             return None
         process_id = _checked_process_id(mine.get("process_id"))
         logger.info("Found process %s by its marker; following it", process_id)
-        return process_id
+        return self._sandbox.process(process_id, mine)
 
-    def _marked_or_unconfirmed(self, deadline: _Deadline = _ENDLESS) -> Optional[str]:
+    def _marked_or_unconfirmed(self, deadline: _Deadline = _ENDLESS) -> Optional[_Endpoints]:
         """_marked(); a listing that fails leaves the creation unconfirmed."""
         try:
             return self._marked(deadline)
@@ -2917,44 +2984,14 @@ class _Launch:
         a cleanup, which `hurry` hurries through the pacing window."""
         if self._plan.staged_path is None:
             return
-        transport = self._transport
         try:
-            transport.send(
-                "POST",
-                _sandbox_path(self._sandbox_id, "/exec"),
-                operation="removal of the staged file",
-                read_timeout=transport.cleanup_timeout,
-                deadline=_Deadline(kind="cleanup", hurry=hurry),
-                json_body={"cmd": "rm", "args": ["-f", "--", self._plan.staged_path]},
-            ).close()
+            self._sandbox.exec(
+                ["rm", "-f", "--", self._plan.staged_path],
+                "removal of the staged file",
+                _Deadline(kind="cleanup", hurry=hurry),
+            )
         except (CreateOSError, _Retryable):
             logger.warning("Could not remove the staged env/stdin file from the sandbox")
-
-
-def _listed(
-    transport: _Transport, sandbox_id: str, deadline: _Deadline = _ENDLESS
-) -> Iterator[Any]:
-    """The sandbox's process records, page after page (a bounded number of them),
-    within `deadline` and a cleanup_timeout of their own."""
-    own = time.monotonic() + transport.cleanup_timeout
-    deadline = deadline._replace(at=own if deadline.at is None else min(own, deadline.at))
-    offset = 0
-    params: Optional[Dict[str, int]] = None  # the first page as the service chooses it
-    for _ in range(_LISTING_PAGES):
-        response = transport.call(
-            "GET",
-            _sandbox_path(sandbox_id, "/processes"),
-            operation="process listing",
-            deadline=deadline,
-            params=params,
-        )
-        records, following = _listing_page(_jsend_data(response, "process listing"), offset)
-        yield from records
-        if following is None:
-            return
-        offset = following
-        params = {"limit": _LISTING_PAGE_SIZE, "offset": offset}
-    raise ProtocolError("the process listing has more pages than this client reads")
 
 
 # -- the process: one object owns its run, from following to containment ------
@@ -2999,12 +3036,9 @@ class RemoteProcess:
     """
 
     def __init__(
-        self,
-        follower: _Follower,
-        options: _Options,
-        deadline: _Deadline,
-        launch: Optional[_Launch] = None,
+        self, follower: _Follower, deadline: _Deadline, launch: Optional[_Launch] = None
     ) -> None:
+        options = follower.options
         endpoints = self._endpoints = follower.endpoints
         self.sandbox_id = endpoints.sandbox_id
         self.process_id = endpoints.process_id
@@ -3026,6 +3060,11 @@ class RemoteProcess:
             f"RemoteProcess(sandbox_id={self.sandbox_id!r}, process_id={self.process_id!r}, "
             f"args={self.args!r})"
         )
+
+    @property
+    def pid(self) -> Optional[int]:
+        """The leader's pid in the sandbox, as its record says (None until one said it)."""
+        return self._endpoints.pid
 
     @property
     def returncode(self) -> Optional[int]:
@@ -3275,7 +3314,7 @@ class RemoteProcess:
         except _TimedOut as expired:
             if expired.args[0].kind != "command":
                 return None
-            gone = (yield from self._follower.after_deadline(self._deadline)) if late else None
+            gone = (yield from self._after_deadline()) if late else None
             if gone is not None:
                 return gone
             ending = _Ending(timed_out=True)
@@ -3303,39 +3342,79 @@ class RemoteProcess:
         service may forget a process once it is deleted); whatever ends that
         reading, the DELETE is waited for (a second Ctrl-C ends that wait).
         """
-        follower = self._follower
         termination = _Termination(self._endpoints, ending.grace, self._deadline.cancel)
         if ending.timed_out or ending.asked:
-            ending = yield from self._follower.through_termination(ending, self._deadline)
+            ending = yield from self._through_termination(ending)
         first = ending.error
-        ending = _contained(ending, termination.outcome(), follower)
+        ending = self._contained(ending, termination.outcome())
         confirmed = first is not None and ending.error is first
         if confirmed and not isinstance(first, KeyboardInterrupt) and self._launch is not None:
             self._launch.unstage(self._deadline.cancel)  # the wrapper may not have removed it
         return ending
 
+    def _after_deadline(self) -> _Steps[Optional[ExecResult]]:
+        """First followed after its deadline: a tree already gone (the sandbox's
+        watchdog, or its own end) needs no containment. Its output is read to
+        the end, and its record says whether the deadline ended it. None to
+        contain it as at any deadline (one that still runs, or trouble)."""
+        follower = self._follower
+        try:
+            record = self._endpoints.current_record()
+        except CreateOSError:
+            return None
+        if record.get("tree_exited") is not True:
+            return None
+        ended_by_deadline = _ended_by_deadline(record, self._deadline.seconds or 0.0)
+        try:
+            status = yield from follower.follow(follower.reading_deadline(self._deadline))
+        except (_TimedOut, CreateOSError):
+            return None
+        return follower.result(status, timed_out=ended_by_deadline)
 
-def _contained(
-    ending: _Ending, unconfirmed: Optional[CleanupError], follower: _Follower
-) -> _Ending:
-    """How a run ended once its termination was waited for: its error names the
-    process and carries what was read; an unconfirmed termination is the error
-    then, chained from the first (but for Ctrl-C, which is raised itself)."""
-    error = ending.error
-    if isinstance(error, CreateOSError):
-        error.process_id = error.process_id or follower.process_id
-        if error.result is None and (ending.timed_out or follower.cursor > follower.first_seq):
-            error.result = follower.result(ending.status, timed_out=ending.timed_out, partial=True)
-    if unconfirmed is None or isinstance(error, KeyboardInterrupt):
-        return ending  # Ctrl-C is raised itself; a failed cleanup was logged
-    if error is None:
-        unconfirmed.result = follower.result(
-            ending.status, timed_out=ending.timed_out, partial=True
-        )
-    else:
-        unconfirmed.result = getattr(error, "result", None)
-        unconfirmed.__cause__ = error
-    return _Ending(error=unconfirmed)
+    def _through_termination(self, ending: _Ending) -> _Steps[_Ending]:
+        """While the tree is terminated: read what the process prints in its grace period.
+
+        A cancel, a callback's error or Ctrl-C ends the reading and becomes
+        how the run ended; trouble with the stream only ends the reading.
+        """
+        follower = self._follower
+        try:
+            status = yield from follower.follow(follower.reading_deadline(self._deadline))
+        except CancelledError as exc:
+            return ending._replace(error=exc)
+        except (_TimedOut, CreateOSError):
+            logger.warning(
+                "Output of %s printed during its termination could not be read", self.process_id
+            )
+            return ending
+        except GeneratorExit:  # a loop was left: the termination goes on
+            raise
+        except BaseException as exc:  # raised once the tree is confirmed gone
+            return ending._replace(error=exc)
+        return ending._replace(status=status)
+
+    def _contained(self, ending: _Ending, unconfirmed: Optional[CleanupError]) -> _Ending:
+        """How a run ended once its termination was waited for: its error names the
+        process and carries what was read; an unconfirmed termination is the error
+        then, chained from the first (but for Ctrl-C, which is raised itself)."""
+        follower = self._follower
+        error = ending.error
+        if isinstance(error, CreateOSError):
+            error.process_id = error.process_id or self.process_id
+            if error.result is None and (ending.timed_out or follower.cursor > follower.first_seq):
+                error.result = follower.result(
+                    ending.status, timed_out=ending.timed_out, partial=True
+                )
+        if unconfirmed is None or isinstance(error, KeyboardInterrupt):
+            return ending  # Ctrl-C is raised itself; a failed cleanup was logged
+        if error is None:
+            unconfirmed.result = follower.result(
+                ending.status, timed_out=ending.timed_out, partial=True
+            )
+        else:
+            unconfirmed.result = getattr(error, "result", None)
+            unconfirmed.__cause__ = error
+        return _Ending(error=unconfirmed)
 
 
 class _Turn:
@@ -3506,7 +3585,9 @@ class _Follower:
     that stops early is continued by the next one with nothing lost or
     repeated. Every wait takes the deadline it runs under as an argument.
     Following is a generator of steps, one after each block of output while
-    a loop over iter_output() takes the output (none otherwise).
+    a loop over iter_output() takes the output (none otherwise). It is the
+    one way a run is built (start(), process(), the port probe); how the run
+    ends is for RemoteProcess to decide.
     """
 
     def __init__(
@@ -3520,6 +3601,7 @@ class _Follower:
         creation_recovered: bool = False,
     ) -> None:
         self.endpoints = endpoints
+        self.options = options
         self.process_id = endpoints.process_id
         self._output = _Output(
             options.encoding, options.errors, options.max_output_chars, options.on_output
@@ -3534,7 +3616,6 @@ class _Follower:
         self.reconnects = 0
         self.exit_recovered = False
         self.creation_recovered = creation_recovered
-        self.output_evicted = False
 
     @property
     def cursor(self) -> int:
@@ -3552,25 +3633,17 @@ class _Follower:
     def result(
         self, status: Optional[_Exit], *, timed_out: bool = False, partial: bool = False
     ) -> ExecResult:
-        self._output.finish(hand_out=not partial)
-        out, err = self._output.tails["stdout"], self._output.tails["stderr"]
-        return ExecResult(
-            args=self.args,
-            exit_code=None if timed_out or status is None else status.exit_code,
-            signal=None if status is None else status.signal,
+        """The output's result, with what following the process learned."""
+        return self._output.result(
+            status,
             timed_out=timed_out,
-            stdout=out.text(),
-            stderr=err.text(),
-            stdout_truncated=out.truncated,
-            stderr_truncated=err.truncated,
-            output=self._output.combined.text(),
-            combined_truncated=self._output.combined.truncated,
+            partial=partial,
+            args=self.args,
             process_id=self.process_id,
             reconnects=self.reconnects,
             exit_recovered=self.exit_recovered,
             creation_recovered=self.creation_recovered,
             duration=time.monotonic() - self.started,
-            output_evicted=self.output_evicted,
         )
 
     def follow(self, deadline: _Deadline) -> _Steps[_Exit]:
@@ -3652,7 +3725,6 @@ class _Follower:
         )
         self._output.drop_all()
         self._reader.cursor = oldest - 1
-        self.output_evicted = True
 
     def _exit_from_frame(self, status: _Exit, deadline: _Deadline) -> _Exit:
         if status != _NO_STATUS:
@@ -3670,25 +3742,6 @@ class _Follower:
         self.exit_recovered = True
         return recovered
 
-    def after_deadline(self, deadline: _Deadline) -> _Steps[Optional[ExecResult]]:
-        """First followed after its deadline (the command's): a tree already gone
-        (the sandbox's watchdog, or its own end) needs no containment. Its
-        output is read to the end, and its record says whether the deadline
-        ended it. None to contain it as at any deadline (one that still runs,
-        or trouble)."""
-        try:
-            record = self.endpoints.current_record()
-        except CreateOSError:
-            return None
-        if record.get("tree_exited") is not True:
-            return None
-        ended_by_deadline = _ended_by_deadline(record, deadline.seconds or 0.0)
-        try:
-            status = yield from self.follow(self.reading_deadline(deadline))
-        except (_TimedOut, CreateOSError):
-            return None
-        return self.result(status, timed_out=ended_by_deadline)
-
     def reading_deadline(self, run: _Deadline) -> _Deadline:
         """A fresh deadline for reading what is left once nothing is waited for,
         under the cancel of the `run`'s deadline."""
@@ -3697,27 +3750,6 @@ class _Follower:
     def _pause(self, delay: float, deadline: _Deadline) -> None:
         deadline.sleep(delay)
         deadline.check(self.process_id)
-
-    def through_termination(self, ending: _Ending, run: _Deadline) -> _Steps[_Ending]:
-        """While the tree is terminated: read what the process prints in its grace period.
-
-        A cancel, a callback's error or Ctrl-C ends the reading and becomes
-        how the run ended; trouble with the stream only ends the reading.
-        """
-        try:
-            status = yield from self.follow(self.reading_deadline(run))
-        except CancelledError as exc:
-            return ending._replace(error=exc)
-        except (_TimedOut, CreateOSError):
-            logger.warning(
-                "Output of %s printed during its termination could not be read", self.process_id
-            )
-            return ending
-        except GeneratorExit:  # a loop was left: the termination goes on
-            raise
-        except BaseException as exc:  # raised once the tree is confirmed gone
-            return ending._replace(error=exc)
-        return ending._replace(status=status)
 
     # -- recover ---------------------------------------------------------------
 
@@ -3760,6 +3792,103 @@ class _Follower:
         return status
 
 
+# -- the sandbox: the requests one sandbox answers -------------------------------
+
+
+class _Sandbox:
+    """The requests that one sandbox answers, and what each status means for it.
+
+    404 to any of them: no sandbox with this id here (a wrong id, another
+    region's, or one destroyed); 409: the sandbox is not running (pausing,
+    paused, resuming), which nothing here waits out. To a creation, a 4xx
+    other than 429 means no process, 429 means not done yet, and a lost
+    answer or a 5xx a process that may exist: _Launch decides what follows.
+    The view, the listing and a file written are asked under the retry
+    policy (asking twice does no harm); a creation and an exec are sent once.
+    """
+
+    def __init__(self, transport: _Transport, sandbox_id: str) -> None:
+        self.transport = transport
+        self.sandbox_id = sandbox_id
+        self._path = _sandbox_path(sandbox_id)
+
+    def process(self, process_id: str, record: Optional[Dict[str, Any]] = None) -> _Endpoints:
+        """The requests of one of its processes (whose record may be known)."""
+        pid = None if record is None else _leader_pid(record)
+        return _Endpoints(self.transport, self.sandbox_id, process_id, pid)
+
+    def view(self, deadline: _Deadline = _ENDLESS) -> Dict[str, Any]:
+        """The sandbox's own view (protocol 4.1): its `id`, its `status` (a word
+        that may be new to this client) and what else the service tells."""
+        response = self.transport.call(
+            "GET", self._path, operation="sandbox lookup", deadline=deadline
+        )
+        view = _jsend_data(response, "sandbox lookup")
+        if not isinstance(view, dict):
+            raise ProtocolError("the sandbox's view is not an object")
+        return view
+
+    def create(
+        self, body: Dict[str, Any], deadline: _Deadline
+    ) -> Union[requests.Response, _Retryable]:
+        """One attempt to create a process, its timeouts cut to what remains of `deadline`."""
+        return self.transport.attempt(
+            "POST",
+            self._path + "/processes",
+            operation="process creation",
+            deadline=deadline,
+            json_body=body,
+        )
+
+    def processes(self, deadline: _Deadline = _ENDLESS) -> Iterator[Any]:
+        """Its process records, page after page (a bounded number of them),
+        within `deadline` and a cleanup_timeout of their own."""
+        transport = self.transport
+        own = time.monotonic() + transport.cleanup_timeout
+        deadline = deadline._replace(at=own if deadline.at is None else min(own, deadline.at))
+        offset = 0
+        params: Optional[Dict[str, int]] = None  # the first page as the service chooses it
+        for _ in range(_LISTING_PAGES):
+            response = transport.call(
+                "GET",
+                self._path + "/processes",
+                operation="process listing",
+                deadline=deadline,
+                params=params,
+            )
+            records, following = _listing_page(_jsend_data(response, "process listing"), offset)
+            yield from records
+            if following is None:
+                return
+            offset = following
+            params = {"limit": _LISTING_PAGE_SIZE, "offset": offset}
+        raise ProtocolError("the process listing has more pages than this client reads")
+
+    def put_file(self, path: str, data: bytes, operation: str, deadline: _Deadline) -> None:
+        """Write `data` to the file at `path` (absolute), replacing it."""
+        self.transport.call(
+            "PUT",
+            self._path + "/files",
+            operation=operation,
+            deadline=deadline,
+            params={"path": path},
+            data=data,
+        ).close()
+
+    def exec(self, argv: List[str], operation: str, deadline: _Deadline) -> None:
+        """Run a short chore to its end, one attempt (a command run twice is not
+        run once), its answer awaited for a cleanup_timeout at most."""
+        transport = self.transport
+        transport.send(
+            "POST",
+            self._path + "/exec",
+            operation=operation,
+            read_timeout=transport.cleanup_timeout,
+            deadline=deadline,
+            json_body={"cmd": argv[0], "args": argv[1:]},
+        ).close()
+
+
 # -- endpoints: the requests one process answers ---------------------------------
 
 
@@ -3773,10 +3902,13 @@ class _Endpoints:
     evicted before it was read.
     """
 
-    def __init__(self, transport: _Transport, sandbox_id: str, process_id: str) -> None:
+    def __init__(
+        self, transport: _Transport, sandbox_id: str, process_id: str, pid: Optional[int] = None
+    ) -> None:
         self.transport = transport
         self.sandbox_id = sandbox_id
         self.process_id = process_id
+        self.pid = pid  # the leader's, as the last record that showed one said
         self._path = _sandbox_path(sandbox_id, f"/processes/{process_id}")
 
     def cleanup_deadline(
@@ -3919,6 +4051,7 @@ class _Endpoints:
     def _checked_record(self, record: Any) -> Dict[str, Any]:
         if not isinstance(record, dict):
             raise ProtocolError("the process record is not an object", process_id=self.process_id)
+        self.pid = _leader_pid(record) or self.pid
         return record
 
     def _once(self, method: str, rest: str, operation: str, **request: Any) -> requests.Response:
@@ -4127,9 +4260,8 @@ class _PortWait:
         limit = math.ceil(self._timeout) + 2  # a backstop: the DELETE comes first
         argv = [str(pid), self._host, str(self._port), str(limit)]
         command = ["bash", "-c", _PROBE_SCRIPT, "createos_exec-port-probe", *argv]
-        transport, sandbox_id = self._endpoints.transport, self._endpoints.sandbox_id
-        launch = _Launch(transport, sandbox_id, _plan(command, _Options()))
-        probe = _Endpoints(transport, sandbox_id, launch.create(deadline)[0])
+        sandbox = _Sandbox(self._endpoints.transport, self._endpoints.sandbox_id)
+        probe, _ = _Launch(sandbox, _plan(command, _Options())).create(deadline)
         try:
             follower = _Follower(probe, _Options(), args=command, started=time.monotonic())
             return _to_end(follower.follow(deadline))

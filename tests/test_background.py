@@ -247,7 +247,10 @@ def test_processes_lists_what_createos_exec_started_as_it_was_given(client, serv
         timeout=10,
     ).json()["data"]["process_id"]
     listed = {info.process_id: info for info in client.processes(SANDBOX)}
-    assert listed[done.process_id] == cx.ProcessInfo(done.process_id, argv, "exited", 0, None, True)
+    pid = server.process(done.process_id)["pid"]
+    assert listed[done.process_id] == cx.ProcessInfo(
+        done.process_id, argv, "exited", 0, None, True, pid
+    )
     assert listed[shelled.process_id].args == script and listed[shelled.process_id].ours
     assert listed[running.process_id].state == "running"
     assert listed[running.process_id].exit_code is None
@@ -324,27 +327,49 @@ def test_no_warning_once_the_run_has_ended(client):
 # -- the signatures hold the options they build -----------------------------------------
 
 
-PROCESS_OPTIONS = ("timeout", "on_output", "check", "max_output_chars", "encoding", "errors")
-ALL_OPTIONS = {field.name for field in dataclasses.fields(cx._Options)}
+FOLLOW_KEYWORDS = {
+    "timeout", "on_output", "check", "max_output_chars", "encoding", "errors", "cancel",
+}  # fmt: skip
+RUN_KEYWORDS = {field.name for field in dataclasses.fields(cx._Options)}
+
+
+def test_the_typed_keywords_are_the_options():
+    assert set(cx._RunKeywords.__annotations__) == RUN_KEYWORDS
+    assert set(cx._FollowKeywords.__annotations__) == FOLLOW_KEYWORDS
 
 
 @pytest.mark.parametrize(
-    "method, own",
+    "function, own, keywords",
     [
-        (cx.Client.execute, {"sandbox_id", "command"}),
-        (cx.Client.start, {"sandbox_id", "command"}),
-        (cx.Client.process, {"sandbox_id", "process_id", "after", "stdin"}),
-        (cx.Client.attach, {"sandbox_id", "process_id", "after", "stdin"}),
+        (cx.Client.execute, {"self", "sandbox_id", "command"}, RUN_KEYWORDS),
+        (cx.Client.start, {"self", "sandbox_id", "command"}, RUN_KEYWORDS),
+        (cx.execute, {"sandbox_id", "command", "client"}, RUN_KEYWORDS),
+        (cx.start, {"sandbox_id", "command", "client"}, RUN_KEYWORDS),
+        (
+            cx.Client.process,
+            {"self", "sandbox_id", "process_id", "after", "stdin"},
+            FOLLOW_KEYWORDS,
+        ),
+        (cx.Client.attach, {"self", "sandbox_id", "process_id", "after", "stdin"}, FOLLOW_KEYWORDS),
     ],
 )
-def test_each_default_is_the_options_own(method, own):
-    parameters = dict(inspect.signature(method).parameters)
-    del parameters["self"]
-    options = set(parameters) - own
-    expected = ALL_OPTIONS if "command" in own else {*PROCESS_OPTIONS, "cancel"}
-    assert options == expected
-    for name in options:
+def test_help_shows_each_keyword_with_the_options_own_default(function, own, keywords):
+    parameters = dict(inspect.signature(function).parameters)
+    assert set(parameters) - own == keywords
+    for name in keywords:
+        assert parameters[name].kind is inspect.Parameter.KEYWORD_ONLY, name
         assert parameters[name].default == getattr(cx._DEFAULT, name), name
+
+
+@pytest.mark.parametrize("method", ["execute", "start", "process", "attach"])
+def test_a_keyword_the_method_does_not_take_is_a_type_error_before_any_request(
+    client, server, method
+):
+    with pytest.raises(
+        TypeError, match=rf"^{method}\(\) got an unexpected keyword argument 'shel'"
+    ):
+        getattr(client, method)(SANDBOX, "proc_x", shel=True)
+    assert server.requests_to("create") == server.requests_to("get") == []
 
 
 def test_every_keyword_reaches_the_options(client, monkeypatch):
@@ -363,12 +388,9 @@ def test_every_keyword_reaches_the_options(client, monkeypatch):
         capture_output=True, text=True,
     )  # fmt: skip
     result = client.execute(SANDBOX, "cat", **values)
-    assert built[-1] == dict(values, stdin=None) and result.stdout == "in"
+    assert built[-1] == values and result.stdout == "in"
     proc = client.process(SANDBOX, result.process_id, after=0, timeout=9.0, check=True)
-    assert built[-1] == dict(
-        timeout=9.0, on_output=None, check=True, max_output_chars=cx._DEFAULT.max_output_chars,
-        encoding="utf-8", errors="replace", cancel=None,
-    )  # fmt: skip
+    assert built[-1] == dict(timeout=9.0, check=True)
     assert proc.wait().stdout == "in"
 
 

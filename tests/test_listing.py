@@ -125,6 +125,15 @@ def test_a_process_this_origin_never_had_is_the_404_itself_with_nothing_to_destr
     assert caplog.records == []
 
 
+def test_the_sandbox_answers_its_view_and_404_for_one_this_origin_does_not_have(server):
+    with make_client(server) as client:
+        view = client._sandbox(SANDBOX).view()
+        with pytest.raises(cx.APIError, match="no sandbox with this id here") as caught:
+            client._sandbox("sb_nowhere").view()
+    assert (view["id"], view["status"]) == (SANDBOX, "running")
+    assert (caught.value.status, caught.value.operation) == (404, "sandbox lookup")
+
+
 def test_404_on_delete_is_gone_where_the_process_was_held(server):
     started = requests.post(
         server.url + "/v1/sandboxes/%s/processes" % SANDBOX,

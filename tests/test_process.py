@@ -81,6 +81,7 @@ def test_start_stages_secrets_and_adopts_a_creation_whose_answer_was_lost(client
     )
     (record,) = server.processes()
     assert record["process_id"] == proc.process_id  # found again by its marker
+    assert proc.pid == record["pid"]  # as the listing showed it
     assert "t0k3n" not in repr(record) and "in" not in record["args"]  # staged, never listed
     result = proc.wait()
     assert (result.exit_code, result.stdout) == (0, "t0k3n|in")
@@ -99,6 +100,15 @@ def test_module_level_start_builds_a_client_from_the_environment(server, monkeyp
 
 
 # -- poll() ------------------------------------------------------------------------
+
+
+def test_pid_is_the_leaders_on_every_handle_and_in_the_listing(client, server):
+    proc = client.start(SANDBOX, ["true"])
+    again = client.process(SANDBOX, proc.process_id)
+    listed = {info.process_id: info.pid for info in client.processes(SANDBOX)}
+    pid = server.process(proc.process_id)["pid"]
+    assert proc.pid == again.pid == listed[proc.process_id] == pid > 0
+    assert proc.wait().ok and again.wait().ok
 
 
 def test_poll_is_none_while_it_runs_then_its_returncode_one_request_at_most(client, server):

@@ -166,6 +166,10 @@ import createos_exec as cx
 
 def greeting(sandbox_id: str) -> int:
     return cx.execute(sandbox_id, ["echo", "hi"]).stdout
+
+
+def started(sandbox_id: str) -> cx.RemoteProcess:
+    return cx.start(sandbox_id, "make", detach=True)
 """
 DISTRIBUTION = (
     "createos_exec.py",
@@ -208,7 +212,7 @@ def test_the_installed_package_types_users_code_and_has_its_command(tmp_path):
         sys.executable, "-m", "mypy", "--strict", "--python-executable", python,
         "--cache-dir", str(tmp_path / "mypy-cache"), "--config-file", os.devnull,
     ]  # fmt: skip
-    # One run for both files: only the wrong one has an error.
+    # One run for both files: only the wrong one has errors, each keyword typed.
     checked = subprocess.run(
         check + ["correct.py", "wrong.py"],
         cwd=str(tmp_path), capture_output=True, text=True, timeout=300,
@@ -216,9 +220,11 @@ def test_the_installed_package_types_users_code_and_has_its_command(tmp_path):
     assert checked.returncode == 1, (mypy.__file__, checked.stdout)
     assert [line for line in checked.stdout.splitlines() if ": error:" in line] == [
         'wrong.py:5: error: Incompatible return value type (got "str", expected "int")  '
-        "[return-value]"
+        "[return-value]",
+        'wrong.py:9: error: Unexpected keyword argument "detach" for "start"  [call-arg]',
     ]
-    assert "import-untyped" not in checked.stdout and "createos_exec" not in checked.stdout
+    assert "import-untyped" not in checked.stdout  # and nothing said of the package's own lines:
+    assert all(line.startswith(("wrong.py:", "Found ")) for line in checked.stdout.splitlines())
 
     script = os.path.join(os.path.dirname(python), "createos-exec")
     version = _run([script, "--version"], timeout=60, env=env)
