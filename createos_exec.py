@@ -4115,15 +4115,16 @@ _cx_grow() {
     done
 }"""
 # The sandbox keeps a `timeout` itself, for a client that died or lost the
-# network. Just before the final exec, the wrapper opens a pipe and forks a
-# watchdog twice over: the program (the wrapper's pid after exec, so its own
-# exit code and signal are reported) keeps the pipe's write end and gains no
-# child it did not start; the watchdog, an orphan the sandbox's init reaps,
-# keeps its read end and nothing of the program's stdio. It waits on the
-# pipe, whose end of file comes the moment the program ends (unless what it
-# put in the background holds the pipe too), and looks at the leader in /proc
-# every 0.1 s all the same; it leaves once the leader has ended, leaving
-# alone what the program put in the background. At the deadline it sends
+# network. Just before the final exec, the wrapper opens a pipe to a process
+# substitution that forks the watchdog and leaves: the program (the wrapper's
+# pid after exec, so its own exit code and signal are reported) keeps the
+# pipe's write end and gains no child it did not start; the watchdog, an
+# orphan the sandbox's init reaps, keeps its read end and nothing of the
+# program's stdio. It waits on the pipe, whose end of file comes the moment
+# the program ends (unless what it put in the background holds the pipe
+# too), and looks at the leader in /proc every 0.1 s all the same; it leaves
+# once the leader has ended, leaving alone what the program put in the
+# background. At the deadline it sends
 # SIGTERM to the tree: the leader's process group, where the leader leads one
 # (never a group it does not lead, which may hold the sandbox's agent), the
 # processes of the leader's cgroup, where it has one of its own (not the
@@ -4139,22 +4140,23 @@ _cx_grow() {
 # a read -t on a pipe nobody writes to is its sleep.
 _WATCHDOG = r"""set +o posix
 _cx_start_watchdog() {
-    # $1, $2: the deadline and the grace period, in centiseconds.
-    local pipe ends holds
-    exec {pipe}<> <(:)
+    # $1, $2: the deadline and the grace period, in centiseconds. The pipe's
+    # write end stays open here, for the program; the process substitution
+    # forks the watchdog off with its read end, and is waited for.
+    local holds
+    # shellcheck disable=SC2034  # what is kept is the descriptor, not its number
+    exec {holds}> >(_cx_fork_watchdog "$$" "$PPID" "$1" "$2")
     wait "$!"
-    exec {ends}</dev/fd/"$pipe"
-    exec {holds}>/dev/fd/"$pipe"
-    exec {pipe}<&-
-    ( _cx_watch "$$" "$PPID" "$1" "$2" "$ends" "$holds" & )
-    exec {ends}<&-
+}
+_cx_fork_watchdog() {
+    local ends
+    exec {ends}<&0
+    ( _cx_watch "$@" "$ends" ) </dev/null >/dev/null 2>&1 &
 }
 _cx_watch() {
     # $1: the leader's pid, $2: the agent's (the wrapper's parent); $3, $4:
-    # the deadline and the grace period, in centiseconds; $5, $6: the read
-    # and write ends of the pipe the leader keeps open.
-    local holds=$6
-    exec {holds}>&- </dev/null >/dev/null 2>&1
+    # the deadline and the grace period, in centiseconds; $5: the read end of
+    # the pipe the leader keeps open.
     IFS=$' \t\n'
     unset GLOBIGNORE
     set +o posix

@@ -145,14 +145,12 @@ def test_a_signal_reaches_each_process_of_the_tree_and_no_other(tree):
         stranger.wait()
 
 
-def watch(
-    leader: "subprocess.Popen[str]", due_cs: int, read: int, write: int
-) -> "subprocess.Popen[str]":
+def watch(leader: "subprocess.Popen[str]", due_cs: int, read: int) -> "subprocess.Popen[str]":
     """The watchdog of `leader` alone, on a pipe whose write end the leader holds."""
     return subprocess.Popen(
         ["bash", "-c", WATCHDOG + '_cx_watch "$@"', "watchdog", str(leader.pid), str(os.getpid()),
-         str(due_cs), "10", str(read), str(write)],
-        pass_fds=(read, write),
+         str(due_cs), "10", str(read)],
+        pass_fds=(read,),
     )  # fmt: skip
 
 
@@ -163,7 +161,7 @@ def test_the_watchdog_leaves_when_the_leader_ends_whoever_holds_the_pipe(leader_
     leader = subprocess.Popen(
         ["bash", "-c", leader_script], pass_fds=(write,), start_new_session=True
     )
-    watchdog = watch(leader, 6000, read, write)
+    watchdog = watch(leader, 6000, read)
     os.close(read)
     os.close(write)
     try:
@@ -181,7 +179,7 @@ def test_a_leader_that_closed_the_pipe_is_still_ended_at_the_deadline():
     leader = subprocess.Popen(
         ["bash", "-c", f"exec {write}>&-; sleep 30"], pass_fds=(write,), start_new_session=True
     )
-    watchdog = watch(leader, 30, read, write)
+    watchdog = watch(leader, 30, read)
     os.close(read)
     os.close(write)
     try:
