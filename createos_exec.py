@@ -3982,8 +3982,8 @@ class _PortWait:
 # its functions open and close every parenthesis and quote within it, one
 # statement a line, and values reach them only as arguments, single-quoted by
 # _quote, never spliced into code. They need bash 5.0 or newer (the wrapper
-# refuses an older one with exit 125) and nothing else but /proc, except the
-# port probe, which reads links with coreutils' readlink. The names they set
+# refuses an older one with exit 125) and /proc; of coreutils, rm for the
+# staged file and readlink for the port probe. The names they set
 # start with `_cx_` and are local or assigned before they are read, so that
 # a caller's env, which the wrapper exports before the watchdog starts,
 # changes none of them. tests/shellcheck_scripts.py checks each one with
