@@ -2602,23 +2602,19 @@ def _plan(command: Command, options: _Options, grace: float = _TERMINATE_GRACE) 
     piped = isinstance(options.stdin, _Pipe)
     staged = _staged_bytes(options.env, options.stdin_data)
     staged_path = f"/tmp/.{marker}" if staged is not None else None
-    lines = list(_WRAPPER_HEAD)
+    lines = [_WRAPPER_HEAD]
     if staged_path is not None:
-        lines.extend(_reading_staged(staged_path, marker, fd=3 if piped else 0))
+        lines.extend(_reading_staged(staged_path, marker, piped))
     elif not piped:
         lines.append("exec 0</dev/null")
     if options.cwd is not None:
-        quoted = _quote(_checked_text("cwd", options.cwd))
-        lines.append(
-            f"cd -- {quoted} 2>/dev/null || "
-            f'{{ _cx_why=$(cd -- {quoted} 2>&1); _cx_fail 1 "cd: "{quoted}": ${{_cx_why##*: }}"; }}'
-        )
+        lines.extend([_ENTER, _call("_cx_enter", _checked_text("cwd", options.cwd))])
     # The command travels as the wrapper's positional parameters, untouched by
     # any quoting, each its own exec string (Linux caps one at 128 KiB).
     if not options.shell:
-        lines.append(_FIND_PROGRAM)
+        lines.extend([_FIND_PROGRAM, '_cx_find_program "$1"'])
     if options.timeout is not None:
-        lines.append(_watchdog(options.timeout, grace))
+        lines.extend(_watchdog(options.timeout, grace))
     lines.append(_RUN_SCRIPT if options.shell else _RUN_ARGV)
     body = {"cmd": "bash", "args": ["-c", "\n".join(lines) + "\n", marker, *argv]}
     return _Plan(marker, body, staged_path, staged)
@@ -2628,106 +2624,10 @@ _MARKER_PREFIX = "createos_exec-"
 _MARKER = re.compile(re.escape(_MARKER_PREFIX) + r"[0-9a-f]{24}\Z")
 
 
-def _reading_staged(path: str, marker: str, fd: int) -> List[str]:
-    """Wrapper lines that open the staged file on `fd`, remove it, and export
-    its variables; on fd 0 the rest of the file is the command's stdin."""
-    quoted = _quote(path)
-    var = "_" + marker.replace("-", "_")  # a name no caller's variable can have
-    read = "read" if fd == 0 else f"read -u {fd}"
-    lines = [
-        f"{{ exec {fd}<{quoted}; }} 2>/dev/null || _cx_fail 125 '{_UNREADABLE}'",
-        f"rm -f -- {quoted}",
-        f"while IFS= {read} -r -d '' {var} && [ -n \"${var}\" ]; "
-        f'do export "${var}"; done; unset {var}',
-    ]
-    if fd != 0:
-        lines.append(f"exec {fd}<&-")  # the command inherits nothing of the file
-    return lines
-
-
-# The wrapper's own failures read as a shell's would: they name the program
-# or the directory, never the marker (its $0, which BASH_ARGV0 renames where
-# bash is 5.0 or newer, for whatever bash reports itself).
-_WRAPPER_HEAD = [
-    "BASH_ARGV0=createos_exec",
-    '_cx_fail() { printf \'createos_exec: %s\\n\' "$2" >&2; exit "$1"; }',
-]
-_UNREADABLE = "cannot read the staged file of env and stdin"
-# A program name with blanks in it is most often a command line given as one
-# string ("echo hi"): the message says so, and what to give instead.
-_FIND_PROGRAM = (
-    '_cx_missing() { case $1 in *[[:space:]]*) _cx_fail 127 "$1: $2 (a string is ONE program '
-    'name: give the command as a list of arguments, or use shell=True or --shell)";; esac; '
-    '_cx_fail 127 "$1: $2"; }\n'
-    'case $1 in */*) [ -e "$1" ] || _cx_missing "$1" "No such file or directory";; '
-    '*) type -P -- "$1" >/dev/null || _cx_missing "$1" "command not found";; esac'
-)
-# The sandbox keeps a `timeout` itself, for a client that died or lost the
-# network. Just before the final exec, the wrapper forks a watchdog twice over:
-# the program (the wrapper's pid after exec, so its own exit code and signal
-# are reported) gains no child it did not start, and an orphan is reaped by
-# the sandbox's init. With its stdio on /dev/null it holds no output pipe.
-# Every 0.1 s it looks at the leader in /proc (a zombie, or a pid with
-# another start time, has ended) and leaves once the leader has ended, within
-# 0.2 s, leaving alone what the program put in the background. At the
-# deadline it sends SIGTERM to the tree: the leader's process group, where
-# the leader leads one (never a group it does not lead, which may hold the
-# sandbox's agent), and the descendants of its members outside it, found by
-# a scan of /proc; each process once, so that a handler runs once. It leaves
-# as soon as nothing of the tree lives (so `wait?scope=tree` is not held up):
-# it looks at the processes it signalled every 0.1 s, and scans again once
-# they have all ended; else it sends SIGKILL after the grace period, to a
-# tree scanned afresh. It ignores the signals sent to the group, and sets
-# again what a caller's env (exported by the wrapper) could have changed for
-# it: IFS, GLOBIGNORE, POSIX mode. Bash builtins only: the clock is
-# /proc/uptime (in centiseconds) and a read -t on a pipe nobody writes to is
-# its sleep.
-_WATCHDOG = r"""IFS=$' \t\n'; unset GLOBIGNORE; set +o posix; trap '' HUP INT QUIT TERM USR1 USR2
-_cx_stat() { { read -r _cx_s </proc/"$1"/stat; } 2>/dev/null && _cx_f=(${_cx_s##*) }); }
-_cx_now() { read -r _cx_n _ </proc/uptime && _cx_n=$((10#${_cx_n/./})); }
-_cx_runs() { _cx_stat $$ && [[ ${_cx_f[0]} != [ZX] && ${_cx_f[19]} = "$_cx_born" ]]; }
-_cx_nap() { _cx_now; _cx_t=$(($1 - _cx_n)); ((_cx_t > 0)) || return 1; ((_cx_t < 10)) || _cx_t=10
-  printf -v _cx_t 0.%02d "$_cx_t"; read -r -t "$_cx_t" -u 3; return 0; }
-_cx_tree() { local p s i n=1 tree=' '; local -a pid ppid; _cx_live=() _cx_out=()
-  for p in /proc/[0-9]*/stat; do { read -r s <"$p"; } 2>/dev/null || continue
-    p=${s%% *} s=(${s##*) }); [[ $p = "$BASHPID" || ${s[0]} = [ZX] ]] && continue
-    if [[ ${s[2]} = "$_cx_group" ]]; then _cx_live+=("$p") tree+="$p "
-    else pid+=("$p") ppid+=("${s[1]}"); fi; done
-  ! _cx_runs || [[ $tree = *" $$ "* ]] || _cx_live+=($$) _cx_out+=($$) tree+="$$ "
-  while ((n)); do n=0; for i in "${!pid[@]}"; do [[ $tree = *" ${ppid[i]} "* ]] || continue
-    _cx_live+=("${pid[i]}") _cx_out+=("${pid[i]}") tree+="${pid[i]} " n=1; unset "pid[i]"
-  done; done; }
-_cx_gone() { local p; for p in "${_cx_live[@]}"; do _cx_stat "$p" || continue
-  [[ ${_cx_f[0]} = [ZX] ]] || return 1; done; }
-_cx_kill() { _cx_tree; ((${#_cx_out[@]} == 0)) || kill -s "$1" -- "${_cx_out[@]}"
-  [ -z "$_cx_group" ] || kill -s "$1" -- "-$_cx_group"; }
-_cx_stat $$ || exit; _cx_born=${_cx_f[19]} _cx_group=; [ "${_cx_f[2]}" != $$ ] || _cx_group=$$
-exec 3<> <(:); _cx_now; _cx_end=$((_cx_n + _cx_due))
-while _cx_runs; do _cx_nap "$_cx_end" && continue
-  _cx_kill TERM; _cx_end=$((_cx_n + _cx_grace))
-  while _cx_nap "$_cx_end"; do _cx_gone || continue; _cx_tree; ((${#_cx_live[@]})) || exit; done
-  _cx_kill KILL; exit; done
-) </dev/null >/dev/null 2>&1 & )"""
-_LONGEST_WATCH = 1e9  # seconds; a longer deadline is kept as this one (31 years)
-
-
 def _termination_grace(cleanup_timeout: float) -> float:
     """The grace period between SIGTERM and SIGKILL, capped so that a DELETE that
     waits it out fits in the cleanup deadline; the watchdog keeps the same."""
     return min(_TERMINATE_GRACE, cleanup_timeout / 2)
-
-
-def _watchdog(timeout: float, grace: float) -> str:
-    """The wrapper's lines that fork the watchdog: SIGTERM at `timeout`, SIGKILL `grace` later."""
-    due, kill_after = (
-        _quote(str(math.ceil(min(seconds, _LONGEST_WATCH) * 100))) for seconds in (timeout, grace)
-    )
-    return f"( ( _cx_due={due} _cx_grace={kill_after}\n{_WATCHDOG}"
-
-
-# The wrapper's last line, for a script (shell=True) or an argv.
-_RUN_SCRIPT = 'exec bash -c -- "$1"'
-_RUN_ARGV = 'exec -- "$@"'
 
 
 def _given_command(cmd: Any, args: Any) -> Tuple[Any, bool]:
@@ -3251,7 +3151,8 @@ class RemoteProcess:
             raise
 
     def wait_for_port(self, port: int, *, host: str = "127.0.0.1", timeout: float = 30.0) -> None:
-        """Return once a TCP connect to host:port succeeds inside the sandbox; see _PortWait."""
+        """Return once a TCP connect to host:port succeeds inside the sandbox, on a socket
+        that this process or a descendant listens on; see _PortWait."""
         probe = _PortWait(self._endpoints, self.args, port=port, host=host, timeout=timeout)
         with self._interruptible():
             probe.until_open(self.wait, self._deadline.cancel)
@@ -4168,25 +4069,6 @@ def _input_bytes(data: Any, encoding: str) -> bytes:
 
 # -- wait_for_port: a probe inside the sandbox, ended before the call returns ----
 
-# The probe: bash alone (no curl or nc), one connect a round, each cut after
-# a second (a host that drops packets), and the target's pid watched between
-# rounds, so that its end is seen at once. Its own limit ends it even if
-# nobody deletes it. Sleeping is a read that times out: no /bin/sleep needed.
-_PROBE_SCRIPT = """\
-exec {nap}<> <(:)
-snooze() { read -r -t "$1" -u "$nap" _ || :; }
-pid=$1 host=$2 port=$3 limit=$4
-while (( SECONDS < limit )); do
-  ( : 3<>"/dev/tcp/$host/$port" ) 2>/dev/null & try=$!
-  for _ in 1 2 3 4 5 6 7 8 9 10; do kill -0 "$try" 2>/dev/null || break; snooze 0.1; done
-  kill "$try" 2>/dev/null; wait "$try" && exit 0
-  kill -0 "$pid" 2>/dev/null || exit 3
-  snooze 0.1
-done
-exit 4
-"""
-# The probe's exits: the port opened, the target's pid is gone, its own limit.
-_PROBE_OPEN, _PROBE_GONE, _PROBE_LIMIT = _Exit(0, None), _Exit(3, None), _Exit(4, None)
 _ENDED_GRACE = 5.0  # seconds at least to read the output of a process the probe saw end
 
 
@@ -4278,6 +4160,436 @@ class _PortWait:
         except CommandError as failed:  # check=True: the result all the same
             result = failed.result
         raise ProcessEndedError(process_id=self._process_id, result=result)
+
+
+# --------------------------------------------------------------------------
+# The scripts the sandbox runs
+# --------------------------------------------------------------------------
+
+# Every line of bash this module sends lives here. Each string is complete:
+# its functions open and close every parenthesis and quote within it, one
+# statement a line, and values reach them only as arguments, single-quoted by
+# _quote, never spliced into code. They need bash 5.0 or newer (the wrapper
+# refuses an older one with exit 125) and /proc; of coreutils, rm for the
+# staged file and readlink for the port probe. The names they set
+# start with `_cx_` and are local or assigned before they are read, so that
+# a caller's env, which the wrapper exports before the watchdog starts,
+# changes none of them. tests/shellcheck_scripts.py checks each one with
+# shellcheck (in `nox -s lint`); tests/test_scripts.py runs their functions
+# alone.
+
+# The wrapper's own failures read as a shell's would: they name the program
+# or the directory, never the marker (its $0, which BASH_ARGV0 renames, for
+# whatever bash reports itself). Its first act is to refuse a bash too old
+# for what follows.
+_WRAPPER_HEAD = r"""_cx_fail() {
+    printf 'createos_exec: %s\n' "$2" >&2
+    exit "$1"
+}
+_cx_need_bash() {
+    # $1: this bash's major version, $2: its whole version
+    (($1 >= 5)) && return
+    _cx_fail 125 "bash $2 is too old: createos_exec needs bash 5.0 or newer in the sandbox"
+}
+_cx_need_bash "${BASH_VERSINFO[0]}" "$BASH_VERSION"
+BASH_ARGV0=createos_exec"""
+_READ_STAGED = r"""_cx_read_staged() {
+    # $1: the staged file, opened on fd 3 and removed at once; $2: "stdin"
+    # when the rest of it is the command's stdin; $3: the name of a variable
+    # no caller's env can hold, for each of its NAME=value entries.
+    { exec 3<"$1"; } 2>/dev/null || _cx_fail 125 'cannot read the staged file of env and stdin'
+    rm -f -- "$1"
+    while IFS= read -r -d '' -u 3 "$3" && [[ -n ${!3} ]]; do
+        export "${!3}"
+    done
+    unset "$3"
+    if [[ $2 == stdin ]]; then
+        exec 0<&3
+    fi
+    exec 3<&-
+}"""
+_ENTER = r"""_cx_enter() {
+    # $1: the working directory; a failure says bash's reason, as cd would
+    local why
+    cd -- "$1" 2>/dev/null && return
+    why=$(cd -- "$1" 2>&1 || :)
+    _cx_fail 1 "cd: $1: ${why##*: }"
+}"""
+# A program name with blanks in it is most often a command line given as one
+# string ("echo hi"): the message says so, and what to give instead.
+_FIND_PROGRAM = r"""_cx_missing() {
+    # $1: the program, $2: why it cannot be run
+    local advice="a string is ONE program name: give the command as a list of arguments,"
+    advice+=" or use shell=True or --shell"
+    case $1 in
+        *[[:space:]]*) _cx_fail 127 "$1: $2 ($advice)" ;;
+    esac
+    _cx_fail 127 "$1: $2"
+}
+_cx_find_program() {
+    case $1 in
+        */*) [[ -e $1 ]] || _cx_missing "$1" "No such file or directory" ;;
+        *) type -P -- "$1" >/dev/null || _cx_missing "$1" "command not found" ;;
+    esac
+}"""
+# The wrapper's last line, for a script (shell=True) or an argv.
+_RUN_SCRIPT = 'exec bash -c -- "$1"'
+_RUN_ARGV = 'exec -- "$@"'
+
+# The processes of a tree, as /proc shows them: shared by the watchdog and the
+# port probe. A tree is a string " pid pid ... " to look pids up in, and the
+# array _cx_members of the same pids.
+_PROCESSES = r"""_cx_stat() {
+    # Fields 3, 4, 5 and 22 of /proc/PID/stat (proc(5)): state, ppid, pgrp
+    # and starttime, counted after the last ")", since the command's name
+    # (field 2) may hold blanks and parentheses.
+    local line
+    local -a field
+    { read -r line <"/proc/$1/stat"; } 2>/dev/null || return 1
+    # shellcheck disable=SC2206  # numbers and a state letter: nothing to glob
+    field=(${line##*) })
+    _cx_state=${field[0]}
+    _cx_ppid=${field[1]}
+    _cx_pgrp=${field[2]}
+    _cx_starttime=${field[19]}
+}
+_cx_leader_runs() {
+    # Whether the leader ($_cx_leader, started at $_cx_born) runs: a zombie,
+    # or a pid of another start time, has ended.
+    _cx_stat "$_cx_leader" || return 1
+    [[ $_cx_state != [ZX] && $_cx_starttime == "$_cx_born" ]]
+}
+_cx_scan() {
+    # Every live process but this shell, in three columns: pid, ppid, pgrp.
+    local stat pid
+    _cx_pids=()
+    _cx_ppids=()
+    _cx_pgrps=()
+    for stat in /proc/[0-9]*/stat; do
+        pid=${stat//[^0-9]/}
+        [[ $pid != "$BASHPID" ]] || continue
+        _cx_stat "$pid" || continue
+        [[ $_cx_state != [ZX] ]] || continue
+        _cx_pids+=("$pid")
+        _cx_ppids+=("$_cx_ppid")
+        _cx_pgrps+=("$_cx_pgrp")
+    done
+}
+_cx_plant() {
+    # A tree of the pids given, and nothing else.
+    _cx_tree=' '
+    _cx_members=()
+    local pid
+    for pid in "$@"; do
+        _cx_join "$pid"
+    done
+}
+_cx_join() {
+    [[ $_cx_tree != *" $1 "* ]] || return 0
+    _cx_tree+="$1 "
+    _cx_members+=("$1")
+}
+_cx_grow() {
+    # Adds to the tree every scanned process whose parent is in it.
+    local i grew=1
+    while ((grew)); do
+        grew=0
+        for i in "${!_cx_pids[@]}"; do
+            [[ $_cx_tree == *" ${_cx_ppids[i]} "* ]] || continue
+            [[ $_cx_tree != *" ${_cx_pids[i]} "* ]] || continue
+            _cx_join "${_cx_pids[i]}"
+            grew=1
+        done
+    done
+}"""
+# The sandbox keeps a `timeout` itself, for a client that died or lost the
+# network. Just before the final exec, the wrapper opens a pipe to a process
+# substitution that forks the watchdog and leaves: the program (the wrapper's
+# pid after exec, so its own exit code and signal are reported) keeps the
+# pipe's write end and gains no child it did not start; the watchdog, an
+# orphan the sandbox's init reaps, keeps its read end and nothing of the
+# program's stdio. It waits on the pipe, whose end of file comes the moment
+# the program ends (unless what it put in the background holds the pipe
+# too), and looks at the leader in /proc every 0.1 s all the same; it leaves
+# once the leader has ended, leaving alone what the program put in the
+# background. At the deadline it sends
+# SIGTERM to the tree: the leader's process group, where the leader leads one
+# (never a group it does not lead, which may hold the sandbox's agent), the
+# processes of the leader's cgroup, where it has one of its own (not the
+# agent's), and the descendants of them all, found by a scan of /proc; each
+# process once, so that a handler runs once. It leaves as soon as nothing of
+# the tree lives (so `wait?scope=tree` is not held up): it looks at the
+# processes it signalled every 0.1 s, and scans again once they have all
+# ended; else it sends SIGKILL after the grace period, to a tree scanned
+# afresh. It ignores the signals sent to the group, and sets again what a
+# caller's env could have changed for it: IFS, GLOBIGNORE, POSIX mode (set
+# off before the functions are read: bash 5.0 reads no process substitution
+# in it). Bash builtins only: the clock is /proc/uptime (in centiseconds) and
+# a read -t on a pipe nobody writes to is its sleep.
+_WATCHDOG = r"""set +o posix
+_cx_start_watchdog() {
+    # $1, $2: the deadline and the grace period, in centiseconds. The pipe's
+    # write end stays open here, for the program; the process substitution
+    # forks the watchdog off with its read end, and is waited for.
+    local holds
+    # shellcheck disable=SC2034  # what is kept is the descriptor, not its number
+    exec {holds}> >(_cx_fork_watchdog "$$" "$PPID" "$1" "$2")
+    wait "$!"
+}
+_cx_fork_watchdog() {
+    local ends
+    exec {ends}<&0
+    ( _cx_watch "$@" "$ends" ) </dev/null >/dev/null 2>&1 &
+}
+_cx_watch() {
+    # $1: the leader's pid, $2: the agent's (the wrapper's parent); $3, $4:
+    # the deadline and the grace period, in centiseconds; $5: the read end of
+    # the pipe the leader keeps open.
+    IFS=$' \t\n'
+    unset GLOBIGNORE
+    set +o posix
+    trap '' HUP INT QUIT TERM USR1 USR2
+    _cx_leader=$1
+    _cx_agent=$2
+    _cx_stat "$_cx_leader" || return 0
+    _cx_born=$_cx_starttime
+    _cx_group=
+    if [[ $_cx_pgrp == "$_cx_leader" ]]; then
+        _cx_group=$_cx_leader
+    fi
+    exec {_cx_nap}<> <(:)
+    _cx_wake=$5
+    _cx_now
+    _cx_end=$((_cx_uptime + $3))
+    while _cx_leader_runs; do
+        _cx_sleep_until "$_cx_end" && continue
+        _cx_terminate "$4"
+        return 0
+    done
+}
+_cx_now() {
+    # The uptime in centiseconds, in _cx_uptime.
+    local seconds
+    read -r seconds _ </proc/uptime
+    _cx_uptime=$((10#${seconds/./}))
+}
+_cx_sleep_until() {
+    # Sleeps 0.1 s, or until $1 (centiseconds of uptime) if that comes first,
+    # or until the leader's pipe ends; status 1, without sleeping, once $1 has
+    # come.
+    local left status=0
+    _cx_now
+    left=$(($1 - _cx_uptime))
+    ((left > 0)) || return 1
+    ((left < 10)) || left=10
+    printf -v left 0.%02d "$left"
+    read -r -t "$left" -u "$_cx_wake" _ || status=$?
+    if ((status == 1 && _cx_wake != _cx_nap)); then
+        _cx_wake=$_cx_nap
+        _cx_let_the_leader_end
+    fi
+}
+_cx_let_the_leader_end() {
+    # The pipe ended: the leader closes its files just before it becomes a
+    # zombie, which looks 2 ms apart see (20 ms at most: a leader that closed
+    # the pipe itself runs on, and is looked at as before).
+    local look
+    for ((look = 0; look < 10; look++)); do
+        _cx_leader_runs || return 0
+        read -r -t 0.002 -u "$_cx_nap" _
+    done
+}
+_cx_terminate() {
+    # SIGTERM to the tree; SIGKILL $1 centiseconds later, unless it has all ended.
+    _cx_signal TERM
+    _cx_end=$((_cx_uptime + $1))
+    while _cx_sleep_until "$_cx_end"; do
+        _cx_all_ended || continue
+        _cx_targets
+        ((${#_cx_members[@]})) || return 0
+    done
+    _cx_signal KILL
+}
+_cx_signal() {
+    # Signal $1 to the tree, each process once: its group by the group's id,
+    # the others by their pids.
+    _cx_targets
+    if ((${#_cx_apart[@]})); then
+        kill -s "$1" -- "${_cx_apart[@]}" 2>/dev/null
+    fi
+    if [[ -n $_cx_group ]]; then
+        kill -s "$1" -- "-$_cx_group" 2>/dev/null
+    fi
+}
+_cx_all_ended() {
+    local pid
+    for pid in "${_cx_members[@]}"; do
+        _cx_stat "$pid" || continue
+        [[ $_cx_state == [ZX] ]] || return 1
+    done
+}
+_cx_targets() {
+    # The tree as it is now: the leader's group (where it leads one), the
+    # leader, the processes of its own cgroup, and all their descendants;
+    # in _cx_apart, those outside the group.
+    local i grouped
+    local -a group=()
+    _cx_scan
+    if [[ -n $_cx_group ]]; then
+        for i in "${!_cx_pids[@]}"; do
+            [[ ${_cx_pgrps[i]} != "$_cx_group" ]] || group+=("${_cx_pids[i]}")
+        done
+    fi
+    _cx_plant "${group[@]}"
+    grouped=$_cx_tree
+    if _cx_leader_runs; then
+        _cx_join "$_cx_leader"
+    fi
+    _cx_join_cgroup
+    _cx_grow
+    _cx_apart=()
+    for i in "${_cx_members[@]}"; do
+        [[ $grouped == *" $i "* ]] || _cx_apart+=("$i")
+    done
+}
+_cx_join_cgroup() {
+    # Adds the scanned processes of the leader's cgroup, where it has one of
+    # its own, to the tree.
+    local pid i listed=' '
+    _cx_own_cgroup "$_cx_leader" "$_cx_agent" || return 0
+    while read -r pid; do
+        listed+="$pid "
+    done 2>/dev/null <"$_cx_cgroup_procs"
+    for i in "${!_cx_pids[@]}"; do
+        [[ $listed != *" ${_cx_pids[i]} "* ]] || _cx_join "${_cx_pids[i]}"
+    done
+}
+_cx_own_cgroup() {
+    # The cgroup.procs file of pid $1's cgroup, where that is not pid $2's,
+    # in _cx_cgroup_procs: of cgroup v2, else of v1's "pids" controller.
+    _cx_own_cgroup_in 0 "$1" "$2" /sys/fs/cgroup/unified /sys/fs/cgroup ||
+        _cx_own_cgroup_in pids "$1" "$2" /sys/fs/cgroup/pids
+}
+_cx_own_cgroup_in() {
+    # $1: the hierarchy, $2 and $3: the pids, the rest: where it may be mounted.
+    local leader mount
+    _cx_cgroup_procs=
+    _cx_cgroup_of "$2" "$1" || return 1
+    leader=$_cx_cgroup
+    _cx_cgroup_of "$3" "$1" || return 1
+    [[ $leader != "$_cx_cgroup" ]] || return 1
+    shift 3
+    for mount in "$@"; do
+        [[ -f $mount$leader/cgroup.procs ]] || continue
+        _cx_cgroup_procs=$mount$leader/cgroup.procs
+        return 0
+    done
+    return 1
+}
+_cx_cgroup_of() {
+    # The path of pid $1 in the hierarchy $2 of /proc/PID/cgroup ("0" for v2,
+    # "pids" for v1's controller), in _cx_cgroup.
+    local id controllers path
+    while IFS=: read -r id controllers path; do
+        [[ $id$controllers == 0 && $2 == 0 || ,$controllers, == *",$2,"* ]] || continue
+        _cx_cgroup=$path
+        return 0
+    done 2>/dev/null <"/proc/$1/cgroup"
+    return 1
+}"""
+_LONGEST_WATCH = 1e9  # seconds; a longer deadline is kept as this one (31 years)
+
+
+def _watchdog(timeout: float, grace: float) -> List[str]:
+    """The wrapper's lines that fork the watchdog: SIGTERM at `timeout`, SIGKILL `grace` later."""
+    due, kill_after = (str(math.ceil(min(s, _LONGEST_WATCH) * 100)) for s in (timeout, grace))
+    return [_PROCESSES, _WATCHDOG, _call("_cx_start_watchdog", due, kill_after)]
+
+
+def _reading_staged(path: str, marker: str, piped: bool) -> List[str]:
+    """The wrapper's lines that read the staged file: its variables, and on
+    stdin the rest of it, unless the command's stdin is the service's pipe."""
+    var = "_" + marker.replace("-", "_")  # a name no caller's variable can have
+    return [_READ_STAGED, _call("_cx_read_staged", path, "env" if piped else "stdin", var)]
+
+
+def _call(function: str, *args: str) -> str:
+    """A line that calls one of the functions above with `args`, each quoted."""
+    return " ".join([function, *map(_quote, args)])
+
+
+# The port probe of wait_for_port(): bash alone for the connect (/dev/tcp: no
+# curl or nc), one connect a round, each cut after a second (a host that drops
+# packets). A connection accepted is not enough: some other server may hold
+# the port. The probe returns only once a socket listening on the port is
+# open in the target's tree (the target and its descendants): its inode, in
+# /proc/net/tcp or tcp6, among the links of their /proc/PID/fd, which
+# coreutils' readlink reads. The target's pid is watched between rounds, so
+# that its end is seen at once. Its own limit ends it even if nobody deletes
+# it. Sleeping is a read that times out: no /bin/sleep needed.
+_PROBE = r"""_cx_probe() {
+    # $1: the target's pid, $2 and $3: the host and port, $4: the probe's
+    # own limit, in seconds. Exits 0 (the target listens), 3 (it has ended)
+    # or 4 (the limit).
+    exec {_cx_nap}<> <(:)
+    _cx_leader=$1
+    _cx_stat "$_cx_leader" || exit 3
+    _cx_born=$_cx_starttime
+    while ((SECONDS < $4)); do
+        if _cx_connects "$2" "$3" && _cx_listens "$1" "$3"; then
+            exit 0
+        fi
+        _cx_leader_runs || exit 3
+        read -r -t 0.1 -u "$_cx_nap" _
+    done
+    exit 4
+}
+_cx_connects() {
+    # Whether host $1 accepts a TCP connection on port $2 within a second.
+    local try look
+    ( : 3<>"/dev/tcp/$1/$2" ) 2>/dev/null &
+    try=$!
+    for ((look = 0; look < 10; look++)); do
+        kill -0 "$try" 2>/dev/null || break
+        read -r -t 0.1 -u "$_cx_nap" _
+    done
+    kill "$try" 2>/dev/null
+    wait "$try"
+}
+_cx_listens() {
+    # Whether a socket listening on TCP port $2 is open in the tree of pid $1.
+    local table line hex pid link listening=' '
+    local -a lines field fds=()
+    printf -v hex ':%04X' "$2"
+    for table in /proc/net/tcp /proc/net/tcp6; do
+        # Read whole: bash reads a file line by line a byte at a time, and
+        # each read of /proc/net/tcp walks the table again.
+        mapfile -t lines 2>/dev/null <"$table" || continue
+        for line in "${lines[@]}"; do
+            # Fields 2, 4 and 10 of proc(5)'s table: local_address, st, inode.
+            # shellcheck disable=SC2206  # hex, numbers and colons: nothing to glob
+            field=($line)
+            [[ ${field[3]} == 0A && ${field[1]} == *"$hex" ]] || continue
+            listening+="socket:[${field[9]}] "
+        done
+    done
+    [[ $listening != ' ' ]] || return 1
+    _cx_scan
+    _cx_plant "$1"
+    _cx_grow
+    for pid in "${_cx_members[@]}"; do
+        fds+=(/proc/"$pid"/fd/*)
+    done
+    while read -r link; do
+        [[ $listening != *" $link "* ]] || return 0
+    done < <(readlink -- "${fds[@]}" 2>/dev/null)
+    return 1
+}
+_cx_probe "$@"
+"""
+_PROBE_SCRIPT = _PROCESSES + "\n" + _PROBE
+# The probe's exits: the port opened, the target's pid is gone, its own limit.
+_PROBE_OPEN, _PROBE_GONE, _PROBE_LIMIT = _Exit(0, None), _Exit(3, None), _Exit(4, None)
 
 
 # --------------------------------------------------------------------------

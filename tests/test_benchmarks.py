@@ -88,6 +88,10 @@ def test_the_tiny_benchmark_reports_every_section_and_reader():
     assert re.search(r'one execute\("true"\) after a warm-up: [0-9]+ requests', report)
     assert re.search(r"rate limiter: default .* median %s ms, rate_limit=None" % NUMBER, report)
     assert re.search(r"resume after a connection reset .* median %s ms" % NUMBER, report)
+    deadline_cost = (
+        r'execute\(\["true"\], timeout=60\) under the \w+ reading: median %s ms' % NUMBER
+    )
+    assert len(re.findall(deadline_cost, report)) == 2
     assert re.search(
         r"rate limiter alone: .* %s us in a window shared through its file" % NUMBER, report
     )

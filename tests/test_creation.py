@@ -105,7 +105,7 @@ def test_created_process_runs_the_command_behind_a_marker(rsps: responses.Reques
     script = body["args"][1]
     assert script.endswith('exec -- "$@"\n')  # the argv follows, untouched by quoting
     assert body["args"][3:] == ["printf", "%s", "it's $HOME"]
-    assert "cd -- '/srv/app dir' 2>/dev/null || " in script
+    assert "\n_cx_enter '/srv/app dir'\n" in script
     assert "exec 0</dev/null" in script  # no stdin: EOF at once
     assert "env" not in body and "pty" not in body
 

@@ -255,12 +255,15 @@ def test_argv_cwd_env_stdin_and_output_are_those_of_a_run_without_timeout(client
     plain = client.execute(SANDBOX, PROBE, **options)
     watched = client.execute(SANDBOX, PROBE, timeout=30.0, **options)
     assert plain.stdout.endswith("no child\n") and plain.exit_code == 0, plain.stderr
-    assert (watched.stdout, watched.stderr, watched.exit_code, watched.signal) == (
-        plain.stdout,
+    assert (watched.stderr, watched.exit_code, watched.signal) == (
         plain.stderr,
         plain.exit_code,
         plain.signal,
     )
+    # The one difference: the program holds the write end of the pipe whose
+    # end of file tells the watchdog that it ended.
+    *seen, fds, child = plain.stdout.split("\n")[:-1]
+    assert watched.stdout == "\n".join([*seen, str(int(fds) + 1), child, ""])
     record = server.process(watched.process_id)
     assert "v'1 $x" not in repr(record) and "in\nput" not in repr(record)  # staged, as before
     assert record["args"][2].startswith("createos_exec-")  # the marker
@@ -297,10 +300,10 @@ def test_the_watchdog_goes_with_the_program(client, server):
 def test_without_timeout_nothing_is_added_to_the_wrapper(client, server):
     plain = cx._plan(["true"], cx._Options()).body["args"][1]
     kept = cx._plan(["true"], cx._Options(timeout=5.0)).body["args"][1]
-    assert "_cx_due" not in plain and "/proc" not in plain
-    assert kept.startswith(plain.rsplit("\n", 2)[0]) and "_cx_due" in kept
+    assert "_cx_watch" not in plain and "/proc" not in plain
+    assert kept.startswith(plain.rsplit("\n", 2)[0]) and "_cx_watch" in kept
     result = client.execute(SANDBOX, ["true"])
-    assert "_cx_due" not in server.process(result.process_id)["args"][1]
+    assert "_cx_watch" not in server.process(result.process_id)["args"][1]
 
 
 @pytest.mark.parametrize("timeout", [1e-9, 1e12, float("inf")])

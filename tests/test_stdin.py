@@ -18,6 +18,7 @@ import os
 import pickle
 import queue
 import random
+import shlex
 import socket
 import sys
 import threading
@@ -400,6 +401,28 @@ def test_wait_for_port_returns_once_the_server_listens(client, server):
     assert 0.9 < took < 5
     with socket.create_connection(("127.0.0.1", port), timeout=5):
         pass
+    assert proc.poll() is None
+    assert probes_all_gone(server, proc)
+    proc.terminate()
+
+
+def test_wait_for_port_waits_for_the_process_not_another_server_on_its_port(client, server):
+    # The port accepts connections from the start, but on this test's socket:
+    # the process fails to bind it a second later and ends.
+    with socket.create_server(("127.0.0.1", 0)) as other:
+        port = other.getsockname()[1]
+        proc = client.start(SANDBOX, [sys.executable, "-c", LISTEN_LATER, str(port), "1.0"])
+        with pytest.raises(cx.ProcessEndedError) as caught:
+            proc.wait_for_port(port, timeout=20)
+    assert "Address already in use" in caught.value.result.stderr
+    assert probes_all_gone(server, proc)
+
+
+def test_wait_for_port_returns_once_a_child_of_the_process_listens(client, server):
+    port = closed_port()
+    child = f"{shlex.quote(sys.executable)} -c {shlex.quote(LISTEN_LATER)} {port} 0.5"
+    proc = client.start(SANDBOX, f"{child} & wait", shell=True)
+    proc.wait_for_port(port, timeout=20)
     assert proc.poll() is None
     assert probes_all_gone(server, proc)
     proc.terminate()

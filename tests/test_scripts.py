@@ -1,0 +1,235 @@
+"""The scripts createos_exec sends to the sandbox, their functions run alone in
+bash against synthetic process trees on this machine: the wrapper's refusal of
+an old bash, the watchdog's tree (its group, its descendants, its own cgroup),
+its signals, and its leaving when the program ends. What the whole wrapper
+does through the local server is in test_deadline.py and test_creation.py.
+(shellcheck_scripts.py checks the same scripts with shellcheck.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from typing import Iterator, List, Set
+
+import pytest
+
+import createos_exec as cx
+
+if sys.platform != "linux":  # pragma: no cover - /proc
+    pytest.skip("the scripts read Linux's /proc", allow_module_level=True)
+
+WATCHDOG = cx._PROCESSES + "\n" + cx._WATCHDOG + "\n"
+TOO_OLD = "bash {} is too old: createos_exec needs bash 5.0 or newer in the sandbox"
+
+# A tree as the watchdog finds one: the leader leads a group; in it a child
+# and a grandchild its parent left (reparented); outside it a child that
+# started a session of its own. Each of them prints its pid.
+TREE = """\
+sleep 30 & echo "$!"
+(sleep 30 & echo "$!")
+setsid sleep 30 & echo "$!"
+echo ready
+wait
+"""
+# The same leader with a daemon that double-forked out of its group and its
+# tree (setsid, then a fork whose parent leaves): only its cgroup holds it.
+WITH_DAEMON = """\
+setsid bash -c 'sleep 30 & echo "$!"'
+echo ready
+exec sleep 30
+"""
+
+
+def bash(script: str, *args: str, **options: object) -> "subprocess.CompletedProcess[str]":
+    return subprocess.run(
+        ["bash", "-c", script, "test", *args], capture_output=True, text=True, timeout=10,
+        **options,  # type: ignore[call-overload]
+    )  # fmt: skip
+
+
+def started(script: str, **options: object) -> "subprocess.Popen[str]":
+    """A leader in a process group of its own; its members' pids follow in `.members`."""
+    leader = subprocess.Popen(
+        ["bash", "-c", script], stdout=subprocess.PIPE, text=True, start_new_session=True,
+        **options,  # type: ignore[call-overload]
+    )  # fmt: skip
+    assert leader.stdout is not None
+    leader.members = [int(line) for line in iter(leader.stdout.readline, "ready\n")]  # type: ignore[attr-defined]
+    return leader
+
+
+def targets(leader: int, agent: int) -> List[Set[int]]:
+    """The watchdog's tree of `leader` and the part of it outside the group."""
+    done = bash(
+        WATCHDOG + '_cx_leader=$1 _cx_agent=$2 _cx_group=$1\n_cx_stat "$1"\n'
+        '_cx_born=$_cx_starttime\n_cx_targets\necho "${_cx_members[*]}"\necho "${_cx_apart[*]}"',
+        str(leader), str(agent),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return [{int(pid) for pid in line.split()} for line in done.stdout.split("\n")[:2]]
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rpartition(b")")[2].split()[0] not in (b"Z", b"X")
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def tree() -> Iterator["subprocess.Popen[str]"]:
+    leader = started(TREE)
+    yield leader
+    end(leader)
+
+
+def end(leader: "subprocess.Popen[str]") -> None:
+    for pid in leader.members:  # type: ignore[attr-defined]
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    leader.kill()
+    leader.wait()
+    assert leader.stdout is not None
+    leader.stdout.close()
+
+
+@pytest.mark.parametrize("major, status", [(4, 125), (3, 125), (5, 0), (6, 0)])
+def test_the_wrapper_refuses_a_bash_older_than_5_with_125_and_a_sentence(major, status):
+    # The check is given the version as arguments: what is shown is the branch
+    # taken for each, not a run under a real older bash.
+    version = f"{major}.2.1(1)-release"
+    head = cx._WRAPPER_HEAD.replace('"${BASH_VERSINFO[0]}" "$BASH_VERSION"', '"$1" "$2"')
+    assert head != cx._WRAPPER_HEAD
+    done = bash(head + "\necho ran on", str(major), version)
+    assert done.returncode == status
+    if status:
+        assert (done.stdout, done.stderr) == ("", f"createos_exec: {TOO_OLD.format(version)}\n")
+    else:
+        assert (done.stdout, done.stderr) == ("ran on\n", "")
+
+
+def test_the_tree_is_the_group_the_reparented_and_the_descendants_outside_it(tree):
+    child, orphan, apart = tree.members
+    stranger = subprocess.Popen(["sleep", "30"])
+    try:
+        members, outside = targets(tree.pid, os.getpid())
+    finally:
+        stranger.kill()
+        stranger.wait()
+    assert members == {tree.pid, child, orphan, apart}
+    assert outside == {apart}  # the others get the signal once, sent to the group
+
+
+def test_a_signal_reaches_each_process_of_the_tree_and_no_other(tree):
+    stranger = subprocess.Popen(["sleep", "30"])
+    try:
+        done = bash(
+            WATCHDOG + "_cx_leader=$1 _cx_agent=$$ _cx_group=$1\n_cx_signal TERM", str(tree.pid)
+        )
+        assert done.returncode == 0, done.stderr
+        assert tree.wait(5) == -signal.SIGTERM
+        deadline = time.monotonic() + 5
+        while any(map(alive, tree.members)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not any(map(alive, tree.members))
+        assert stranger.poll() is None
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+def watch(leader: "subprocess.Popen[str]", due_cs: int, read: int) -> "subprocess.Popen[str]":
+    """The watchdog of `leader` alone, on a pipe whose write end the leader holds."""
+    return subprocess.Popen(
+        ["bash", "-c", WATCHDOG + '_cx_watch "$@"', "watchdog", str(leader.pid), str(os.getpid()),
+         str(due_cs), "10", str(read)],
+        pass_fds=(read,),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("leader_script", ["sleep 0.2", "sleep 30 >/dev/null & sleep 0.2"])
+def test_the_watchdog_leaves_when_the_leader_ends_whoever_holds_the_pipe(leader_script):
+    # With a background child the pipe stays open: the look at /proc sees the end.
+    read, write = os.pipe()
+    leader = subprocess.Popen(
+        ["bash", "-c", leader_script], pass_fds=(write,), start_new_session=True
+    )
+    watchdog = watch(leader, 6000, read)
+    os.close(read)
+    os.close(write)
+    try:
+        leader.wait(5)
+        assert watchdog.wait(1.0) == 0  # generous: it has 0.1 s at most
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the background child
+            os.killpg(leader.pid, signal.SIGKILL)
+        watchdog.kill()
+        watchdog.wait()
+
+
+def test_a_leader_that_closed_the_pipe_is_still_ended_at_the_deadline():
+    read, write = os.pipe()
+    leader = subprocess.Popen(
+        ["bash", "-c", f"exec {write}>&-; sleep 30"], pass_fds=(write,), start_new_session=True
+    )
+    watchdog = watch(leader, 30, read)
+    os.close(read)
+    os.close(write)
+    try:
+        assert leader.wait(5) == -signal.SIGTERM
+        assert watchdog.wait(5) == 0
+    finally:
+        leader.kill()
+        leader.wait()
+        watchdog.kill()
+        watchdog.wait()
+
+
+@pytest.fixture
+def cgroup() -> Iterator[str]:
+    """A cgroup of the v1 "pids" controller of this test's own, removed afterwards."""
+    root = "/sys/fs/cgroup/pids"
+    path = f"{root}/createos-exec-test-{secrets.token_hex(4)}"
+    try:
+        os.mkdir(path)
+    except OSError as error:
+        pytest.skip(f"the v1 pids hierarchy is not writable here ({error.strerror})")
+    yield path
+    with open(f"{path}/cgroup.procs") as procs:
+        for pid in procs.read().split():
+            os.kill(int(pid), signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            os.rmdir(path)
+            return
+        except OSError:
+            time.sleep(0.02)
+    os.rmdir(path)
+
+
+def test_the_leaders_own_cgroup_holds_the_daemon_the_tree_misses(cgroup):
+    procs = f"{cgroup}/cgroup.procs"
+    leader = started(f"echo $$ >{procs}\n" + WITH_DAEMON)
+    try:
+        (daemon,) = leader.members
+        members, outside = targets(leader.pid, os.getpid())
+        assert daemon in members and daemon in outside
+        # The cgroup of the agent (here the leader itself) is not one of its own.
+        assert daemon not in targets(leader.pid, leader.pid)[0]
+        done = bash(WATCHDOG + "_cx_leader=$1 _cx_agent=$2 _cx_group=$1\n_cx_signal TERM",
+                    str(leader.pid), str(os.getpid()))  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        deadline = time.monotonic() + 5
+        while alive(daemon) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not alive(daemon)
+    finally:
+        end(leader)
