@@ -3356,10 +3356,16 @@ class _Termination:
 
 class _Handover:
     """Output read while a loop over iter_output() runs, until the loop takes it:
-    the pieces as they came, or whole lines per stream."""
+    the pieces as they came, or whole lines per stream.
+
+    A piece or line leaves the handover before it is handed out, and nothing
+    is held between two of them but here: a loop left at any point (`break`)
+    leaves the next loop what it did not hand out, nothing twice.
+    """
 
     def __init__(self, longest_line: int) -> None:
         self._pieces: Deque[Tuple[str, str]] = collections.deque()
+        self._lines_ready: Deque[Tuple[str, str]] = collections.deque()
         self._partial: Dict[str, List[str]] = {name: [] for name in _STREAMS}
         self._partial_size = dict.fromkeys(_STREAMS, 0)
         self._longest_line = longest_line
@@ -3369,6 +3375,7 @@ class _Handover:
 
     def clear(self) -> None:
         self._pieces.clear()
+        self._lines_ready.clear()
         for name in _STREAMS:
             self._partial[name].clear()
             self._partial_size[name] = 0
@@ -3386,46 +3393,48 @@ class _Handover:
 
     def pieces(self, lines: bool, end: bool = False) -> Iterator[Tuple[str, str]]:
         """What was taken, in order; with `end`, the unterminated last lines too."""
+        ready, pending = self._lines_ready, self._pieces
         if not lines:
-            yield from self._unterminated()  # left by a loop over lines
-        pending = self._pieces
-        while pending:
-            stream, text = pending.popleft()
-            if lines:
-                yield from self._lines(stream, text)
+            self._unterminated()  # left by a loop over lines
+        while ready or pending:
+            if ready:
+                yield ready.popleft()
+            elif lines:
+                self._split(*pending.popleft())
             else:
-                yield stream, text
+                yield pending.popleft()
         if end:
-            yield from self._unterminated()
+            self._unterminated()
+            while ready:
+                yield ready.popleft()
 
-    def _lines(self, stream: str, text: str) -> Iterator[Tuple[str, str]]:
+    def _split(self, stream: str, text: str) -> None:
+        """The whole lines of `text` (after what the stream left unterminated) made ready."""
         partial = self._partial[stream]
         start = 0
         end = text.find("\n") + 1
         while end:
             if partial:
                 partial.append(text[start:end])
-                yield stream, "".join(partial)
-                partial.clear()
-                self._partial_size[stream] = 0
+                self._unterminated(stream)
             else:
-                yield stream, text[start:end]
+                self._lines_ready.append((stream, text[start:end]))
             start = end
             end = text.find("\n", start) + 1
         if start < len(text):
             partial.append(text[start:] if start else text)
             self._partial_size[stream] += len(text) - start
             if self._partial_size[stream] >= self._longest_line:
-                yield from self._unterminated(stream)
+                self._unterminated(stream)
 
-    def _unterminated(self, *streams: str) -> Iterator[Tuple[str, str]]:
+    def _unterminated(self, *streams: str) -> None:
+        """What the streams hold of a line, made ready as it stands."""
         for name in streams or _STREAMS:
             partial = self._partial[name]
             if partial:
-                text = "".join(partial)
+                self._lines_ready.append((name, "".join(partial)))  # one text is not copied
                 partial.clear()
                 self._partial_size[name] = 0
-                yield name, text
 
 
 # The signals of Linux, where the sandboxes run: a name outside them would be

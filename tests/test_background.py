@@ -118,6 +118,42 @@ def test_lines_are_whole_across_frames_and_reconnects(client, server):
     assert proc.wait().stdout == "hello\nworld\nno end"
 
 
+# Lines on both pipes written in pieces, a character split between two writes, and
+# a line of 200,000 characters in two pieces.
+PIECEMEAL = python(
+    "import os, sys, time\n"
+    "def put(fd, data): os.write(fd, data); time.sleep(0.02)\n"
+    "for i in range(4):\n"
+    "    put(1, b'log %d part1 ' % i); put(1, b'part2 caf\\xc3'); put(1, b'\\xa9\\n')\n"
+    "    put(2, b'err %d ' % i); put(2, b'end\\n')\n"
+    "put(1, b'a' * 100000); put(1, b'b' * 100000 + b'\\n'); put(1, b'last')\n"
+)
+PIECEMEAL_OUT = "".join(f"log {i} part1 part2 caf\u00e9\n" for i in range(4))
+PIECEMEAL_OUT += "a" * 100000 + "b" * 100000 + "\nlast"
+PIECEMEAL_ERR = "".join(f"err {i} end\n" for i in range(4))
+
+
+@pytest.mark.parametrize("lines", [True, False], ids=["lines", "pieces"])
+def test_loops_left_after_each_piece_hand_out_everything_once(client, server, lines):
+    server.drop_stream(after_frames=3)  # broken connections on the way, besides the loops'
+    server.drop_stream(after_frames=5, mid_frame=True)
+    proc = client.start(SANDBOX, PIECEMEAL)
+    seen = []
+    while True:  # a new loop (a new connection) for each piece, left by `break`
+        for piece in proc.iter_output(lines=lines):
+            seen.append(piece)
+            break
+        else:
+            break
+    assert by_stream(seen) == {"stdout": PIECEMEAL_OUT, "stderr": PIECEMEAL_ERR}
+    if lines:
+        texts = [text for _, text in seen]
+        assert all(text.endswith("\n") for text in texts if text != "last")
+        assert [t for s, t in seen if s == "stdout"] == PIECEMEAL_OUT.splitlines(keepends=True)
+    result = proc.wait()
+    assert (result.stdout, result.stderr) == (PIECEMEAL_OUT, PIECEMEAL_ERR)
+
+
 def test_the_loop_timeout_only_stops_waiting(client, server):
     proc = client.start(SANDBOX, WAITS)
     seen = []
