@@ -3157,14 +3157,16 @@ class RemoteProcess:
 
     def communicate(
         self, input: Union[str, bytes, None] = None, timeout: Optional[float] = None
-    ) -> ExecResult:
-        """Write `input`, close stdin and wait(timeout), as Popen.communicate does
-        (which also lets a process that stopped reading its stdin end as it ends)."""
+    ) -> Tuple[str, str]:
+        """Write `input`, close stdin and wait(timeout); (stdout, stderr), as
+        Popen.communicate returns them (closing stdin also lets a process that
+        stopped reading it end as it ends). wait() then gives the ExecResult at once."""
         with contextlib.suppress(StdinClosedError):
             if input is not None:
                 self.write(input)
             self.close_stdin()
-        return self.wait(timeout)
+        result = self.wait(timeout)
+        return result.stdout, result.stderr
 
     def wait_for_port(self, port: int, *, host: str = "127.0.0.1", timeout: float = 30.0) -> None:
         """Return once a TCP connect to host:port succeeds inside the sandbox; see _PortWait."""
