@@ -592,6 +592,7 @@ _TERMINATE_GRACE = 1.0  # seconds between SIGTERM and SIGKILL when terminating
 _CANCEL_POLL = 0.1  # seconds between looks at the cancel event while a read blocks
 _EXIT_CHECK_MS = 5_000  # how long an exit frame without status is checked against `wait`
 _LIVENESS_POLL_MS = 1_000  # the `wait` that tells a quiet process from an exited one
+_KILLED_POLL_MS = 2_000  # the `wait` for the leader's end after kill()'s SIGKILL
 _LISTING_PAGE_SIZE = 500  # the most the service's paginated lists hold in a page
 _LISTING_PAGES = 20  # pages of the process listing read at most: 10,000 processes
 
@@ -3121,19 +3122,34 @@ class RemoteProcess:
         self._stop(None)
 
     def kill(self) -> None:
-        """Kill the whole tree at once (no grace period) and confirm it."""
-        self._stop(0.0)
+        """SIGKILL to the process group first, as Popen.kill (the result says SIGKILL,
+        returncode -9), then the whole tree terminated at once and that confirmed."""
+        self._stop(0.0, kill_first=True)
 
-    def _stop(self, grace: Optional[float]) -> None:
+    def _stop(self, grace: Optional[float], kill_first: bool = False) -> None:
         if self._outcome is not None:
             return
         with self._turn.taken(_Deadline(time.monotonic())) as mine:
+            killed = self._killed() if kill_first else None
             if not mine:
                 # Another thread reads the stream: it reads the end; confirm the termination here.
                 self._endpoints.delete(grace)
             elif self._outcome is None:
-                for _ in self._settled(self._end(_Ending(asked=True, grace=grace))):
+                asked = _Ending(status=killed, asked=True, grace=grace)
+                for _ in self._settled(self._end(asked)):
                     pass
+
+    def _killed(self) -> Optional[_Exit]:
+        """SIGKILL to the process group, and the leader's status it brought, asked
+        before the DELETE (a service may forget a deleted process); None if unknown."""
+        endpoints = self._endpoints
+        try:
+            endpoints.signal("SIGKILL")
+            record = endpoints.exit_record("leader", _KILLED_POLL_MS, endpoints.cleanup_deadline())
+        except CreateOSError:  # the termination that follows kills the tree all the same
+            logger.info("SIGKILL to %s was not confirmed; terminating it", self.process_id)
+            return None
+        return None if record is None else _exit_status(record)
 
     def send_signal(self, signal: Union[str, int]) -> None:
         """Send a signal (a name such as "SIGINT", or its number) to the process group.
