@@ -2057,9 +2057,17 @@ class _Output:
     """
 
     def __init__(
-        self, encoding: str, errors: str, limit: int, on_output: Optional[OutputCallback]
+        self,
+        encoding: str,
+        errors: str,
+        limit: int,
+        on_output: Optional[OutputCallback],
+        merges_stderr: bool = False,
     ) -> None:
         self._decoder = codecs.getincrementaldecoder(encoding)
+        # The stream each stream's text is: with stderr=subprocess.STDOUT, stderr's
+        # is stdout's everywhere it goes (decoded apart: each pipe's bytes are whole).
+        self._into = {"stdout": "stdout", "stderr": "stdout" if merges_stderr else "stderr"}
         self._errors = errors
         self._limit = limit
         self._on_output = on_output
@@ -2101,6 +2109,7 @@ class _Output:
     def feed(self, stream: str, payload: bytes, final: bool = False) -> None:
         text: str = self._decoders[stream].decode(payload, final)
         if text:
+            stream = self._into[stream]
             self._recent[stream].append(text)
             self._recent_both.append(text)
             self._recent_size += len(text)
@@ -2162,8 +2171,13 @@ class _Options:
     cancel: Optional[threading.Event] = None
     capture_output: bool = True
     text: bool = True
+    stdout: Optional[int] = None
+    stderr: Optional[int] = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "stdin", _ported_stdin(self.stdin))
+        _check_ported("stdout", self.stdout, (subprocess.PIPE,))
+        _check_ported("stderr", self.stderr, (subprocess.PIPE, subprocess.STDOUT))
         if self.timeout is not None:
             _positive_seconds("timeout", self.timeout)
         if self.env is not None and not isinstance(self.env, dict):
@@ -2188,10 +2202,32 @@ class _Options:
             raise ConfigError("cancel must be a threading.Event.")
 
     @property
+    def merges_stderr(self) -> bool:
+        """stderr=subprocess.STDOUT: stderr's text is stdout's, in the order it was written."""
+        return self.stderr == subprocess.STDOUT
+
+    @property
     def stdin_data(self) -> Union[str, bytes, None]:
         """The data to stage for stdin, if any (none for a pipe kept open)."""
         data = self.stdin if self.input is None else self.input
         return None if isinstance(data, _Pipe) else data
+
+
+def _ported_stdin(stdin: Any) -> Any:
+    """stdin= of a ported subprocess call: its PIPE is ours, DEVNULL is no data (EOF at once)."""
+    if _is_int(stdin) and stdin in (subprocess.PIPE, subprocess.DEVNULL):
+        return PIPE if stdin == subprocess.PIPE else None
+    return stdin
+
+
+def _check_ported(name: str, value: Any, accepted: Tuple[int, ...]) -> None:
+    """stdout= and stderr= of a ported subprocess call: output is always captured."""
+    if value is not None and not (_is_int(value) and value in accepted):
+        merge = ", or subprocess.STDOUT to merge it into stdout" if name == "stderr" else ""
+        raise ConfigError(
+            f"{name} can only be subprocess.PIPE or None{merge}: output is always captured "
+            f"(not {_shown(value)})."
+        )
 
 
 def _codec_error(encoding: Any, errors: Any) -> ConfigError:
@@ -2306,9 +2342,10 @@ class Client:
         encoding: str = _DEFAULT.encoding, errors: str = _DEFAULT.errors,
         cancel: Optional[threading.Event] = _DEFAULT.cancel,
         capture_output: bool = _DEFAULT.capture_output, text: bool = _DEFAULT.text,
+        stdout: Optional[int] = _DEFAULT.stdout, stderr: Optional[int] = _DEFAULT.stderr,
     ) -> ExecResult:  # fmt: skip
         """Run `command` in the sandbox and return how it ended: start(...).wait()."""
-        if isinstance(stdin, _Pipe):
+        if isinstance(_ported_stdin(stdin), _Pipe):
             raise ConfigError(
                 "stdin=cx.PIPE needs start(): nothing can write while execute() waits."
             )
@@ -2316,7 +2353,7 @@ class Client:
             sandbox_id, command, shell=shell, cwd=cwd, env=env, stdin=stdin, input=input,
             timeout=timeout, on_output=on_output, check=check,
             max_output_chars=max_output_chars, encoding=encoding, errors=errors,
-            cancel=cancel, capture_output=capture_output, text=text,
+            cancel=cancel, capture_output=capture_output, text=text, stdout=stdout, stderr=stderr,
         ).wait()  # fmt: skip
 
     def start(
@@ -2331,6 +2368,7 @@ class Client:
         encoding: str = _DEFAULT.encoding, errors: str = _DEFAULT.errors,
         cancel: Optional[threading.Event] = _DEFAULT.cancel,
         capture_output: bool = _DEFAULT.capture_output, text: bool = _DEFAULT.text,
+        stdout: Optional[int] = _DEFAULT.stdout, stderr: Optional[int] = _DEFAULT.stderr,
     ) -> RemoteProcess:  # fmt: skip
         """Create the process (exactly once) and return at once, as subprocess.Popen does.
 
@@ -2343,7 +2381,7 @@ class Client:
             shell=shell, cwd=cwd, env=env, stdin=stdin, input=input, timeout=timeout,
             on_output=on_output, check=check, max_output_chars=max_output_chars,
             encoding=encoding, errors=errors, cancel=cancel,
-            capture_output=capture_output, text=text,
+            capture_output=capture_output, text=text, stdout=stdout, stderr=stderr,
         )  # fmt: skip
         deadline = _Deadline.after(options.timeout, "command", started, options.cancel)
         sandbox_id = _checked_id("sandbox", sandbox_id)
@@ -3504,7 +3542,11 @@ class _Follower:
         self.process_id = endpoints.process_id
         self._cancel = options.cancel
         self._output = _Output(
-            options.encoding, options.errors, options.max_output_chars, options.on_output
+            options.encoding,
+            options.errors,
+            options.max_output_chars,
+            options.on_output,
+            options.merges_stderr,
         )
         self._reader = _Reader(self._output, cursor)
         self._budget = _Budget(endpoints.transport.retry)

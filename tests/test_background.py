@@ -8,8 +8,10 @@ under both readings of the local server (see conftest.BOTH_READINGS).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import inspect
+import signal
 import subprocess
 import threading
 import time
@@ -18,7 +20,7 @@ import warnings
 import pytest
 import requests
 from local_server import LocalServer
-from support import SANDBOX, make_client, python
+from support import SANDBOX, Recorder, make_client, python
 
 import createos_exec as cx
 
@@ -396,7 +398,7 @@ def test_every_keyword_reaches_the_options(client, monkeypatch):
     values = dict(
         shell=True, cwd="/", env={"A": "1"}, input="in", timeout=30.0, on_output=print,
         check=True, max_output_chars=7, encoding="latin-1", errors="strict", cancel=cancel,
-        capture_output=True, text=True,
+        capture_output=True, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )  # fmt: skip
     result = client.execute(SANDBOX, "cat", **values)
     assert built[-1] == dict(values, stdin=None) and result.stdout == "in"
@@ -408,14 +410,108 @@ def test_every_keyword_reaches_the_options(client, monkeypatch):
     assert proc.wait().stdout == "in"
 
 
-# -- ported from subprocess.run ----------------------------------------------------------
+# -- ported from subprocess.run and Popen ---------------------------------------------
+# Each snippet runs as it is against subprocess and against the local server: what
+# README's and docs/background-processes.md's tables call "the same".
 
 
-def test_subprocess_run_keywords_are_accepted(client):
-    result = client.execute(
-        SANDBOX, ["cat"], input=b"ported\n", capture_output=True, text=True, check=True
+def ported_run(run, popen):
+    done = run(["sh", "-c", "cat; echo err >&2"], input="in\n", capture_output=True, text=True)
+    return done.returncode, done.stdout, done.stderr
+
+
+def ported_check(run, popen):
+    script = ["sh", "-c", "echo out; echo err >&2; exit 3"]
+    try:
+        run(script, capture_output=True, text=True, check=True)
+    except subprocess.CalledProcessError as failed:
+        return failed.returncode, failed.cmd, failed.stdout, failed.stderr
+
+
+def ported_stderr_into_stdout(run, popen):
+    script = "echo 1; sleep 0.1; echo 2 >&2; sleep 0.1; echo 3"
+    done = run(script, shell=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return done.stdout, bool(done.stderr)
+
+
+def ported_devnull_cwd_and_shell(run, popen):
+    script = "cat; pwd; echo $((6 * 7))"
+    nothing, piped = subprocess.DEVNULL, subprocess.PIPE
+    return run(script, shell=True, cwd="/", stdin=nothing, stdout=piped, text=True).stdout
+
+
+def ported_communicate(run, popen):
+    proc = popen(
+        ["sh", "-c", "tr a-z A-Z; echo e >&2; exit 3"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    return proc.communicate("hi\n"), proc.returncode
+
+
+def ported_poll_wait_kill(run, popen):
+    proc = popen(["sleep", "30"])
+    running = proc.poll()
+    try:
+        proc.wait(timeout=0.2)
+    except subprocess.TimeoutExpired as stopped:
+        waited = stopped.timeout
+    still = proc.poll()
+    proc.kill()
+    proc.wait()
+    return running, waited, still, proc.returncode
+
+
+def ported_terminate_and_send_signal(run, popen):
+    terminated, signalled = popen(["sleep", "30"]), popen(["sleep", "30"])
+    terminated.terminate()
+    signalled.send_signal(signal.SIGUSR1)
+    terminated.wait(), signalled.wait()
+    return terminated.returncode, signalled.returncode
+
+
+def ported_dropped_handle_warns(run, popen):
+    proc = popen(["sleep", "2"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del proc
+        gc.collect()
+    return [warning.category for warning in caught]
+
+
+PORTED = [value for name, value in list(globals().items()) if name.startswith("ported_")]
+
+
+@pytest.mark.parametrize("snippet", PORTED, ids=lambda snippet: snippet.__name__[7:])
+def test_ported_lines_do_what_subprocess_does(client, snippet):
+    remote = snippet(
+        functools.partial(client.execute, SANDBOX), functools.partial(client.start, SANDBOX)
     )
-    assert result.stdout == "ported\n"
+    assert remote == snippet(subprocess.run, subprocess.Popen)
+
+
+def test_stderr_into_stdout_is_merged_in_order_wherever_output_goes(client):
+    recorder = Recorder()
+    script = "echo o1; sleep 0.1; echo e1 >&2; sleep 0.1; echo o2; read _; exit 1"
+    proc = client.start(
+        SANDBOX, script, shell=True, stdin=subprocess.PIPE, stderr=subprocess.STDOUT,
+        on_output=recorder, check=True,
+    )  # fmt: skip
+    looped = []
+    for piece in proc.iter_output(lines=True):
+        looped.append(piece)
+        if len(looped) == 3:
+            break
+    with pytest.raises(cx.WaitTimeout) as waited:
+        proc.wait(timeout=0.2)
+    proc.close_stdin()
+    with pytest.raises(cx.CommandError) as failed:
+        proc.wait()
+    merged = "o1\ne1\no2\n"
+    assert looped == [("stdout", "o1\n"), ("stdout", "e1\n"), ("stdout", "o2\n")]
+    assert (recorder.text(), recorder.text("stderr")) == (merged, "")
+    assert (waited.value.output, waited.value.stderr) == (merged, "")
+    assert (failed.value.stdout, failed.value.stderr) == (merged, "")
+    assert (failed.value.result.output, failed.value.result.stderr_truncated) == (merged, False)
 
 
 @pytest.mark.parametrize(
@@ -424,6 +520,12 @@ def test_subprocess_run_keywords_are_accepted(client):
         (dict(capture_output=False), "always captured"),
         (dict(text=False), "always captured"),
         (dict(stdin="a", input="b"), "input="),
+        (dict(stdout=subprocess.DEVNULL), "stdout can only be subprocess.PIPE or None"),
+        (dict(stdout=subprocess.STDOUT), "stdout can only be subprocess.PIPE or None"),
+        (dict(stderr=subprocess.DEVNULL), "stderr can only be .* subprocess.STDOUT"),
+        (dict(stderr=True), "stderr can only"),
+        (dict(stdin=subprocess.STDOUT), "stdin must be"),
+        (dict(stdin=subprocess.PIPE), "needs start()"),
     ],
 )
 def test_ported_keywords_that_cannot_hold_are_refused_first(client, server, keywords, part):
