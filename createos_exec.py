@@ -430,11 +430,13 @@ class CleanupError(CreateOSError):
 
 
 class CancelledError(CreateOSError):
-    """The cancel event was set; the remote process tree was terminated."""
+    """The cancel event was set; the remote process tree was terminated, or never created."""
 
-    def __init__(self, *, process_id: Optional[str] = None) -> None:
+    def __init__(self, *, process_id: Optional[str] = None, created: bool = True) -> None:
         super().__init__(
-            "The command was cancelled and its remote process tree terminated.",
+            "The command was cancelled and its remote process tree terminated."
+            if created
+            else "The command was cancelled before its process was created: nothing was created.",
             process_id=process_id,
         )
 
@@ -447,10 +449,8 @@ class CommandError(CreateOSError, subprocess.CalledProcessError):
         if result.timed_out:
             after = f" after {timeout:g} s" if timeout is not None else ""
             ended = f"timed out{after} and its remote process tree was terminated"
-        elif result.signal is not None:
-            ended = f"was killed by {result.signal}"
         else:
-            ended = f"exited with status {result.exit_code}"
+            ended = _how_it_ended(result)
         message = f"{who} {ended}; what it printed is in .stderr and .stdout."
         super().__init__(message, process_id=result.process_id, result=result)
         self.timeout = timeout  # the run's `timeout=`, when it is known
@@ -483,7 +483,7 @@ def _shown(value: Any, limit: int = 60) -> str:
 
 
 class WaitTimeout(CreateOSError, subprocess.TimeoutExpired):
-    """RemoteProcess.wait(timeout=) stopped waiting; the command goes on running."""
+    """A wait's timeout (wait, iter_output, wait_for_port) passed; the command goes on running."""
 
     def __init__(
         self,
@@ -493,11 +493,14 @@ class WaitTimeout(CreateOSError, subprocess.TimeoutExpired):
         process_id: Optional[str] = None,
         output: Optional[str] = None,
         stderr: Optional[str] = None,
+        port: Optional[int] = None,
     ) -> None:
-        super().__init__(
-            f"The wait ended after {timeout:g} seconds; the command goes on running.",
-            process_id=process_id,
+        waited = (
+            f"The wait ended after {timeout:g} seconds"
+            if port is None
+            else f"Port {port} did not accept a connection within {timeout:g} s"
         )
+        super().__init__(f"{waited}; the command goes on running.", process_id=process_id)
         # The attributes of subprocess.TimeoutExpired, set by hand (see CommandError).
         self.cmd = args
         self.timeout = timeout
@@ -549,13 +552,28 @@ class ProcessEndedError(CreateOSError):
     """wait_for_port(): the process ended before the port opened; `.result` is its result."""
 
     def __init__(
-        self, *, process_id: Optional[str] = None, result: Optional[ExecResult] = None
+        self,
+        port: Optional[int] = None,
+        *,
+        process_id: Optional[str] = None,
+        result: Optional[ExecResult] = None,
     ) -> None:
-        super().__init__(
-            "The process ended before the port accepted a connection.",
-            process_id=process_id,
-            result=result,
-        )
+        the_port = "the port" if port is None else f"port {port}"
+        message = f"The process ended before {the_port} accepted a connection."
+        if result is not None:
+            message = (
+                f"The process {_how_it_ended(result)} before {the_port} accepted a "
+                "connection; what it printed is in .result.stderr and .result.stdout."
+            )
+        super().__init__(message, process_id=process_id, result=result)
+
+
+def _how_it_ended(result: ExecResult) -> str:
+    if result.timed_out:
+        return "timed out"
+    if result.signal is not None:
+        return f"was killed by {result.signal}"
+    return f"exited with status {result.exit_code}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2387,8 +2405,13 @@ class Client:
         sandbox_id = _checked_id("sandbox", sandbox_id)
         plan = _plan(command, options, _termination_grace(self._transport.cleanup_timeout))
         launch = _Launch(self._transport, sandbox_id, plan)
-        launch.stage(deadline)
-        process_id, recovered = launch.create(deadline)
+        try:
+            launch.stage(deadline)
+            process_id, recovered = launch.create(deadline)
+        except CancelledError as cancelled:
+            if cancelled.process_id is not None:
+                raise
+            raise CancelledError(created=False) from None
         follower = _Follower(
             _Endpoints(self._transport, sandbox_id, process_id),
             options,
@@ -2772,6 +2795,8 @@ class _Launch:
     def stage(self, deadline: _Deadline) -> None:
         if self._plan.staged_path is None:
             return
+        if deadline.cancelled():
+            raise CancelledError()  # before anything is written
         try:
             self._transport.call(
                 "PUT",
@@ -2868,21 +2893,24 @@ class _Launch:
         that confirmed before `error` is raised; `error` then means that no
         process exists. CleanupError when either cannot be confirmed."""
         try:
-            self._terminate_marked(hurry)
+            found = self._terminate_marked(hurry)
         except CleanupError as cleanup:
             if cleanup.__cause__ is None:
                 raise cleanup from error
             raise
         self.unstage(hurry)
+        if found is not None and isinstance(error, CancelledError):
+            raise CancelledError(process_id=found)  # created after all, and terminated
         raise error
 
-    def _terminate_marked(self, hurry: Optional[threading.Event] = None) -> None:
-        """Terminate the process with the run's marker, if the listing shows one;
-        CleanupError when the listing or the termination fails."""
+    def _terminate_marked(self, hurry: Optional[threading.Event] = None) -> Optional[str]:
+        """Terminate the process with the run's marker, if the listing shows one, and
+        return its id; CleanupError when the listing or the termination fails."""
         process_id = self._marked_or_unconfirmed(_Deadline(limit="cleanup", cancel=hurry))
         if process_id is not None:
             logger.info("Terminating process %s: its creation ended in error", process_id)
             _Endpoints(self._transport, self._sandbox_id, process_id).delete(hurry=hurry)
+        return process_id
 
     def _created(self, response: requests.Response) -> Tuple[str, bool]:
         try:
@@ -4109,7 +4137,7 @@ class _PortWait:
                 "The port probe in the sandbox ended without an answer.",
                 process_id=self._process_id,
             )
-        raise WaitTimeout(self._args, self._timeout, process_id=self._process_id)
+        raise WaitTimeout(self._args, self._timeout, process_id=self._process_id, port=self._port)
 
     def _target_pid(self, deadline: float) -> Optional[int]:
         """The target's pid, or None once its leader has exited (or it is gone)."""
@@ -4158,7 +4186,7 @@ class _PortWait:
             result = finish(max(_ENDED_GRACE, deadline - time.monotonic()))
         except CommandError as failed:  # check=True: the result all the same
             result = failed.result
-        raise ProcessEndedError(process_id=self._process_id, result=result)
+        raise ProcessEndedError(self._port, process_id=self._process_id, result=result)
 
 
 # --------------------------------------------------------------------------

@@ -402,6 +402,10 @@ def test_wait_for_port_raises_at_once_when_the_process_ends_first(client, server
     result = caught.value.result
     assert (result.exit_code, result.stderr) == (7, "port in use\n")
     assert caught.value.process_id == proc.process_id
+    assert str(caught.value) == (
+        f"The process exited with status 7 before port {port} accepted a connection; "
+        "what it printed is in .result.stderr and .result.stdout."
+    )
     assert probes_all_gone(server, proc)
     # Once the process is known to have ended, at once again.
     with pytest.raises(cx.ProcessEndedError):
@@ -415,11 +419,15 @@ def test_wait_for_port_times_out_within_a_request_a_second(server_reading):
             proc = client.start(SANDBOX, ["sleep", "60"])
             before = len(quiet.requests)
             started = time.monotonic()
+            port = closed_port()
             with pytest.raises(cx.WaitTimeout) as caught:
-                proc.wait_for_port(closed_port(), timeout=8)
+                proc.wait_for_port(port, timeout=8)
             took = time.monotonic() - started
             assert 8 <= took < 9
             assert caught.value.timeout == 8 and caught.value.process_id == proc.process_id
+            assert str(caught.value) == (
+                f"Port {port} did not accept a connection within 8 s; the command goes on running."
+            )
             # On average at most one a second: 4 with a stream that lasts,
             # 7 when the service recycles it every 2 s.
             assert len(quiet.requests) - before <= 8
