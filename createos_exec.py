@@ -4300,10 +4300,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         stdin = _read_stdin_option(options.stdin)
     except OSError as exc:
         return report.failure(type(exc).__name__, _unreadable_stdin(options.stdin, exc))
+    started: List[RemoteProcess] = []
+    interrupts: List[int] = []
     try:
-        result = _run_command(options, command, env, stdin)
+        with _counted_interrupts(interrupts):
+            result = _run_command(options, command, env, stdin, started)
     except KeyboardInterrupt:
-        report.line("interrupted")
+        report.line("interrupted" if len(interrupts) < 2 else _cleanup_cut_short(started))
         return 130
     except BrokenPipeError:
         # Our reader went away (`| head`): like a local pipeline, the command
@@ -4323,14 +4326,49 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return _cli_exit_code(result)
 
 
+@contextlib.contextmanager
+def _counted_interrupts(interrupts: List[int]) -> Iterator[None]:
+    """Ctrl-C raises KeyboardInterrupt as usual, and is counted in `interrupts`: the
+    second one cuts the termination of the remote tree short. Left alone where SIGINT
+    is handled otherwise (ignored in a background job) or cannot be (not the main thread)."""
+
+    def interrupted(number: int, frame: Any) -> None:
+        interrupts.append(number)
+        raise KeyboardInterrupt
+
+    ours = threading.current_thread() is threading.main_thread()
+    if not ours or _signal.getsignal(_signal.SIGINT) is not _signal.default_int_handler:
+        yield
+        return
+    _signal.signal(_signal.SIGINT, interrupted)
+    try:
+        yield
+    finally:
+        _signal.signal(_signal.SIGINT, _signal.default_int_handler)
+
+
+def _cleanup_cut_short(started: List[RemoteProcess]) -> str:
+    if not started:
+        return (
+            "interrupted again during the cleanup: a process may have been created "
+            "and may still run."
+        )
+    return (
+        f"interrupted again before the termination of process {started[0].process_id} "
+        "was confirmed: its remote tree may still run."
+    )
+
+
 def _run_command(
     options: argparse.Namespace,
     command: Command,
     env: Optional[Dict[str, str]],
     stdin: Optional[bytes],
+    started: List[RemoteProcess],
 ) -> ExecResult:
+    """Run the command; `started` gets its process once created (Ctrl-C names it)."""
     with Client(api_url=options.api_url) as client:
-        return client.execute(
+        process = client.start(
             options.sandbox_id,
             command,
             shell=options.shell,
@@ -4342,6 +4380,8 @@ def _run_command(
             # Live output passes through byte-exact; JSON needs valid text.
             errors="replace" if options.json else "surrogateescape",
         )
+        started.append(process)
+        return process.wait()
 
 
 class _Report:
@@ -4392,6 +4432,11 @@ def _command_and_env(
         name, sep, value = item.partition("=")
         if not sep:
             parser.error("argument --env: expected K=V, as in --env CI=1")
+        if not _ENV_NAME.match(name):
+            parser.error(
+                f"argument --env: invalid name {_shown(name)}: "
+                "names must match [A-Za-z_][A-Za-z0-9_]*"
+            )
         env[name] = value
     return (command[0] if options.shell else command), (env or None)
 
