@@ -416,7 +416,8 @@ def test_every_keyword_reaches_the_options(client, monkeypatch):
 
 
 def ported_run(run, popen):
-    done = run(["sh", "-c", "cat; echo err >&2"], input="in\n", capture_output=True, text=True)
+    piped, script = subprocess.PIPE, ["sh", "-c", "cat; echo err >&2"]
+    done = run(script, input="in\n", stdout=piped, stderr=piped, text=True)
     return done.returncode, done.stdout, done.stderr
 
 
