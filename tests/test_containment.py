@@ -35,6 +35,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import pytest
 import requests
 import responses
+from local_server import READINGS
 from support import (
     CANNED_RETRY,
     CONNECT,
@@ -230,6 +231,7 @@ def test_sigint_to_the_cli_terminates_the_tree_then_exits_130(server):
 
 
 @posix_only
+@pytest.mark.parametrize("server_reading", READINGS, indirect=True)
 def test_a_second_sigint_aborts_a_slow_cleanup_at_once(server):
     # Cleanup made slow: the first DELETE is answered 503 with Retry-After: 20,
     # which the default policy honours (cleanup deadline 30 s), so without a
