@@ -447,11 +447,13 @@ class CleanupError(CreateOSError):
 
 
 class CancelledError(CreateOSError):
-    """The cancel event was set; the remote process tree was terminated."""
+    """The cancel event was set; the remote process tree was terminated, or never created."""
 
-    def __init__(self, *, process_id: Optional[str] = None) -> None:
+    def __init__(self, *, process_id: Optional[str] = None, created: bool = True) -> None:
         super().__init__(
-            "The command was cancelled and its remote process tree terminated.",
+            "The command was cancelled and its remote process tree terminated."
+            if created
+            else "The command was cancelled before its process was created: nothing was created.",
             process_id=process_id,
         )
 
@@ -464,10 +466,8 @@ class CommandError(CreateOSError, subprocess.CalledProcessError):
         if result.timed_out:
             after = f" after {timeout:g} s" if timeout is not None else ""
             ended = f"timed out{after} and its remote process tree was terminated"
-        elif result.signal is not None:
-            ended = f"was killed by {result.signal}"
         else:
-            ended = f"exited with status {result.exit_code}"
+            ended = _how_it_ended(result)
         message = f"{who} {ended}; what it printed is in .stderr and .stdout."
         super().__init__(message, process_id=result.process_id, result=result)
         self.timeout = timeout  # the run's `timeout=`, when it is known
@@ -500,7 +500,7 @@ def _shown(value: Any, limit: int = 60) -> str:
 
 
 class WaitTimeout(CreateOSError, subprocess.TimeoutExpired):
-    """RemoteProcess.wait(timeout=) stopped waiting; the command goes on running."""
+    """A wait's timeout (wait, iter_output, wait_for_port) passed; the command goes on running."""
 
     def __init__(
         self,
@@ -510,11 +510,14 @@ class WaitTimeout(CreateOSError, subprocess.TimeoutExpired):
         process_id: Optional[str] = None,
         output: Optional[str] = None,
         stderr: Optional[str] = None,
+        port: Optional[int] = None,
     ) -> None:
-        super().__init__(
-            f"The wait ended after {timeout:g} seconds; the command goes on running.",
-            process_id=process_id,
+        waited = (
+            f"The wait ended after {timeout:g} seconds"
+            if port is None
+            else f"Port {port} did not accept a connection within {timeout:g} s"
         )
+        super().__init__(f"{waited}; the command goes on running.", process_id=process_id)
         # The attributes of subprocess.TimeoutExpired, set by hand (see CommandError).
         self.cmd = args
         self.timeout = timeout
@@ -566,13 +569,28 @@ class ProcessEndedError(CreateOSError):
     """wait_for_port(): the process ended before the port opened; `.result` is its result."""
 
     def __init__(
-        self, *, process_id: Optional[str] = None, result: Optional[ExecResult] = None
+        self,
+        port: Optional[int] = None,
+        *,
+        process_id: Optional[str] = None,
+        result: Optional[ExecResult] = None,
     ) -> None:
-        super().__init__(
-            "The process ended before the port accepted a connection.",
-            process_id=process_id,
-            result=result,
-        )
+        the_port = "the port" if port is None else f"port {port}"
+        message = f"The process ended before {the_port} accepted a connection."
+        if result is not None:
+            message = (
+                f"The process {_how_it_ended(result)} before {the_port} accepted a "
+                "connection; what it printed is in .result.stderr and .result.stdout."
+            )
+        super().__init__(message, process_id=process_id, result=result)
+
+
+def _how_it_ended(result: ExecResult) -> str:
+    if result.timed_out:
+        return "timed out"
+    if result.signal is not None:
+        return f"was killed by {result.signal}"
+    return f"exited with status {result.exit_code}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -609,6 +627,7 @@ _TERMINATE_GRACE = 1.0  # seconds between SIGTERM and SIGKILL when terminating
 _CANCEL_POLL = 0.1  # seconds between looks at the cancel event while a read blocks
 _EXIT_CHECK_MS = 5_000  # how long an exit frame without status is checked against `wait`
 _LIVENESS_POLL_MS = 1_000  # the `wait` that tells a quiet process from an exited one
+_KILLED_POLL_MS = 2_000  # the `wait` for the leader's end after kill()'s SIGKILL
 _LISTING_PAGE_SIZE = 500  # the most the service's paginated lists hold in a page
 _LISTING_PAGES = 20  # pages of the process listing read at most: 10,000 processes
 
@@ -2096,9 +2115,17 @@ class _Output:
     """
 
     def __init__(
-        self, encoding: str, errors: str, limit: int, on_output: Optional[OutputCallback]
+        self,
+        encoding: str,
+        errors: str,
+        limit: int,
+        on_output: Optional[OutputCallback],
+        merges_stderr: bool = False,
     ) -> None:
         self._decoder = codecs.getincrementaldecoder(encoding)
+        # The stream each stream's text is: with stderr=subprocess.STDOUT, stderr's
+        # is stdout's everywhere it goes (decoded apart: each pipe's bytes are whole).
+        self._into = {"stdout": "stdout", "stderr": "stdout" if merges_stderr else "stderr"}
         self._errors = errors
         self._limit = limit
         self._on_output = on_output
@@ -2141,6 +2168,7 @@ class _Output:
     def feed(self, stream: str, payload: bytes, final: bool = False) -> None:
         text: str = self._decoders[stream].decode(payload, final)
         if text:
+            stream = self._into[stream]
             self._recent[stream].append(text)
             self._recent_both.append(text)
             self._recent_size += len(text)
@@ -2229,6 +2257,8 @@ class _RunKeywords(_FollowKeywords, total=False):
     input: Union[str, bytes, None]
     capture_output: Literal[True]  # subprocess's; output is always captured, as text
     text: Literal[True]
+    stdout: Optional[int]  # subprocess.PIPE or None: captured all the same
+    stderr: Optional[int]  # also subprocess.STDOUT: merged into stdout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2252,8 +2282,13 @@ class _Options:
     cancel: Optional[threading.Event] = None
     capture_output: bool = True
     text: bool = True
+    stdout: Optional[int] = None
+    stderr: Optional[int] = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "stdin", _ported_stdin(self.stdin))
+        _check_ported("stdout", self.stdout, (subprocess.PIPE,))
+        _check_ported("stderr", self.stderr, (subprocess.PIPE, subprocess.STDOUT))
         if self.timeout is not None:
             _positive_seconds("timeout", self.timeout)
         if self.env is not None and not isinstance(self.env, dict):
@@ -2278,10 +2313,32 @@ class _Options:
             raise ConfigError("cancel must be a threading.Event.")
 
     @property
+    def merges_stderr(self) -> bool:
+        """stderr=subprocess.STDOUT: stderr's text is stdout's, in the order it was written."""
+        return self.stderr == subprocess.STDOUT
+
+    @property
     def stdin_data(self) -> Union[str, bytes, None]:
         """The data to stage for stdin, if any (none for a pipe kept open)."""
         data = self.stdin if self.input is None else self.input
         return None if isinstance(data, _Pipe) else data
+
+
+def _ported_stdin(stdin: Any) -> Any:
+    """stdin= of a ported subprocess call: its PIPE is ours, DEVNULL is no data (EOF at once)."""
+    if _is_int(stdin) and stdin in (subprocess.PIPE, subprocess.DEVNULL):
+        return PIPE if stdin == subprocess.PIPE else None
+    return stdin
+
+
+def _check_ported(name: str, value: Any, accepted: Tuple[int, ...]) -> None:
+    """stdout= and stderr= of a ported subprocess call: output is always captured."""
+    if value is not None and not (_is_int(value) and value in accepted):
+        merge = ", or subprocess.STDOUT to merge it into stdout" if name == "stderr" else ""
+        raise ConfigError(
+            f"{name} can only be subprocess.PIPE or None{merge}: output is always captured "
+            f"(not {_shown(value)})."
+        )
 
 
 def _codec_error(encoding: Any, errors: Any) -> ConfigError:
@@ -2423,7 +2480,7 @@ class Client:
     ) -> ExecResult:
         """Run `command` in the sandbox and return how it ended: start(...).wait()."""
         _only("execute", options, _RunKeywords)
-        if isinstance(options.get("stdin"), _Pipe):
+        if isinstance(_ported_stdin(options.get("stdin")), _Pipe):
             raise ConfigError(
                 "stdin=cx.PIPE needs start(): nothing can write while execute() waits."
             )
@@ -2446,8 +2503,13 @@ class Client:
         sandbox = self._sandbox(sandbox_id)
         plan = _plan(command, checked, _termination_grace(self._transport.cleanup_timeout))
         launch = _Launch(sandbox, plan)
-        launch.stage(deadline)
-        endpoints, recovered = launch.create(deadline)
+        try:
+            launch.stage(deadline)
+            endpoints, recovered = launch.create(deadline)
+        except CancelledError as cancelled:
+            if cancelled.process_id is not None:
+                raise
+            raise CancelledError(created=False) from None
         args = command if isinstance(command, str) else list(command)
         follower = _Follower(
             endpoints, checked, args=args, started=started, creation_recovered=recovered
@@ -2726,6 +2788,8 @@ class _Launch:
     def stage(self, deadline: _Deadline) -> None:
         if self._plan.staged_path is None or self._plan.staged is None:
             return
+        if deadline.cancelled():
+            raise CancelledError()  # before anything is written
         try:
             self._sandbox.put_file(
                 self._plan.staged_path, self._plan.staged, "staging of env and stdin", deadline
@@ -2811,21 +2875,25 @@ class _Launch:
         that confirmed before `error` is raised; `error` then means that no
         process exists. CleanupError when either cannot be confirmed."""
         try:
-            self._terminate_marked(hurry)
+            found = self._terminate_marked(hurry)
         except CleanupError as cleanup:
             if cleanup.__cause__ is None:
                 raise cleanup from error
             raise
         self.unstage(hurry)
+        if found is not None and isinstance(error, CancelledError):
+            raise CancelledError(process_id=found)  # created after all, and terminated
         raise error
 
-    def _terminate_marked(self, hurry: Optional[threading.Event] = None) -> None:
-        """Terminate the process with the run's marker, if the listing shows one;
-        CleanupError when the listing or the termination fails."""
+    def _terminate_marked(self, hurry: Optional[threading.Event] = None) -> Optional[str]:
+        """Terminate the process with the run's marker, if the listing shows one, and
+        return its id; CleanupError when the listing or the termination fails."""
         found = self._marked_or_unconfirmed(_Deadline(kind="cleanup", hurry=hurry))
-        if found is not None:
-            logger.info("Terminating process %s: its creation ended in error", found.process_id)
-            found.delete(hurry=hurry)
+        if found is None:
+            return None
+        logger.info("Terminating process %s: its creation ended in error", found.process_id)
+        found.delete(hurry=hurry)
+        return found.process_id
 
     def _created(self, response: requests.Response) -> Tuple[_Endpoints, bool]:
         try:
@@ -3078,19 +3146,34 @@ class RemoteProcess:
         self._stop(None)
 
     def kill(self) -> None:
-        """Kill the whole tree at once (no grace period) and confirm it."""
-        self._stop(0.0)
+        """SIGKILL to the process group first, as Popen.kill (the result says SIGKILL,
+        returncode -9), then the whole tree terminated at once and that confirmed."""
+        self._stop(0.0, kill_first=True)
 
-    def _stop(self, grace: Optional[float]) -> None:
+    def _stop(self, grace: Optional[float], kill_first: bool = False) -> None:
         if self._outcome is not None:
             return
         with self._turn.taken(_Deadline(time.monotonic())) as mine:
+            killed = self._killed() if kill_first else None
             if not mine:
                 # Another thread reads the stream: it reads the end; confirm the termination here.
                 self._endpoints.delete(grace)
             elif self._outcome is None:
-                for _ in self._settled(self._end(_Ending(asked=True, grace=grace))):
+                asked = _Ending(status=killed, asked=True, grace=grace)
+                for _ in self._settled(self._end(asked)):
                     pass
+
+    def _killed(self) -> Optional[_Exit]:
+        """SIGKILL to the process group, and the leader's status it brought, asked
+        before the DELETE (a service may forget a deleted process); None if unknown."""
+        endpoints = self._endpoints
+        try:
+            endpoints.signal("SIGKILL")
+            record = endpoints.exit_record("leader", _KILLED_POLL_MS, endpoints.cleanup_deadline())
+        except CreateOSError:  # the termination that follows kills the tree all the same
+            logger.info("SIGKILL to %s was not confirmed; terminating it", self.process_id)
+            return None
+        return None if record is None else _exit_status(record)
 
     def send_signal(self, signal: Union[str, int]) -> None:
         """Send a signal (a name such as "SIGINT", or its number) to the process group.
@@ -3113,9 +3196,10 @@ class RemoteProcess:
 
     def communicate(
         self, input: Union[str, bytes, None] = None, timeout: Optional[float] = None
-    ) -> ExecResult:
-        """Write `input`, close stdin and wait(timeout), as Popen.communicate does
-        (which also lets a process that stopped reading its stdin end as it ends).
+    ) -> Tuple[str, str]:
+        """Write `input`, close stdin and wait(timeout); (stdout, stderr), as
+        Popen.communicate returns them (closing stdin also lets a process that
+        stopped reading it end as it ends). wait() then gives the ExecResult at once.
         `timeout` bounds the writes too: WaitTimeout, the process running on."""
         until = _wait_deadline(timeout)
         writing = self._deadline.sooner(until)
@@ -3123,7 +3207,8 @@ class RemoteProcess:
             if input is not None:
                 self._write(input, writing)
             self._close_stdin(writing)
-        return self._wait(until)
+        result = self._wait(until)
+        return result.stdout, result.stderr
 
     def _write(self, data: Union[str, bytes], deadline: _Deadline) -> None:
         if self._stdin is None:
@@ -3382,10 +3467,16 @@ class _Termination:
 
 class _Handover:
     """Output read while a loop over iter_output() runs, until the loop takes it:
-    the pieces as they came, or whole lines per stream."""
+    the pieces as they came, or whole lines per stream.
+
+    A piece or line leaves the handover before it is handed out, and nothing
+    is held between two of them but here: a loop left at any point (`break`)
+    leaves the next loop what it did not hand out, nothing twice.
+    """
 
     def __init__(self, longest_line: int) -> None:
         self._pieces: Deque[Tuple[str, str]] = collections.deque()
+        self._lines_ready: Deque[Tuple[str, str]] = collections.deque()
         self._partial: Dict[str, List[str]] = {name: [] for name in _STREAMS}
         self._partial_size = dict.fromkeys(_STREAMS, 0)
         self._longest_line = longest_line
@@ -3395,6 +3486,7 @@ class _Handover:
 
     def clear(self) -> None:
         self._pieces.clear()
+        self._lines_ready.clear()
         for name in _STREAMS:
             self._partial[name].clear()
             self._partial_size[name] = 0
@@ -3412,46 +3504,48 @@ class _Handover:
 
     def pieces(self, lines: bool, end: bool = False) -> Iterator[Tuple[str, str]]:
         """What was taken, in order; with `end`, the unterminated last lines too."""
+        ready, pending = self._lines_ready, self._pieces
         if not lines:
-            yield from self._unterminated()  # left by a loop over lines
-        pending = self._pieces
-        while pending:
-            stream, text = pending.popleft()
-            if lines:
-                yield from self._lines(stream, text)
+            self._unterminated()  # left by a loop over lines
+        while ready or pending:
+            if ready:
+                yield ready.popleft()
+            elif lines:
+                self._split(*pending.popleft())
             else:
-                yield stream, text
+                yield pending.popleft()
         if end:
-            yield from self._unterminated()
+            self._unterminated()
+            while ready:
+                yield ready.popleft()
 
-    def _lines(self, stream: str, text: str) -> Iterator[Tuple[str, str]]:
+    def _split(self, stream: str, text: str) -> None:
+        """The whole lines of `text` (after what the stream left unterminated) made ready."""
         partial = self._partial[stream]
         start = 0
         end = text.find("\n") + 1
         while end:
             if partial:
                 partial.append(text[start:end])
-                yield stream, "".join(partial)
-                partial.clear()
-                self._partial_size[stream] = 0
+                self._unterminated(stream)
             else:
-                yield stream, text[start:end]
+                self._lines_ready.append((stream, text[start:end]))
             start = end
             end = text.find("\n", start) + 1
         if start < len(text):
             partial.append(text[start:] if start else text)
             self._partial_size[stream] += len(text) - start
             if self._partial_size[stream] >= self._longest_line:
-                yield from self._unterminated(stream)
+                self._unterminated(stream)
 
-    def _unterminated(self, *streams: str) -> Iterator[Tuple[str, str]]:
+    def _unterminated(self, *streams: str) -> None:
+        """What the streams hold of a line, made ready as it stands."""
         for name in streams or _STREAMS:
             partial = self._partial[name]
             if partial:
-                text = "".join(partial)
+                self._lines_ready.append((name, "".join(partial)))  # one text is not copied
                 partial.clear()
                 self._partial_size[name] = 0
-                yield name, text
 
 
 # The signals of Linux, where the sandboxes run: a name outside them would be
@@ -3505,7 +3599,11 @@ class _Follower:
         self.options = options
         self.process_id = endpoints.process_id
         self._output = _Output(
-            options.encoding, options.errors, options.max_output_chars, options.on_output
+            options.encoding,
+            options.errors,
+            options.max_output_chars,
+            options.on_output,
+            options.merges_stderr,
         )
         self._reader = _Reader(self._output, cursor)
         self._budget = _Budget(endpoints.transport.retry)
@@ -4119,7 +4217,7 @@ class _PortWait:
             )
         if deadline.cancelled():
             raise CancelledError(process_id=self._process_id)
-        raise WaitTimeout(self._args, self._timeout, process_id=self._process_id)
+        raise WaitTimeout(self._args, self._timeout, process_id=self._process_id, port=self._port)
 
     def _target_pid(self, deadline: _Deadline) -> Optional[int]:
         """The target's pid, or None once its leader has exited (or it is gone)."""
@@ -4159,7 +4257,7 @@ class _PortWait:
             result = finish(max(_ENDED_GRACE, deadline.remaining() or 0.0))
         except CommandError as failed:  # check=True: the result all the same
             result = failed.result
-        raise ProcessEndedError(process_id=self._process_id, result=result)
+        raise ProcessEndedError(self._port, process_id=self._process_id, result=result)
 
 
 # --------------------------------------------------------------------------
@@ -4703,10 +4801,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         stdin = _read_stdin_option(options.stdin)
     except OSError as exc:
         return report.failure(type(exc).__name__, _unreadable_stdin(options.stdin, exc))
+    started: List[RemoteProcess] = []
+    interrupts: List[int] = []
     try:
-        result = _run_command(options, command, env, stdin)
+        with _counted_interrupts(interrupts):
+            result = _run_command(options, command, env, stdin, started)
     except KeyboardInterrupt:
-        report.line("interrupted")
+        report.line("interrupted" if len(interrupts) < 2 else _cleanup_cut_short(started))
         return 130
     except BrokenPipeError:
         # Our reader went away (`| head`): like a local pipeline, the command
@@ -4726,14 +4827,49 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return _cli_exit_code(result)
 
 
+@contextlib.contextmanager
+def _counted_interrupts(interrupts: List[int]) -> Iterator[None]:
+    """Ctrl-C raises KeyboardInterrupt as usual, and is counted in `interrupts`: the
+    second one cuts the termination of the remote tree short. Left alone where SIGINT
+    is handled otherwise (ignored in a background job) or cannot be (not the main thread)."""
+
+    def interrupted(number: int, frame: Any) -> None:
+        interrupts.append(number)
+        raise KeyboardInterrupt
+
+    ours = threading.current_thread() is threading.main_thread()
+    if not ours or _signal.getsignal(_signal.SIGINT) is not _signal.default_int_handler:
+        yield
+        return
+    _signal.signal(_signal.SIGINT, interrupted)
+    try:
+        yield
+    finally:
+        _signal.signal(_signal.SIGINT, _signal.default_int_handler)
+
+
+def _cleanup_cut_short(started: List[RemoteProcess]) -> str:
+    if not started:
+        return (
+            "interrupted again during the cleanup: a process may have been created "
+            "and may still run."
+        )
+    return (
+        f"interrupted again before the termination of process {started[0].process_id} "
+        "was confirmed: its remote tree may still run."
+    )
+
+
 def _run_command(
     options: argparse.Namespace,
     command: Command,
     env: Optional[Dict[str, str]],
     stdin: Optional[bytes],
+    started: List[RemoteProcess],
 ) -> ExecResult:
+    """Run the command; `started` gets its process once created (Ctrl-C names it)."""
     with Client(api_url=options.api_url) as client:
-        return client.execute(
+        process = client.start(
             options.sandbox_id,
             command,
             shell=options.shell,
@@ -4745,6 +4881,8 @@ def _run_command(
             # Live output passes through byte-exact; JSON needs valid text.
             errors="replace" if options.json else "surrogateescape",
         )
+        started.append(process)
+        return process.wait()
 
 
 class _Report:
@@ -4795,6 +4933,11 @@ def _command_and_env(
         name, sep, value = item.partition("=")
         if not sep:
             parser.error("argument --env: expected K=V, as in --env CI=1")
+        if not _ENV_NAME.match(name):
+            parser.error(
+                f"argument --env: invalid name {_shown(name)}: "
+                "names must match [A-Za-z_][A-Za-z0-9_]*"
+            )
         env[name] = value
     return (command[0] if options.shell else command), (env or None)
 

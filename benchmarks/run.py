@@ -1157,7 +1157,7 @@ def time_one_write(report: Report, client: Any, data: bytes, expected: str, sand
         for offset in range(0, len(data), piece):
             sandbox.processes.input_bytes(proc.process_id, data[offset : offset + piece])
     seconds = time.perf_counter() - started
-    if proc.communicate().stdout != expected:
+    if proc.communicate()[0] != expected:
         report.failure("stdin: the process did not receive exactly what was written")
     return seconds
 

@@ -80,8 +80,8 @@ def drive_a_repl(client: cx.Client) -> None:
         print("6 * 7 ->", answer.strip())
         repl.write(f"{answer.strip()} + 1\n")  # the next line depends on the last answer
         print("... ->", next(text for stream, text in answers if stream == "stdout").strip())
-        result = repl.communicate("print('bye')\n")  # write, close stdin, wait
-    print("the REPL said", result.stdout.split()[-1], "and exited", result.exit_code)
+        out, err = repl.communicate("print('bye')\n")  # write, close stdin, wait
+    print("the REPL said", out.split()[-1], "and exited", repl.wait().exit_code)
     # -- end --
 
 

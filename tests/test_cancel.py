@@ -221,8 +221,9 @@ def cancelled_run(server, wait, delay=0.2):
             result = client.execute(
                 SANDBOX, SLEEPER, cancel=canceller.event, **settings.get("run", {})
             )
-        except cx.CancelledError:
-            pass
+        except cx.CancelledError as cancelled:
+            assert (cancelled.process_id is None) == (created == 0)
+            assert ("nothing was created" in str(cancelled)) == (created == 0)
         else:  # the deadline ended the run before the cancel: only its DELETE waited
             assert wait == "delete Retry-After" and result.timed_out
         latency = canceller.latency()
@@ -231,6 +232,19 @@ def cancelled_run(server, wait, delay=0.2):
     assert_nothing_runs(server)
     LATENCIES.setdefault(wait, []).append(latency)
     return latency
+
+
+@pytest.mark.parametrize("run", [dict(), dict(env={"SECRET": "s"}, stdin="staged")])
+def test_a_cancel_set_before_the_call_creates_nothing(server, run):
+    cancel = threading.Event()
+    cancel.set()
+    with make_client(server) as client:
+        with pytest.raises(cx.CancelledError) as caught:
+            client.start(SANDBOX, SLEEPER, cancel=cancel, **run)
+    assert str(caught.value) == (
+        "The command was cancelled before its process was created: nothing was created."
+    )
+    assert caught.value.process_id is None and server.requests == []
 
 
 @pytest.mark.parametrize("wait", list(WAITS))

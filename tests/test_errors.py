@@ -544,14 +544,17 @@ def _error_samples() -> List[BaseException]:
         cx.CleanupError(process_id=PID),
         cx.CleanupError(creation_unconfirmed=True),
         cx.CancelledError(process_id=PID),
+        cx.CancelledError(created=False),
         cx.CommandError(_sample_result()),
         cx.CommandError(_sample_result(exit_code=None, timed_out=True)),
         cx.CommandError(_sample_result(exit_code=None, signal="SIGKILL")),
         cx.WaitTimeout(["sleep", "9"], 0.5, process_id=PID),
+        cx.WaitTimeout(["sleep", "9"], 2, process_id=PID, port=8000),
         cx.StdinClosedError(process_id=PID),
         cx.InputUnconfirmedError(393120, process_id=PID),
         cx.InputUnconfirmedError(0, unsent=True, process_id=PID),
-        cx.ProcessEndedError(process_id=PID, result=_sample_result()),
+        cx.ProcessEndedError(8000, process_id=PID, result=_sample_result()),
+        cx.ProcessEndedError(8000, result=_sample_result(exit_code=None, signal="SIGSEGV")),
     ]
 
 

@@ -26,12 +26,6 @@ TRAPS_TERM = python(
     "print('up')\n"
     "time.sleep(60)\n"
 )
-IGNORES_TERM = python(
-    "import signal, time\n"
-    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-    "print('up')\n"
-    "time.sleep(60)\n"
-)
 
 
 def wait_until_printed(proc, seen, text, limit=10.0):
@@ -274,15 +268,18 @@ def test_terminate_ends_the_tree_with_its_grace_period_confirmed(client, server)
     assert proc.poll() == 7
 
 
-def test_kill_has_no_grace_period(client, server):
+def test_kill_sends_sigkill_first_then_confirms_the_tree_gone(client, server):
     seen, on_output = collector()
-    proc = client.start(SANDBOX, IGNORES_TERM, on_output=on_output)
+    proc = client.start(SANDBOX, TRAPS_TERM, on_output=on_output)  # SIGTERM would say bye
     wait_until_printed(proc, seen, "up\n")
     proc.kill()
     assert not server.tree_alive(proc.process_id)
     (delete,) = deletes(server, proc.process_id)
     assert delete.query["grace_ms"] == "0"
-    assert proc.wait().signal == "SIGKILL"
+    (sent,) = server.requests_to("signal")
+    assert sent.time < delete.time
+    result = proc.wait()
+    assert (result.signal, result.returncode, result.stdout) == ("SIGKILL", -9, "up\n")
     assert proc.poll() == -signal.SIGKILL
 
 

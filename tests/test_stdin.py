@@ -130,7 +130,7 @@ def test_binary_input_of_every_byte_value_arrives_intact(client):
     data = bytes(range(256)) * 1000
     proc = client.start(SANDBOX, DIGEST, stdin=cx.PIPE)
     proc.write(data)
-    assert proc.communicate().stdout == digest(data)
+    assert proc.communicate()[0] == digest(data)
 
 
 def test_many_mib_arrive_intact_in_pieces_under_the_limit(client, server):
@@ -138,8 +138,7 @@ def test_many_mib_arrive_intact_in_pieces_under_the_limit(client, server):
     proc = client.start(SANDBOX, DIGEST, stdin=cx.PIPE)
     proc.write(data[:100])
     proc.write(data[100:])
-    result = proc.communicate()
-    assert result.stdout == digest(data)
+    assert proc.communicate()[0] == digest(data)
     pieces = 1 + -(-(len(data) - 100) // PIECE)
     assert [r.status for r in server.requests_to("input")] == [200] * pieces
     body = len(b'{"data_base64":""}') + len(base64.b64encode(b"x" * PIECE))
@@ -149,7 +148,7 @@ def test_many_mib_arrive_intact_in_pieces_under_the_limit(client, server):
 def test_str_is_encoded_with_the_runs_encoding(client):
     proc = client.start(SANDBOX, DIGEST, stdin=cx.PIPE, encoding="latin-1")
     proc.write("caf\xe9")
-    assert proc.communicate().stdout == digest(b"caf\xe9")
+    assert proc.communicate()[0] == digest(b"caf\xe9")
     proc = client.start(SANDBOX, ["cat"], stdin=cx.PIPE, encoding="ascii")
     with pytest.raises(cx.ConfigError) as caught:
         proc.write("caf\xe9")
@@ -174,7 +173,7 @@ def write_with_fault(server, piece, fault, **client_options):
             proc.write(data)
         except cx.CreateOSError as exc:
             error = exc
-        received = proc.communicate(timeout=30).stdout
+        received, _ = proc.communicate(timeout=30)
     return data, error, received, session.inputs
 
 
@@ -212,7 +211,7 @@ def test_a_piece_refused_until_the_policy_runs_out_was_not_sent(server):
             proc.write(data)
         assert caught.value.unsent and caught.value.confirmed_bytes == 0
         server._faults.clear()
-        assert proc.communicate().stdout == digest(b"")
+        assert proc.communicate()[0] == digest(b"")
 
 
 # A bounded campaign for RELIABILITY.md (writes under faults): seeded schedules of faults on
@@ -240,7 +239,7 @@ def test_writes_under_random_faults_arrive_once_or_are_reported(server, figures)
                 confirmed = exc.confirmed_bytes
                 possible = {confirmed, min(len(data), confirmed + PIECE)}
                 tally["unconfirmed"] += 1
-            received = proc.communicate(timeout=30).stdout
+            received, _ = proc.communicate(timeout=30)
         tally["faults"] += sum(1 for n in faults if n < session.inputs)
         assert received in {digest(data[:n]) for n in possible}  # a prefix, never a repeat
         tally["exact" if received == digest(data) else "prefix_reported"] += 1
@@ -288,16 +287,17 @@ def test_write_after_the_process_ended_is_a_broken_pipe(client, server):
     assert len(server.requests_to("input")) == 1
 
 
-def test_communicate_writes_closes_and_waits(client):
-    proc = client.start(SANDBOX, ["sh", "-c", "tr a-z A-Z; exit 3"], stdin=cx.PIPE)
-    result = proc.communicate("hello\n")
-    assert (result.stdout, result.exit_code) == ("HELLO\n", 3)
+def test_communicate_writes_closes_and_waits(client, server):
+    proc = client.start(SANDBOX, ["sh", "-c", "tr a-z A-Z; echo e >&2; exit 3"], stdin=cx.PIPE)
+    assert proc.communicate("hello\n") == ("HELLO\n", "e\n")  # as Popen.communicate
+    sent = len(server.requests)
+    assert proc.wait().exit_code == 3 and len(server.requests) == sent  # at once, no request
     # A process that stopped reading ends as it ends, as with Popen.communicate().
     proc = client.start(SANDBOX, ["true"], stdin=cx.PIPE)
     proc.wait()
-    assert proc.communicate(b"unread").exit_code == 0
+    assert proc.communicate(b"unread") == ("", "") and proc.returncode == 0
     # Without stdin=cx.PIPE and without input, communicate() is wait().
-    assert client.start(SANDBOX, ["echo", "hi"]).communicate().stdout == "hi\n"
+    assert client.start(SANDBOX, ["echo", "hi"]).communicate() == ("hi\n", "")
 
 
 def test_communicate_timeout_leaves_the_process_running(client):
@@ -359,8 +359,8 @@ def test_written_input_and_env_stay_out_of_records_messages_and_logs(server, cap
         proc.write(secret)
         with pytest.raises(cx.InputUnconfirmedError) as caught:
             proc.write(secret)
-        result = proc.communicate()
-    assert result.stdout == env_secret + "\n" + secret * 2
+        out, _ = proc.communicate()
+    assert out == env_secret + "\n" + secret * 2
     listing = json.dumps(server.processes())
     texts = [listing, repr(proc), repr(proc._stdin)]
     texts += [record.getMessage() for record in caplog.records]
@@ -438,6 +438,10 @@ def test_wait_for_port_raises_at_once_when_the_process_ends_first(client, server
     result = caught.value.result
     assert (result.exit_code, result.stderr) == (7, "port in use\n")
     assert caught.value.process_id == proc.process_id
+    assert str(caught.value) == (
+        f"The process exited with status 7 before port {port} accepted a connection; "
+        "what it printed is in .result.stderr and .result.stdout."
+    )
     assert probes_all_gone(server, proc)
     # Once the process is known to have ended, at once again.
     with pytest.raises(cx.ProcessEndedError):
@@ -451,11 +455,15 @@ def test_wait_for_port_times_out_within_a_request_a_second(server_reading):
             proc = client.start(SANDBOX, ["sleep", "60"])
             before = len(quiet.requests)
             started = time.monotonic()
+            port = closed_port()
             with pytest.raises(cx.WaitTimeout) as caught:
-                proc.wait_for_port(closed_port(), timeout=8)
+                proc.wait_for_port(port, timeout=8)
             took = time.monotonic() - started
             assert 8 <= took < 9
             assert caught.value.timeout == 8 and caught.value.process_id == proc.process_id
+            assert str(caught.value) == (
+                f"Port {port} did not accept a connection within 8 s; the command goes on running."
+            )
             # On average at most one a second: 4 with a stream that lasts,
             # 7 when the service recycles it every 2 s.
             assert len(quiet.requests) - before <= 8
