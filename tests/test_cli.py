@@ -243,7 +243,7 @@ def test_cli_env_shell_cwd_and_stdin_file(
     assert code == 0
     assert calls(rsps, "PUT", FILES)[0].request.body == b"A=b=c\0EMPTY=\0\0payload\n"
     args = body_of(calls(rsps, "POST", PROCS)[0])["args"]
-    assert "cd -- '/work' 2>/dev/null || " in args[1]
+    assert "\n_cx_enter '/work'\n" in args[1]
     assert args[1].endswith('exec bash -c -- "$1"\n') and args[3:] == ["cat | wc -c"]
 
 
