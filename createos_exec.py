@@ -65,6 +65,7 @@ import warnings
 import weakref
 from typing import (
     TYPE_CHECKING,
+    AbstractSet,
     Any,
     Callable,
     Deque,
@@ -1330,6 +1331,9 @@ class _Transport:
         self.request_timeout = request_timeout
         self.stream_idle_timeout = stream_idle_timeout
         self.cleanup_timeout = cleanup_timeout
+        # Between SIGTERM and SIGKILL, capped so that a DELETE that waits it out
+        # fits in the cleanup deadline; the sandbox's watchdog keeps the same.
+        self.termination_grace = min(_TERMINATE_GRACE, cleanup_timeout / 2)
         self.retry = retry
         self._auth = _OnlyTheKey(api_key)
         self._session = session
@@ -2286,9 +2290,11 @@ class _Options:
     stderr: Optional[int] = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stdin", _ported_stdin(self.stdin))
-        _check_ported("stdout", self.stdout, (subprocess.PIPE,))
-        _check_ported("stderr", self.stderr, (subprocess.PIPE, subprocess.STDOUT))
+        if self.stdin is not None:
+            object.__setattr__(self, "stdin", _ported_stdin(self.stdin))
+        if (self.stdout, self.stderr) != (None, None):
+            _check_ported("stdout", self.stdout, (subprocess.PIPE,))
+            _check_ported("stderr", self.stderr, (subprocess.PIPE, subprocess.STDOUT))
         if self.timeout is not None:
             _positive_seconds("timeout", self.timeout)
         if self.env is not None and not isinstance(self.env, dict):
@@ -2311,17 +2317,6 @@ class _Options:
             raise _codec_error(self.encoding, self.errors) from None
         if self.cancel is not None and not callable(getattr(self.cancel, "is_set", None)):
             raise ConfigError("cancel must be a threading.Event.")
-
-    @property
-    def merges_stderr(self) -> bool:
-        """stderr=subprocess.STDOUT: stderr's text is stdout's, in the order it was written."""
-        return self.stderr == subprocess.STDOUT
-
-    @property
-    def stdin_data(self) -> Union[str, bytes, None]:
-        """The data to stage for stdin, if any (none for a pipe kept open)."""
-        data = self.stdin if self.input is None else self.input
-        return None if isinstance(data, _Pipe) else data
 
 
 def _ported_stdin(stdin: Any) -> Any:
@@ -2402,11 +2397,14 @@ def _shows(keywords: Any) -> Callable[[_F], _F]:
     return show
 
 
-def _only(function: str, given: Mapping[str, Any], keywords: Any) -> None:
+_RUN_KEYWORDS = frozenset(_RunKeywords.__annotations__)
+_FOLLOW_KEYWORDS = frozenset(_FollowKeywords.__annotations__)
+
+
+def _unexpected(function: str, given: Mapping[str, Any], keywords: AbstractSet[str]) -> TypeError:
     """TypeError, as Python's own, for a keyword that `function` does not take."""
-    unknown = sorted(set(given) - set(keywords.__annotations__))
-    if unknown:
-        raise TypeError(f"{function}() got an unexpected keyword argument {unknown[0]!r}")
+    unknown = sorted(set(given) - keywords)
+    return TypeError(f"{function}() got an unexpected keyword argument {unknown[0]!r}")
 
 
 class Client:
@@ -2479,8 +2477,9 @@ class Client:
         self, sandbox_id: str, command: Command, **options: Unpack[_RunKeywords]
     ) -> ExecResult:
         """Run `command` in the sandbox and return how it ended: start(...).wait()."""
-        _only("execute", options, _RunKeywords)
-        if isinstance(_ported_stdin(options.get("stdin")), _Pipe):
+        if not _RUN_KEYWORDS.issuperset(options):
+            raise _unexpected("execute", options, _RUN_KEYWORDS)
+        if options.get("stdin") in (PIPE, subprocess.PIPE):
             raise ConfigError(
                 "stdin=cx.PIPE needs start(): nothing can write while execute() waits."
             )
@@ -2497,14 +2496,14 @@ class Client:
         meets it terminates the tree.
         """
         started = time.monotonic()
-        _only("start", options, _RunKeywords)
+        if not _RUN_KEYWORDS.issuperset(options):
+            raise _unexpected("start", options, _RUN_KEYWORDS)
         checked = _Options(**options)
         deadline = _Deadline.after(checked.timeout, "command", started, checked.cancel)
-        sandbox = self._sandbox(sandbox_id)
-        plan = _plan(command, checked, _termination_grace(self._transport.cleanup_timeout))
+        sandbox = _Sandbox(self._transport, sandbox_id)
+        plan = _plan(command, checked, self._transport.termination_grace)
         launch = _Launch(sandbox, plan)
         try:
-            launch.stage(deadline)
             endpoints, recovered = launch.create(deadline)
         except CancelledError as cancelled:
             if cancelled.process_id is not None:
@@ -2538,10 +2537,12 @@ class Client:
             raise ConfigError(
                 "process() and attach() take no stdin: they follow a process started elsewhere."
             )
-        _only("process", options, _FollowKeywords)
+        if not _FOLLOW_KEYWORDS.issuperset(options):
+            raise _unexpected("process", options, _FOLLOW_KEYWORDS)
         checked = _Options(**options)
         deadline = _Deadline.after(checked.timeout, "command", started, checked.cancel)
-        endpoints = self._sandbox(sandbox_id).process(_checked_id("process", process_id))
+        sandbox = _Sandbox(self._transport, sandbox_id)
+        endpoints = _Endpoints(sandbox, _checked_id("process", process_id))
         if not _is_int(after) or after < 0:
             raise ConfigError("after must be an integer >= 0.")
         args = _process_info(endpoints.record(deadline)).args
@@ -2559,15 +2560,15 @@ class Client:
         **options: Unpack[_FollowKeywords],
     ) -> ExecResult:
         """Follow a process started elsewhere to its end: process(...).wait()."""
-        _only("attach", options, _FollowKeywords)
+        if not _FOLLOW_KEYWORDS.issuperset(options):
+            raise _unexpected("attach", options, _FOLLOW_KEYWORDS)
         return self.process(sandbox_id, process_id, after=after, stdin=stdin, **options).wait()
 
     def processes(self, sandbox_id: str) -> List[ProcessInfo]:
         """Every managed process the sandbox keeps, running or exited."""
-        return [_process_info(record) for record in self._sandbox(sandbox_id).processes()]
-
-    def _sandbox(self, sandbox_id: str) -> _Sandbox:
-        return _Sandbox(self._transport, _checked_id("sandbox", sandbox_id))
+        return [
+            _process_info(record) for record in _Sandbox(self._transport, sandbox_id).processes()
+        ]
 
 
 @_shows(_RunKeywords)
@@ -2623,10 +2624,6 @@ def _new_session() -> requests.Session:
     return session
 
 
-def _sandbox_path(sandbox_id: str, rest: str = "") -> str:
-    return f"/v1/sandboxes/{sandbox_id}{rest}"
-
-
 # -- plan: the wrapper script that runs the command, and the staged secrets ---
 
 
@@ -2662,7 +2659,8 @@ def _plan(command: Command, options: _Options, grace: float = _TERMINATE_GRACE) 
     marker = _MARKER_PREFIX + secrets.token_hex(12)
     argv = _argv(command, options.shell)
     piped = isinstance(options.stdin, _Pipe)
-    staged = _staged_bytes(options.env, options.stdin_data)
+    stdin = None if piped else (options.stdin if options.input is None else options.input)
+    staged = _staged_bytes(options.env, stdin) if options.env or stdin is not None else None
     staged_path = f"/tmp/.{marker}" if staged is not None else None
     lines = [_WRAPPER_HEAD]
     if staged_path is not None:
@@ -2684,12 +2682,6 @@ def _plan(command: Command, options: _Options, grace: float = _TERMINATE_GRACE) 
 
 _MARKER_PREFIX = "createos_exec-"
 _MARKER = re.compile(re.escape(_MARKER_PREFIX) + r"[0-9a-f]{24}\Z")
-
-
-def _termination_grace(cleanup_timeout: float) -> float:
-    """The grace period between SIGTERM and SIGKILL, capped so that a DELETE that
-    waits it out fits in the cleanup deadline; the watchdog keeps the same."""
-    return min(_TERMINATE_GRACE, cleanup_timeout / 2)
 
 
 def _given_command(cmd: Any, args: Any) -> Tuple[Any, bool]:
@@ -2737,10 +2729,8 @@ def _argv(command: Command, shell: bool) -> List[str]:
     return [_checked_text("Each command argument", arg) for arg in command]
 
 
-def _staged_bytes(env: Optional[Dict[str, str]], stdin: Union[str, bytes, None]) -> Optional[bytes]:
+def _staged_bytes(env: Optional[Dict[str, str]], stdin: Any) -> bytes:
     """NUL-terminated NAME=value entries, an empty entry, then the stdin bytes."""
-    if not env and stdin is None:
-        return None
     entries = []
     for name, value in (env or {}).items():
         if not isinstance(name, str) or not _ENV_NAME.match(name):
@@ -2785,21 +2775,18 @@ class _Launch:
         self._sandbox = sandbox
         self._plan = plan
 
-    def stage(self, deadline: _Deadline) -> None:
-        if self._plan.staged_path is None or self._plan.staged is None:
-            return
+    def _stage(self, path: str, staged: bytes, deadline: _Deadline) -> None:
         if deadline.cancelled():
             raise CancelledError()  # before anything is written
         try:
-            self._sandbox.put_file(
-                self._plan.staged_path, self._plan.staged, "staging of env and stdin", deadline
-            )
+            self._sandbox.put_file(path, staged, "staging of env and stdin", deadline)
         except CancelledError:
             self.unstage(deadline.cancel)  # an attempt before the wait may have written it
             raise
 
     def create(self, deadline: _Deadline) -> Tuple[_Endpoints, bool]:
-        """The new process, and whether it had to be found by its marker.
+        """Stage the private file, if any, then create the process: the new process,
+        and whether it had to be found by its marker.
 
         A 4xx other than 429, or a refused connection, means no process; a
         lost answer or a 5xx means it may exist, so look for it: neither is
@@ -2809,16 +2796,23 @@ class _Launch:
         nothing is sent again. An error raised once an attempt may have
         reached the service means that no process exists (see _left_behind).
         """
-        budget = _Budget(self._sandbox.transport.retry)
+        plan = self._plan
+        if plan.staged_path is not None and plan.staged is not None:
+            self._stage(plan.staged_path, plan.staged, deadline)
+        budget: Optional[_Budget] = None  # of the 429s, once there is one
         reached = False  # whether an attempt may have reached the service
         try:
             while not deadline.cancelled():
-                answer = self._attempt(deadline)
+                try:
+                    answer = self._sandbox.create(plan.body, deadline)
+                except ProtocolError as unreadable:
+                    return self._unreadable(unreadable), True
                 if not isinstance(answer, _Retryable):
-                    return self._created(answer)
+                    return answer, False
                 if answer.status != 429:
                     return self._unanswered(answer), True
                 reached = True  # a proxy may answer 429 to a request it forwarded
+                budget = budget or _Budget(self._sandbox.transport.retry)
                 found = self._after_refusal(answer, budget, deadline)
                 if found is not None:
                     return found, True
@@ -2833,11 +2827,6 @@ class _Launch:
                 self._left_behind(error, deadline.cancel)
             self.unstage(deadline.cancel)
             raise
-
-    def _attempt(self, deadline: _Deadline) -> Union[requests.Response, _Retryable]:
-        """One POST, its timeouts cut to what remains of `deadline`: one that the
-        deadline cut is a lost answer, and the process is looked for."""
-        return self._sandbox.create(self._plan.body, deadline)
 
     def _unanswered(self, failure: _Retryable) -> _Endpoints:
         """After a failure other than 429: no process if nothing was sent, else find it."""
@@ -2895,19 +2884,11 @@ class _Launch:
         found.delete(hurry=hurry)
         return found.process_id
 
-    def _created(self, response: requests.Response) -> Tuple[_Endpoints, bool]:
-        try:
-            record = _jsend_data(response, "process creation")
-            if not isinstance(record, dict):
-                raise ProtocolError("the created process record is not an object")
-            process_id = _checked_process_id(record.get("process_id"))
-            return self._sandbox.process(process_id, record), False
-        except ProtocolError as exc:
-            unreadable = exc
-        # Created, but unnamed: it may run unseen. Find it by its marker.
+    def _unreadable(self, unreadable: ProtocolError) -> _Endpoints:
+        """Created, but unnamed: it may run unseen. Find it by its marker."""
         logger.info("Process creation answer is unreadable; looking for it by its marker")
         try:
-            return self._find_created(), True
+            return self._find_created()
         except CleanupError as cleanup:
             raise cleanup from unreadable
 
@@ -2927,7 +2908,7 @@ class _Launch:
             return None
         process_id = _checked_process_id(mine.get("process_id"))
         logger.info("Found process %s by its marker; following it", process_id)
-        return self._sandbox.process(process_id, mine)
+        return _Endpoints(self._sandbox, process_id, mine)
 
     def _marked_or_unconfirmed(self, deadline: _Deadline = _ENDLESS) -> Optional[_Endpoints]:
         """_marked(); a listing that fails leaves the creation unconfirmed."""
@@ -3603,7 +3584,7 @@ class _Follower:
             options.errors,
             options.max_output_chars,
             options.on_output,
-            options.merges_stderr,
+            merges_stderr=options.stderr == subprocess.STDOUT,
         )
         self._reader = _Reader(self._output, cursor)
         self._budget = _Budget(endpoints.transport.retry)
@@ -3808,36 +3789,37 @@ class _Sandbox:
 
     def __init__(self, transport: _Transport, sandbox_id: str) -> None:
         self.transport = transport
-        self.sandbox_id = sandbox_id
-        self._path = _sandbox_path(sandbox_id)
-
-    def process(self, process_id: str, record: Optional[Dict[str, Any]] = None) -> _Endpoints:
-        """The requests of one of its processes (whose record may be known)."""
-        pid = None if record is None else _leader_pid(record)
-        return _Endpoints(self.transport, self.sandbox_id, process_id, pid)
+        self.sandbox_id = _checked_id("sandbox", sandbox_id)
+        self.path = f"/v1/sandboxes/{self.sandbox_id}"
 
     def view(self, deadline: _Deadline = _ENDLESS) -> Dict[str, Any]:
         """The sandbox's own view (protocol 4.1): its `id`, its `status` (a word
         that may be new to this client) and what else the service tells."""
         response = self.transport.call(
-            "GET", self._path, operation="sandbox lookup", deadline=deadline
+            "GET", self.path, operation="sandbox lookup", deadline=deadline
         )
         view = _jsend_data(response, "sandbox lookup")
         if not isinstance(view, dict):
             raise ProtocolError("the sandbox's view is not an object")
         return view
 
-    def create(
-        self, body: Dict[str, Any], deadline: _Deadline
-    ) -> Union[requests.Response, _Retryable]:
-        """One attempt to create a process, its timeouts cut to what remains of `deadline`."""
-        return self.transport.attempt(
+    def create(self, body: Dict[str, Any], deadline: _Deadline) -> Union[_Endpoints, _Retryable]:
+        """One attempt to create a process, its timeouts cut to what remains of
+        `deadline`: the new process, or the failure. ProtocolError when the
+        answer does not say which process was created (it may run all the same)."""
+        answer = self.transport.attempt(
             "POST",
-            self._path + "/processes",
+            self.path + "/processes",
             operation="process creation",
             deadline=deadline,
             json_body=body,
         )
+        if isinstance(answer, _Retryable):
+            return answer
+        record = _jsend_data(answer, "process creation")
+        if not isinstance(record, dict):
+            raise ProtocolError("the created process record is not an object")
+        return _Endpoints(self, _checked_process_id(record.get("process_id")), record)
 
     def processes(self, deadline: _Deadline = _ENDLESS) -> Iterator[Any]:
         """Its process records, page after page (a bounded number of them),
@@ -3850,7 +3832,7 @@ class _Sandbox:
         for _ in range(_LISTING_PAGES):
             response = transport.call(
                 "GET",
-                self._path + "/processes",
+                self.path + "/processes",
                 operation="process listing",
                 deadline=deadline,
                 params=params,
@@ -3867,7 +3849,7 @@ class _Sandbox:
         """Write `data` to the file at `path` (absolute), replacing it."""
         self.transport.call(
             "PUT",
-            self._path + "/files",
+            self.path + "/files",
             operation=operation,
             deadline=deadline,
             params={"path": path},
@@ -3880,7 +3862,7 @@ class _Sandbox:
         transport = self.transport
         transport.send(
             "POST",
-            self._path + "/exec",
+            self.path + "/exec",
             operation=operation,
             read_timeout=transport.cleanup_timeout,
             deadline=deadline,
@@ -3902,13 +3884,15 @@ class _Endpoints:
     """
 
     def __init__(
-        self, transport: _Transport, sandbox_id: str, process_id: str, pid: Optional[int] = None
+        self, sandbox: _Sandbox, process_id: str, record: Optional[Dict[str, Any]] = None
     ) -> None:
-        self.transport = transport
-        self.sandbox_id = sandbox_id
+        self.sandbox = sandbox
+        self.transport = sandbox.transport
+        self.sandbox_id = sandbox.sandbox_id
         self.process_id = process_id
-        self.pid = pid  # the leader's, as the last record that showed one said
-        self._path = _sandbox_path(sandbox_id, f"/processes/{process_id}")
+        # The leader's pid, as the last record that showed one said.
+        self.pid = None if record is None else _leader_pid(record)
+        self._path = f"{sandbox.path}/processes/{process_id}"
 
     def cleanup_deadline(
         self, cancel: Optional[threading.Event] = None, hurry: Optional[threading.Event] = None
@@ -3996,7 +3980,7 @@ class _Endpoints:
         """
         transport = self.transport
         if grace is None:
-            grace = _termination_grace(transport.cleanup_timeout)
+            grace = transport.termination_grace
         deadline = self.cleanup_deadline(hurry=hurry)
         try:
             response = transport.call(
@@ -4240,7 +4224,7 @@ class _PortWait:
         limit = math.ceil(self._timeout) + 2  # a backstop: the DELETE comes first
         argv = [str(pid), self._host, str(self._port), str(limit)]
         command = ["bash", "-c", _PROBE_SCRIPT, "createos_exec-port-probe", *argv]
-        sandbox = _Sandbox(self._endpoints.transport, self._endpoints.sandbox_id)
+        sandbox = self._endpoints.sandbox
         probe, _ = _Launch(sandbox, _plan(command, _Options())).create(deadline)
         try:
             follower = _Follower(probe, _Options(), args=command, started=time.monotonic())

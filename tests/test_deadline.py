@@ -127,7 +127,7 @@ def killed_client_run(
     finally:
         # Nothing may stay behind, whatever the verdict: DELETE whatever is left.
         with make_client(server) as cleaner:
-            cx._Endpoints(cleaner._transport, SANDBOX, process_id).delete(grace=0.0)
+            cx._Endpoints(cx._Sandbox(cleaner._transport, SANDBOX), process_id).delete(grace=0.0)
 
 
 # -- 1. the sandbox keeps the deadline -----------------------------------------
