@@ -742,7 +742,13 @@ class _Deadline(NamedTuple):
         cancel: Optional[threading.Event] = None,
         hurry: Optional[threading.Event] = None,
     ) -> "_Deadline":
-        return cls(None if seconds is None else now + seconds, kind, seconds, cancel, hurry)
+        """`seconds` (None: no deadline) from `now`; a ConfigError for anything but
+        a number >= 0, before anything waits."""
+        if seconds is None:
+            return cls(None, kind, None, cancel, hurry)
+        if not _is_number(seconds) or not seconds >= 0:
+            raise ConfigError(f"The {kind} timeout must be a number of seconds >= 0, or None.")
+        return cls(now + seconds, kind, seconds, cancel, hurry)
 
     def sooner(self, other: "_Deadline") -> "_Deadline":
         """Whichever comes first (this one on a tie), with either's events."""
@@ -1551,6 +1557,7 @@ def _shut_down_at(
             return
 
 
+@dataclasses.dataclass
 class _Reader:
     """The output stream of one process, read from a cursor on.
 
@@ -1564,12 +1571,11 @@ class _Reader:
     base64 decoder, and _take_data holds the one sequence check.
     """
 
-    def __init__(self, output: _Output, cursor: int = 0, limit: int = _FRAME_LIMIT) -> None:
-        self.cursor = cursor
-        self.heartbeats = 0
-        self.stepwise = False
-        self._output = output
-        self._limit = limit
+    output: _Output
+    cursor: int = 0  # the seq of the last data frame accepted
+    limit: int = _FRAME_LIMIT  # the longest line, in bytes
+    heartbeats: int = dataclasses.field(default=0, init=False)
+    stepwise: bool = dataclasses.field(default=False, init=False)  # a step after each block
 
     def read(
         self,
@@ -1610,7 +1616,7 @@ class _Reader:
         inside JSON). A stream that ends inside a line is a broken
         connection (_Retryable), not a frame.
         """
-        limit = self._limit
+        limit = self.limit
         pending: List[Union[bytes, memoryview]] = []
         pending_size = 0
         for chunk in chunks:
@@ -1704,14 +1710,14 @@ class _Reader:
                 if stream != run_stream:
                     if run:
                         done, run = run, []  # never handed out twice, even if that fails
-                        self._output.feed(run_stream, b"".join(done))
+                        self.output.feed(run_stream, b"".join(done))
                     run_stream = stream
                 run.append(payload)
                 cursor = number
         finally:
             self.cursor = cursor
             if run:
-                self._output.feed(run_stream, b"".join(run))  # one payload: not copied
+                self.output.feed(run_stream, b"".join(run))  # one payload: not copied
 
 
 def _within_limit(block: bytes, limit: int) -> Iterator[bytes]:
@@ -2081,24 +2087,21 @@ class _Tail:
         self._high = limit + limit // 4  # held at most, beyond the part just appended
         self._parts: Deque[str] = collections.deque()
         self._size = 0  # characters in _parts
-        self._dropped = dropped
-
-    @property
-    def truncated(self) -> bool:
-        return self._dropped or self._size > self._limit
+        self.truncated = dropped  # its head was dropped, or will be: it outgrew the limit
 
     def append(self, part: str) -> None:
         self._parts.append(part)
         self._size += len(part)
-        if self._size > self._high:
-            self._drop_head()
+        if self._size > self._limit:
+            self.truncated = True
+            if self._size > self._high:
+                self._drop_head()
 
     def _drop_head(self) -> None:
         """Drop whole parts while the rest still holds `limit` characters."""
         parts = self._parts
         while parts and self._size - len(parts[0]) >= self._limit:
             self._size -= len(parts.popleft())
-            self._dropped = True
 
     def text(self) -> str:
         if self._size > self._limit:
@@ -2135,13 +2138,10 @@ class _Output:
         self._on_output = on_output
         self._deliver = on_output  # on_output, a loop's taker, both, or None
         self._part_size = min(_TAIL_PART, limit // 16)
-        self._start(dropped=False)
-
-    def _start(self, dropped: bool) -> None:
-        self.evicted = dropped  # the service dropped output nobody had read
-        self._decoders = {name: self._decoder(self._errors) for name in _STREAMS}
-        self.tails = {name: _Tail(self._limit, dropped) for name in _STREAMS}
-        self.combined = _Tail(self._limit, dropped)
+        self.evicted = False  # the service dropped output nobody had read
+        self._decoders = {name: self._decoder(errors) for name in _STREAMS}
+        self.tails = {name: _Tail(limit) for name in _STREAMS}
+        self.combined = _Tail(limit)
         # Texts not yet in the tails: per stream, and of both in order.
         self._recent: Dict[str, List[str]] = {name: [] for name in _STREAMS}
         self._recent_both: List[str] = []
@@ -2149,7 +2149,14 @@ class _Output:
 
     def drop_all(self) -> None:
         """Forget what was read: the output after it is what is kept now, its head dropped."""
-        self._start(dropped=True)
+        self.evicted = True
+        self._decoders = {name: self._decoder(self._errors) for name in _STREAMS}
+        self.tails = {name: _Tail(self._limit, dropped=True) for name in _STREAMS}
+        self.combined = _Tail(self._limit, dropped=True)
+        for texts in self._recent.values():
+            texts.clear()
+        self._recent_both.clear()
+        self._recent_size = 0
 
     @property
     def live(self) -> bool:
@@ -2359,13 +2366,6 @@ def _codec_known(lookup: Callable[[Any], Any], name: Any) -> bool:
     except (LookupError, TypeError):
         return False
     return True
-
-
-def _wait_deadline(timeout: Optional[float]) -> _Deadline:
-    """The deadline of a wait(timeout=) or an iter_output(timeout=), from now."""
-    if timeout is not None and (not _is_number(timeout) or not timeout >= 0):
-        raise ConfigError("The wait timeout must be a number of seconds >= 0, or None.")
-    return _Deadline.after(timeout, "wait", time.monotonic())
 
 
 _DEFAULT = _Options()  # the defaults the signatures below show
@@ -2726,7 +2726,10 @@ def _argv(command: Command, shell: bool) -> List[str]:
         )
     if not command:
         raise ConfigError("The command is empty: give at least the program to run.")
-    return [_checked_text("Each command argument", arg) for arg in command]
+    for arg in command:
+        if type(arg) is not str or "\0" in arg:
+            _checked_text("Each command argument", arg)  # says which is wrong
+    return list(command)
 
 
 def _staged_bytes(env: Optional[Dict[str, str]], stdin: Any) -> bytes:
@@ -2767,19 +2770,19 @@ def _encoded(text: str, encoding: str, complaint: str) -> bytes:
 # -- launch: stage the private file, then create the process exactly once ------
 
 
+@dataclasses.dataclass(frozen=True)
 class _Launch:
     """Staging the private file and creating the process, exactly once: the
     policy; the requests are the sandbox's."""
 
-    def __init__(self, sandbox: _Sandbox, plan: _Plan) -> None:
-        self._sandbox = sandbox
-        self._plan = plan
+    sandbox: _Sandbox
+    plan: _Plan
 
     def _stage(self, path: str, staged: bytes, deadline: _Deadline) -> None:
         if deadline.cancelled():
             raise CancelledError()  # before anything is written
         try:
-            self._sandbox.put_file(path, staged, "staging of env and stdin", deadline)
+            self.sandbox.put_file(path, staged, "staging of env and stdin", deadline)
         except CancelledError:
             self.unstage(deadline.cancel)  # an attempt before the wait may have written it
             raise
@@ -2796,7 +2799,7 @@ class _Launch:
         nothing is sent again. An error raised once an attempt may have
         reached the service means that no process exists (see _left_behind).
         """
-        plan = self._plan
+        plan = self.plan
         if plan.staged_path is not None and plan.staged is not None:
             self._stage(plan.staged_path, plan.staged, deadline)
         budget: Optional[_Budget] = None  # of the 429s, once there is one
@@ -2804,7 +2807,7 @@ class _Launch:
         try:
             while not deadline.cancelled():
                 try:
-                    answer = self._sandbox.create(plan.body, deadline)
+                    answer = self.sandbox.create(plan.body, deadline)
                 except ProtocolError as unreadable:
                     return self._unreadable(unreadable), True
                 if not isinstance(answer, _Retryable):
@@ -2812,7 +2815,7 @@ class _Launch:
                 if answer.status != 429:
                     return self._unanswered(answer), True
                 reached = True  # a proxy may answer 429 to a request it forwarded
-                budget = budget or _Budget(self._sandbox.transport.retry)
+                budget = budget or _Budget(self.sandbox.transport.retry)
                 found = self._after_refusal(answer, budget, deadline)
                 if found is not None:
                     return found, True
@@ -2902,13 +2905,13 @@ class _Launch:
 
     def _marked(self, deadline: _Deadline = _ENDLESS) -> Optional[_Endpoints]:
         """The process with the run's marker, or None when the listing shows none."""
-        listed = self._sandbox.processes(deadline)
+        listed = self.sandbox.processes(deadline)
         mine = next((record for record in listed if self._has_marker(record)), None)
         if mine is None:
             return None
         process_id = _checked_process_id(mine.get("process_id"))
         logger.info("Found process %s by its marker; following it", process_id)
-        return _Endpoints(self._sandbox, process_id, mine)
+        return _Endpoints(self.sandbox, process_id, mine)
 
     def _marked_or_unconfirmed(self, deadline: _Deadline = _ENDLESS) -> Optional[_Endpoints]:
         """_marked(); a listing that fails leaves the creation unconfirmed."""
@@ -2919,7 +2922,7 @@ class _Launch:
 
     def _has_marker(self, record: Any) -> bool:
         args = record.get("args") if isinstance(record, dict) else None
-        return isinstance(args, list) and self._plan.marker in args
+        return isinstance(args, list) and self.plan.marker in args
 
     def _abandon(self) -> None:
         """Ctrl-C while creating: find the process if it exists and terminate it."""
@@ -2931,11 +2934,11 @@ class _Launch:
     def unstage(self, hurry: Optional[threading.Event] = None) -> None:
         """Remove the staged secrets file, best-effort, when the wrapper may not have;
         a cleanup, which `hurry` hurries through the pacing window."""
-        if self._plan.staged_path is None:
+        if self.plan.staged_path is None:
             return
         try:
-            self._sandbox.exec(
-                ["rm", "-f", "--", self._plan.staged_path],
+            self.sandbox.exec(
+                ["rm", "-f", "--", self.plan.staged_path],
                 "removal of the staged file",
                 _Deadline(kind="cleanup", hurry=hurry),
             )
@@ -2996,7 +2999,8 @@ class RemoteProcess:
         self._check = options.check
         self._deadline = deadline
         self._launch = launch  # its staged file is removed when the run fails
-        self._handover = _Handover(max(options.max_output_chars, _TAIL_PART))
+        self._handover: Optional[_Handover] = None  # made by the first loop over the output
+        self._longest_line = max(options.max_output_chars, _TAIL_PART)
         self._turn = _Turn()  # to read the stream
         self._outcome: Union[ExecResult, BaseException, None] = None  # once the run has ended
         self._status: Optional[_Exit] = None  # learned by poll()
@@ -3046,19 +3050,25 @@ class RemoteProcess:
         last output read. Once the run has ended, every wait() gives its
         result (or raises its error).
         """
-        return self._wait(_wait_deadline(timeout))
+        return self._wait(_Deadline.after(timeout, "wait", time.monotonic()))
 
     def _wait(self, until: _Deadline) -> ExecResult:
         with self._turn.taken(until) as mine:
             if not mine:
                 raise self._wait_timeout(until, read=False)
-            self._handover.clear()  # what a loop left is in the result
+            if self._handover is not None:
+                self._handover.clear()  # what a loop left is in the result
             if self._outcome is None:
                 for _ in self._settled(self._run(until)):
                     pass
                 if self._outcome is None:
                     raise self._wait_timeout(until)
-        return self._ended()
+        outcome = self._outcome
+        if isinstance(outcome, BaseException):
+            raise outcome
+        if self._check and not outcome.ok:
+            raise CommandError(outcome, timeout=self._deadline.seconds)
+        return outcome
 
     def iter_output(
         self, timeout: Optional[float] = None, *, lines: bool = False
@@ -3073,14 +3083,14 @@ class RemoteProcess:
         stream, "\\n" kept (an unterminated last line at the end; a line over
         max_output_chars in pieces of that size).
         """
-        until = _wait_deadline(timeout)
+        until = _Deadline.after(timeout, "wait", time.monotonic())
         me: List[Any] = []  # the loop, weakly: the loop must die with its last reference
         loop = self._iterate(until, bool(lines), me)
         me.append(weakref.ref(loop))
         return loop
 
     def _iterate(self, until: _Deadline, lines: bool, me: List[Any]) -> Iterator[Tuple[str, str]]:
-        handover = self._handover
+        handover = self._handover = self._handover or _Handover(self._longest_line)
         with self._turn.taken(until, loop=me[0]) as mine:
             if not mine:
                 raise self._wait_timeout(until, read=False)
@@ -3108,15 +3118,6 @@ class RemoteProcess:
             output=stdout,
             stderr=stderr,
         )
-
-    def _ended(self) -> ExecResult:
-        outcome = self._outcome
-        if isinstance(outcome, BaseException):
-            raise outcome
-        assert outcome is not None
-        if self._check and not outcome.ok:
-            raise CommandError(outcome, timeout=self._deadline.seconds)
-        return outcome
 
     def terminate(self) -> None:
         """Terminate the whole tree (SIGTERM, a grace period, SIGKILL) and confirm it.
@@ -3182,7 +3183,7 @@ class RemoteProcess:
         Popen.communicate returns them (closing stdin also lets a process that
         stopped reading it end as it ends). wait() then gives the ExecResult at once.
         `timeout` bounds the writes too: WaitTimeout, the process running on."""
-        until = _wait_deadline(timeout)
+        until = _Deadline.after(timeout, "wait", time.monotonic())
         writing = self._deadline.sooner(until)
         with contextlib.suppress(StdinClosedError):
             if input is not None:
@@ -3237,7 +3238,8 @@ class RemoteProcess:
                 raise
             raise cleanup from error
         finally:
-            self._close_owner()
+            if self._owner is not None:
+                self._owner.close()
 
     def __del__(self, _warn: Callable[..., None] = warnings.warn) -> None:
         # As Popen's: a handle dropped while its process may run is a
@@ -3251,32 +3253,30 @@ class RemoteProcess:
                 source=self,
             )
 
-    def _close_owner(self) -> None:
-        if self._owner is not None:
-            self._owner.close()
-
     # -- the run: followed to its end, then contained --------------------------
 
     def _settled(self, steps: _Steps[Optional[ExecResult]]) -> Iterator[None]:
         """Take the run's steps; keep how it ended, once it has."""
         try:
-            result = yield from steps
+            self._outcome = yield from steps
         except GeneratorExit:  # a loop was left: the run goes on
             raise
         except BaseException as exc:
             self._outcome = exc
-            self._close_owner()
             raise
-        if result is not None:
-            self._outcome = result
-            self._close_owner()
+        finally:
+            if self._outcome is not None and self._owner is not None:
+                self._owner.close()  # the client of cx.start(): the run has ended
 
     def _run(self, until: _Deadline) -> _Steps[Optional[ExecResult]]:
         """Follow the process to its end; None when `until` (a wait's own limit)
         passed first: the process goes on running, and the run with it."""
-        late = self._launch is not None and self._deadline.expired()
+        run = self._deadline
+        late = self._launch is not None and run.at is not None and run.expired()
         try:
-            status = yield from self._follower.follow(self._deadline.sooner(until))
+            status = yield from self._follower.follow(
+                run if until.at is None else run.sooner(until)
+            )
             ending = _Ending(status=status)
         except _TimedOut as expired:
             if expired.args[0].kind != "command":
@@ -3384,6 +3384,7 @@ class RemoteProcess:
         return _Ending(error=unconfirmed)
 
 
+@dataclasses.dataclass
 class _Turn:
     """The stream is read by one thread at a time: whose turn it is.
 
@@ -3392,9 +3393,8 @@ class _Turn:
     the next wait() or loop of the same thread: leaving a loop only stops it.
     """
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._loop: Optional[Tuple[int, Any]] = None  # the thread and loop (weakly) holding it
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    _loop: Optional[Tuple[int, Any]] = None  # the thread and loop (weakly) holding it
 
     @contextlib.contextmanager
     def taken(self, until: _Deadline, loop: Any = None) -> Iterator[bool]:
@@ -3587,7 +3587,7 @@ class _Follower:
             merges_stderr=options.stderr == subprocess.STDOUT,
         )
         self._reader = _Reader(self._output, cursor)
-        self._budget = _Budget(endpoints.transport.retry)
+        self._budget: Optional[_Budget] = None  # made at the first broken connection
         self._progress_mark = cursor  # the cursor when the budget last saw progress
         self._record: Optional[Dict[str, Any]] = None  # the exited process's, once known
         self.started = started
@@ -3655,7 +3655,7 @@ class _Follower:
             if ended is None:
                 return self._recovered(record)
             if isinstance(ended, _Exit):
-                return self._exit_from_frame(ended, deadline)
+                return ended if ended != _NO_STATUS else self._status_of_bare_exit(deadline)
             recovered = self._resume_after(ended, deadline, cursor, beats)
             if recovered is not None:
                 return recovered
@@ -3665,11 +3665,12 @@ class _Follower:
     ) -> Optional[_Exit]:
         """A broken connection: pause before the next one, or the status recovered
         out of band when the retry policy is spent and the process has exited."""
+        budget = self._budget = self._budget or _Budget(self.endpoints.transport.retry)
         if self._reader.cursor != self._progress_mark:
             self._progress_mark = self._reader.cursor
-            self._budget.progress()
+            budget.progress()
         deadline.check(self.process_id)
-        delay = self._budget.next_delay(failure.retry_after)
+        delay = budget.next_delay(failure.retry_after)
         if delay is None:
             self._record = record = self._when_spent(self._record, deadline, failure)
             if record is not None and self._caught_up(record):
@@ -3706,9 +3707,8 @@ class _Follower:
         self._output.drop_all()
         self._reader.cursor = oldest - 1
 
-    def _exit_from_frame(self, status: _Exit, deadline: _Deadline) -> _Exit:
-        if status != _NO_STATUS:
-            return status
+    def _status_of_bare_exit(self, deadline: _Deadline) -> _Exit:
+        """An exit frame came without a status: the record's, checked once."""
         logger.info("Exit frame of %s has no status; asking the process record", self.process_id)
         problem = ProtocolError("the exit frame carries no exit status", process_id=self.process_id)
         try:
@@ -3807,15 +3807,16 @@ class _Sandbox:
         """One attempt to create a process, its timeouts cut to what remains of
         `deadline`: the new process, or the failure. ProtocolError when the
         answer does not say which process was created (it may run all the same)."""
-        answer = self.transport.attempt(
-            "POST",
-            self.path + "/processes",
-            operation="process creation",
-            deadline=deadline,
-            json_body=body,
-        )
-        if isinstance(answer, _Retryable):
-            return answer
+        try:
+            answer = self.transport.send(
+                "POST",
+                self.path + "/processes",
+                operation="process creation",
+                deadline=deadline,
+                json_body=body,
+            )
+        except _Retryable as failure:
+            return failure  # returned: the error raised for it must not have it as context
         record = _jsend_data(answer, "process creation")
         if not isinstance(record, dict):
             raise ProtocolError("the created process record is not an object")
