@@ -761,8 +761,9 @@ class _Deadline(NamedTuple):
     def within(self, seconds: float) -> float:
         """`seconds`, cut to what remains; never 0 (urllib3 refuses a zero timeout):
         an expired deadline is caught by the caller."""
-        left = self.remaining()
-        return seconds if left is None else max(0.001, min(seconds, left))
+        if self.at is None:
+            return seconds
+        return max(0.001, min(seconds, self.at - time.monotonic()))
 
     def expired(self) -> bool:
         return self.at is not None and time.monotonic() >= self.at
@@ -772,9 +773,9 @@ class _Deadline(NamedTuple):
 
     def check(self, process_id: Optional[str] = None) -> None:
         """CancelledError once the cancel is set; _TimedOut once the deadline has passed."""
-        if self.cancelled():
+        if self.cancel is not None and self.cancel.is_set():
             raise CancelledError(process_id=process_id)
-        if self.expired():
+        if self.at is not None and time.monotonic() >= self.at:
             raise _TimedOut(self)
 
     def sleep(self, seconds: float) -> bool:
@@ -1523,9 +1524,6 @@ def _unblocked_by(deadline: _Deadline, response: requests.Response) -> Iterator[
     socket down wakes the blocked read; the reader then sees the cancel or
     the deadline.
     """
-    if deadline.at is None and deadline.cancel is None:
-        yield
-        return
     done = threading.Event()
     finishing = threading.Lock()
     watcher = threading.Thread(
@@ -2970,6 +2968,7 @@ class _Ending(NamedTuple):
     error: Optional[BaseException] = None
     asked: bool = False
     grace: Optional[float] = None  # of an asked termination; None: the usual grace period
+    gone: bool = False  # the tree is known to be gone: nothing to terminate
 
 
 class RemoteProcess:
@@ -3059,7 +3058,7 @@ class RemoteProcess:
             if self._handover is not None:
                 self._handover.clear()  # what a loop left is in the result
             if self._outcome is None:
-                for _ in self._settled(self._run(until)):
+                for _ in self._run(until):
                     pass
                 if self._outcome is None:
                     raise self._wait_timeout(until)
@@ -3098,7 +3097,7 @@ class RemoteProcess:
             try:
                 yield from handover.pieces(lines)
                 if self._outcome is None:
-                    yield from handover.as_taken(self._settled(self._run(until)), lines)
+                    yield from handover.as_taken(self._run(until), lines)
             finally:
                 self._follower.hand_to(None)
         yield from handover.pieces(lines, end=self._outcome is not None)
@@ -3142,7 +3141,7 @@ class RemoteProcess:
                 self._endpoints.delete(grace)
             elif self._outcome is None:
                 asked = _Ending(status=killed, asked=True, grace=grace)
-                for _ in self._settled(self._end(asked)):
+                for _ in self._end(asked):
                     pass
 
     def _killed(self) -> Optional[_Exit]:
@@ -3255,19 +3254,6 @@ class RemoteProcess:
 
     # -- the run: followed to its end, then contained --------------------------
 
-    def _settled(self, steps: _Steps[Optional[ExecResult]]) -> Iterator[None]:
-        """Take the run's steps; keep how it ended, once it has."""
-        try:
-            self._outcome = yield from steps
-        except GeneratorExit:  # a loop was left: the run goes on
-            raise
-        except BaseException as exc:
-            self._outcome = exc
-            raise
-        finally:
-            if self._outcome is not None and self._owner is not None:
-                self._owner.close()  # the client of cx.start(): the run has ended
-
     def _run(self, until: _Deadline) -> _Steps[Optional[ExecResult]]:
         """Follow the process to its end; None when `until` (a wait's own limit)
         passed first: the process goes on running, and the run with it."""
@@ -3282,9 +3268,7 @@ class RemoteProcess:
             if expired.args[0].kind != "command":
                 return None
             gone = (yield from self._after_deadline()) if late else None
-            if gone is not None:
-                return gone
-            ending = _Ending(timed_out=True)
+            ending = gone or _Ending(timed_out=True)
         except GeneratorExit:  # a loop was left: nothing ends
             raise
         except BaseException as exc:  # contained by _end, then raised again
@@ -3294,12 +3278,22 @@ class RemoteProcess:
     def _end(self, ending: _Ending) -> _Steps[Optional[ExecResult]]:
         """The one way a run ends. Unless the process ended by itself, its tree
         is terminated and that confirmed first; then the result, or the error
-        with the partial result attached."""
-        if ending.timed_out or ending.error is not None or ending.asked:
-            ending = yield from self._contain(ending)
-        if ending.error is not None:
-            raise ending.error
-        return self._follower.result(ending.status, timed_out=ending.timed_out)
+        with the partial result attached: the outcome every later wait gives."""
+        try:
+            if not ending.gone and (ending.timed_out or ending.error is not None or ending.asked):
+                ending = yield from self._contain(ending)
+            if ending.error is not None:
+                raise ending.error
+            self._outcome = self._follower.result(ending.status, timed_out=ending.timed_out)
+        except GeneratorExit:  # a loop was left during containment: the run goes on
+            raise
+        except BaseException as exc:
+            self._outcome = exc
+            raise
+        finally:
+            if self._outcome is not None and self._owner is not None:
+                self._owner.close()  # the client of cx.start(): the run has ended
+        return self._outcome
 
     def _contain(self, ending: _Ending) -> _Steps[_Ending]:
         """Terminate the tree and confirm it, then say how the run ended.
@@ -3319,7 +3313,7 @@ class RemoteProcess:
             self._launch.unstage(self._deadline.cancel)  # the wrapper may not have removed it
         return ending
 
-    def _after_deadline(self) -> _Steps[Optional[ExecResult]]:
+    def _after_deadline(self) -> _Steps[Optional[_Ending]]:
         """First followed after its deadline: a tree already gone (the sandbox's
         watchdog, or its own end) needs no containment. Its output is read to
         the end, and its record says whether the deadline ended it. None to
@@ -3336,7 +3330,7 @@ class RemoteProcess:
             status = yield from follower.follow(follower.reading_deadline(self._deadline))
         except (_TimedOut, CreateOSError):
             return None
-        return follower.result(status, timed_out=ended_by_deadline)
+        return _Ending(status=status, timed_out=ended_by_deadline, gone=True)
 
     def _through_termination(self, ending: _Ending) -> _Steps[_Ending]:
         """While the tree is terminated: read what the process prints in its grace period.
@@ -3403,8 +3397,8 @@ class _Turn:
         left_loop = held[1]() if held is not None and held[0] == threading.get_ident() else None
         if left_loop is not None:
             left_loop.close()
-        left = until.remaining()
-        if not self._lock.acquire(timeout=-1 if left is None else max(0.0, left)):
+        wait = -1 if until.at is None else max(0.0, until.at - time.monotonic())
+        if not self._lock.acquire(timeout=wait):
             yield False
             return
         self._loop = None if loop is None else (threading.get_ident(), loop)
@@ -3642,7 +3636,12 @@ class _Follower:
             ended: Union[_Exit, None, _Retryable]  # what ended one connection
             try:
                 response = self.endpoints.connect(cursor, deadline)
-                with contextlib.closing(response), _unblocked_by(deadline, response):
+                unblocked = (
+                    _unblocked_by(deadline, response)
+                    if deadline.at is not None or deadline.cancel is not None
+                    else contextlib.nullcontext()  # nothing can end the read sooner
+                )
+                with contextlib.closing(response), unblocked:
                     interrupted = functools.partial(deadline.check, self.process_id)
                     ended = yield from self._reader.read(_arriving(response), interrupted, until)
             except _Retryable as failure:
