@@ -112,8 +112,8 @@ __all__ = [
     "ConfigError",
     "CreateOSError",
     "ExecResult",
-    "OutputEvictedError",
     "InputUnconfirmedError",
+    "OutputEvictedError",
     "OutputIncompleteError",
     "PIPE",
     "ProcessEndedError",
@@ -917,7 +917,7 @@ class _SharedWindow:
             result = change(window, now)
             epoch = time.time() - now
             data = b"".join(
-                [_FILE_HEAD.pack(_WINDOW_MAGIC, epoch), *others, self._record(window, now)]
+                [_FILE_HEAD.pack(_WINDOW_MAGIC, epoch), *others, self._encoded(window, now)]
             )
             os.pwrite(fd, data, 0)
             os.ftruncate(fd, len(data))
@@ -966,7 +966,7 @@ class _SharedWindow:
         sound = 1 <= allowance <= self._limit and narrowed_at <= now
         return window if sound and self._last(window) < now + _LONGEST_HOLD + self._period else None
 
-    def _record(self, window: _Window, now: float) -> bytes:
+    def _encoded(self, window: _Window, now: float) -> bytes:
         """The record of `window`, or nothing once it is of no use: it holds no
         place, and no narrowing it has not won back."""
         window.expire(now)
@@ -1590,8 +1590,8 @@ class _Reader:
         """
         for block in self.blocks(chunks):
             interrupted()
-            status = self.take(block)
-            if status is not None:
+            exited = self.take(block)
+            if exited is not None:
                 # Finish the body (at most 64 KiB more, whatever follows is
                 # ignored) so that the connection can be reused.
                 read = 0
@@ -1600,7 +1600,7 @@ class _Reader:
                         read += len(chunk)
                         if read > 65536:
                             break
-                return status
+                return exited
             if until is not None and self.cursor >= until:
                 return None
             if self.stepwise:
@@ -1986,14 +1986,14 @@ def _process_info(record: Any) -> ProcessInfo:
     if not isinstance(record, dict):
         raise ProtocolError("a process record is not an object")
     args, ours = _given_command(record.get("cmd"), record.get("args"))
-    exited = record.get("leader_exited") is True
-    status = _exit_status(record) if exited else None
+    leader_exited = record.get("leader_exited") is True
+    exited = _exit_status(record) if leader_exited else None
     return ProcessInfo(
         process_id=_checked_process_id(record.get("process_id")),
         args=args,
-        state="exited" if exited else "running",
-        exit_code=None if status is None else status.exit_code,
-        signal=None if status is None else status.signal,
+        state="exited" if leader_exited else "running",
+        exit_code=None if exited is None else exited.exit_code,
+        signal=None if exited is None else exited.signal,
         ours=ours,
         pid=_leader_pid(record),
     )
@@ -2211,7 +2211,7 @@ class _Output:
         self._file_recent()
 
     def result(
-        self, status: Optional[_Exit], *, timed_out: bool, partial: bool, **about: Any
+        self, exited: Optional[_Exit], *, timed_out: bool, partial: bool, **about: Any
     ) -> ExecResult:
         """The result of a run that ended with `status` (None: not known) or at its
         deadline: the tails, once the decoders gave up what they held (handed out
@@ -2219,8 +2219,8 @@ class _Output:
         self.finish(hand_out=not partial)
         out, err = self.tails["stdout"], self.tails["stderr"]
         return ExecResult(
-            exit_code=None if timed_out or status is None else status.exit_code,
-            signal=None if status is None else status.signal,
+            exit_code=None if timed_out or exited is None else exited.exit_code,
+            signal=None if exited is None else exited.signal,
             timed_out=timed_out,
             stdout=out.text(),
             stderr=err.text(),
@@ -2963,7 +2963,7 @@ class _Ending(NamedTuple):
     deadline, an error (a callback's and Ctrl-C included), or a termination
     the caller asked for (terminate(), kill(), leaving a `with` block)."""
 
-    status: Optional[_Exit] = None
+    exited: Optional[_Exit] = None
     timed_out: bool = False
     error: Optional[BaseException] = None
     asked: bool = False
@@ -3002,10 +3002,10 @@ class RemoteProcess:
         self._longest_line = max(options.max_output_chars, _TAIL_PART)
         self._turn = _Turn()  # to read the stream
         self._outcome: Union[ExecResult, BaseException, None] = None  # once the run has ended
-        self._status: Optional[_Exit] = None  # learned by poll()
+        self._exited: Optional[_Exit] = None  # learned by poll()
         self._owner: Optional[Client] = None  # the client of cx.start(), closed at the end
         piped = isinstance(options.stdin, _Pipe)
-        self._stdin = _Stdin(endpoints, options.encoding) if piped else None
+        self._stdin = _StdinWriter(endpoints, options.encoding) if piped else None
 
     def __repr__(self) -> str:
         return (
@@ -3021,24 +3021,24 @@ class RemoteProcess:
     @property
     def returncode(self) -> Optional[int]:
         """None until poll() or wait() learns the status, then as ExecResult.returncode."""
-        status = self._known_status()
-        return None if status is None else _returncode(status.exit_code, status.signal)
+        exited = self._known_exit()
+        return None if exited is None else _returncode(exited.exit_code, exited.signal)
 
     def poll(self) -> Optional[int]:
         """None while the process runs, else its returncode (as ExecResult.returncode).
 
-        At most one request: none once the status is known.
+        At most one request: none once the exit status is known.
         """
-        if self._known_status() is None:
-            self._status = self._endpoints.status()
+        if self._known_exit() is None:
+            self._exited = self._endpoints.exited()
         return self.returncode
 
-    def _known_status(self) -> Optional[_Exit]:
+    def _known_exit(self) -> Optional[_Exit]:
         outcome = self._outcome
         result = outcome if isinstance(outcome, ExecResult) else getattr(outcome, "result", None)
         if isinstance(result, ExecResult) and (result.exit_code, result.signal) != (None, None):
             return _Exit(result.exit_code, result.signal)
-        return self._status
+        return self._exited
 
     def wait(self, timeout: Optional[float] = None) -> ExecResult:
         """Follow the process to its end and return its result (see execute()).
@@ -3052,7 +3052,7 @@ class RemoteProcess:
         return self._wait(_Deadline.after(timeout, "wait", time.monotonic()))
 
     def _wait(self, until: _Deadline) -> ExecResult:
-        with self._turn.taken(until) as mine:
+        with self._turn.held(until) as mine:
             if not mine:
                 raise self._wait_timeout(until, read=False)
             if self._handover is not None:
@@ -3090,14 +3090,14 @@ class RemoteProcess:
 
     def _iterate(self, until: _Deadline, lines: bool, me: List[Any]) -> Iterator[Tuple[str, str]]:
         handover = self._handover = self._handover or _Handover(self._longest_line)
-        with self._turn.taken(until, loop=me[0]) as mine:
+        with self._turn.held(until, loop=me[0]) as mine:
             if not mine:
                 raise self._wait_timeout(until, read=False)
-            self._follower.hand_to(handover.take)
+            self._follower.hand_to(handover.keep)
             try:
                 yield from handover.pieces(lines)
                 if self._outcome is None:
-                    yield from handover.as_taken(self._run(until), lines)
+                    yield from handover.as_read(self._run(until), lines)
             finally:
                 self._follower.hand_to(None)
         yield from handover.pieces(lines, end=self._outcome is not None)
@@ -3134,13 +3134,13 @@ class RemoteProcess:
     def _stop(self, grace: Optional[float], kill_first: bool = False) -> None:
         if self._outcome is not None:
             return
-        with self._turn.taken(_Deadline(time.monotonic())) as mine:
+        with self._turn.held(_Deadline(time.monotonic())) as mine:
             killed = self._killed() if kill_first else None
             if not mine:
                 # Another thread reads the stream: it reads the end; confirm the termination here.
                 self._endpoints.delete(grace)
             elif self._outcome is None:
-                asked = _Ending(status=killed, asked=True, grace=grace)
+                asked = _Ending(exited=killed, asked=True, grace=grace)
                 for _ in self._end(asked):
                     pass
 
@@ -3166,7 +3166,7 @@ class RemoteProcess:
             self._endpoints.signal(name)
 
     def write(self, data: Union[str, bytes]) -> None:
-        """Write to stdin (start(..., stdin=cx.PIPE)); see _Stdin.write. The command's
+        """Write to stdin (start(..., stdin=cx.PIPE)); see _StdinWriter.write. The command's
         `timeout`, passing meanwhile, is a WaitTimeout (the next wait() ends the
         run), and its `cancel` a CancelledError."""
         self._write(data, self._deadline)
@@ -3244,7 +3244,7 @@ class RemoteProcess:
         # As Popen's: a handle dropped while its process may run is a
         # forgotten wait() or `with` (a bound default: warnings may be gone
         # at interpreter exit).
-        if getattr(self, "_outcome", 0) is None and self._status is None:
+        if getattr(self, "_outcome", 0) is None and self._exited is None:
             _warn(
                 f"The remote process {self.process_id} may still be running: its handle "
                 "was dropped without wait(), terminate() or a with block.",
@@ -3260,10 +3260,10 @@ class RemoteProcess:
         run = self._deadline
         late = self._launch is not None and run.at is not None and run.expired()
         try:
-            status = yield from self._follower.follow(
+            exited = yield from self._follower.follow(
                 run if until.at is None else run.sooner(until)
             )
-            ending = _Ending(status=status)
+            ending = _Ending(exited=exited)
         except _TimedOut as expired:
             if expired.args[0].kind != "command":
                 return None
@@ -3284,7 +3284,7 @@ class RemoteProcess:
                 ending = yield from self._contain(ending)
             if ending.error is not None:
                 raise ending.error
-            self._outcome = self._follower.result(ending.status, timed_out=ending.timed_out)
+            self._outcome = self._follower.result(ending.exited, timed_out=ending.timed_out)
         except GeneratorExit:  # a loop was left during containment: the run goes on
             raise
         except BaseException as exc:
@@ -3307,7 +3307,7 @@ class RemoteProcess:
         if ending.timed_out or ending.asked:
             ending = yield from self._through_termination(ending)
         first = ending.error
-        ending = self._contained(ending, termination.outcome())
+        ending = self._contained(ending, termination.unconfirmed())
         confirmed = first is not None and ending.error is first
         if confirmed and not isinstance(first, KeyboardInterrupt) and self._launch is not None:
             self._launch.unstage(self._deadline.cancel)  # the wrapper may not have removed it
@@ -3327,10 +3327,10 @@ class RemoteProcess:
             return None
         ended_by_deadline = _ended_by_deadline(record, self._deadline.seconds or 0.0)
         try:
-            status = yield from follower.follow(follower.reading_deadline(self._deadline))
+            exited = yield from follower.follow(follower.reading_deadline(self._deadline))
         except (_TimedOut, CreateOSError):
             return None
-        return _Ending(status=status, timed_out=ended_by_deadline, gone=True)
+        return _Ending(exited=exited, timed_out=ended_by_deadline, gone=True)
 
     def _through_termination(self, ending: _Ending) -> _Steps[_Ending]:
         """While the tree is terminated: read what the process prints in its grace period.
@@ -3340,7 +3340,7 @@ class RemoteProcess:
         """
         follower = self._follower
         try:
-            status = yield from follower.follow(follower.reading_deadline(self._deadline))
+            exited = yield from follower.follow(follower.reading_deadline(self._deadline))
         except CancelledError as exc:
             return ending._replace(error=exc)
         except (_TimedOut, CreateOSError):
@@ -3352,7 +3352,7 @@ class RemoteProcess:
             raise
         except BaseException as exc:  # raised once the tree is confirmed gone
             return ending._replace(error=exc)
-        return ending._replace(status=status)
+        return ending._replace(exited=exited)
 
     def _contained(self, ending: _Ending, unconfirmed: Optional[CleanupError]) -> _Ending:
         """How a run ended once its termination was waited for: its error names the
@@ -3364,13 +3364,13 @@ class RemoteProcess:
             error.process_id = error.process_id or self.process_id
             if error.result is None and (ending.timed_out or follower.cursor > follower.first_seq):
                 error.result = follower.result(
-                    ending.status, timed_out=ending.timed_out, partial=True
+                    ending.exited, timed_out=ending.timed_out, partial=True
                 )
         if unconfirmed is None or isinstance(error, KeyboardInterrupt):
             return ending  # Ctrl-C is raised itself; a failed cleanup was logged
         if error is None:
             unconfirmed.result = follower.result(
-                ending.status, timed_out=ending.timed_out, partial=True
+                ending.exited, timed_out=ending.timed_out, partial=True
             )
         else:
             unconfirmed.result = getattr(error, "result", None)
@@ -3391,7 +3391,7 @@ class _Turn:
     _loop: Optional[Tuple[int, Any]] = None  # the thread and loop (weakly) holding it
 
     @contextlib.contextmanager
-    def taken(self, until: _Deadline, loop: Any = None) -> Iterator[bool]:
+    def held(self, until: _Deadline, loop: Any = None) -> Iterator[bool]:
         """The turn, for the block: True once taken, False when `until` passed first."""
         held = self._loop
         left_loop = held[1]() if held is not None and held[0] == threading.get_ident() else None
@@ -3419,12 +3419,12 @@ class _Termination:
         # it goes at the pace of the window and the service, and a second Ctrl-C ends it.
         self._failure: Optional[BaseException] = None
         self._thread = threading.Thread(
-            target=self._run, args=(endpoints, grace, hurry), name="createos_exec-cleanup"
+            target=self._delete, args=(endpoints, grace, hurry), name="createos_exec-cleanup"
         )
         self._thread.daemon = True
         self._thread.start()
 
-    def _run(
+    def _delete(
         self, endpoints: _Endpoints, grace: Optional[float], hurry: Optional[threading.Event]
     ) -> None:
         try:
@@ -3432,7 +3432,7 @@ class _Termination:
         except BaseException as exc:  # handed over by outcome()
             self._failure = exc
 
-    def outcome(self) -> Optional[CleanupError]:
+    def unconfirmed(self) -> Optional[CleanupError]:
         """The CleanupError when termination is unconfirmed, None once it is."""
         self._thread.join()
         if self._failure is not None and not isinstance(self._failure, CleanupError):
@@ -3456,7 +3456,7 @@ class _Handover:
         self._partial_size = dict.fromkeys(_STREAMS, 0)
         self._longest_line = longest_line
 
-    def take(self, stream: str, text: str) -> None:
+    def keep(self, stream: str, text: str) -> None:
         self._pieces.append((stream, text))
 
     def clear(self) -> None:
@@ -3466,7 +3466,7 @@ class _Handover:
             self._partial[name].clear()
             self._partial_size[name] = 0
 
-    def as_taken(self, steps: Iterator[None], lines: bool) -> Iterator[Tuple[str, str]]:
+    def as_read(self, steps: Iterator[None], lines: bool) -> Iterator[Tuple[str, str]]:
         """What each step takes, handed on after it (a step is one block read)."""
         if lines:
             for _ in steps:
@@ -3605,11 +3605,11 @@ class _Follower:
         return self._output.texts()
 
     def result(
-        self, status: Optional[_Exit], *, timed_out: bool = False, partial: bool = False
+        self, exited: Optional[_Exit], *, timed_out: bool = False, partial: bool = False
     ) -> ExecResult:
         """The output's result, with what following the process learned."""
         return self._output.result(
-            status,
+            exited,
             timed_out=timed_out,
             partial=partial,
             args=self.args,
@@ -3654,7 +3654,7 @@ class _Follower:
             if ended is None:
                 return self._recovered(record)
             if isinstance(ended, _Exit):
-                return ended if ended != _NO_STATUS else self._status_of_bare_exit(deadline)
+                return ended if ended != _NO_STATUS else self._exit_of_bare_frame(deadline)
             recovered = self._resume_after(ended, deadline, cursor, beats)
             if recovered is not None:
                 return recovered
@@ -3706,7 +3706,7 @@ class _Follower:
         self._output.drop_all()
         self._reader.cursor = oldest - 1
 
-    def _status_of_bare_exit(self, deadline: _Deadline) -> _Exit:
+    def _exit_of_bare_frame(self, deadline: _Deadline) -> _Exit:
         """An exit frame came without a status: the record's, checked once."""
         logger.info("Exit frame of %s has no status; asking the process record", self.process_id)
         problem = ProtocolError("the exit frame carries no exit status", process_id=self.process_id)
@@ -3739,9 +3739,9 @@ class _Follower:
         or None while it still runs (a quiet job behind connections that end)."""
         if record is not None:  # the replay of the output the record promised failed too
             self.exit_recovered = True
-            status = _exit_status(record)
+            exited = _exit_status(record)
             raise OutputIncompleteError(
-                process_id=self.process_id, result=self.result(status, partial=True)
+                process_id=self.process_id, result=self.result(exited, partial=True)
             )
         logger.info("Output stream of %s keeps failing; asking whether it runs", self.process_id)
         try:
@@ -3763,12 +3763,12 @@ class _Follower:
         return newest == self._reader.cursor
 
     def _recovered(self, record: Optional[Dict[str, Any]]) -> _Exit:
-        status = _exit_status(record) if record is not None else None
-        if status is None:  # _when_spent lets only a record with a status through
+        exited = _exit_status(record) if record is not None else None
+        if exited is None:  # _when_spent lets only a record with an exit status through
             raise ProtocolError("the wait answer carries no exit status")
         self.exit_recovered = True
         logger.info("Recovered the exit status of %s out of band", self.process_id)
-        return status
+        return exited
 
 
 # -- the sandbox: the requests one sandbox answers -------------------------------
@@ -3954,15 +3954,15 @@ class _Endpoints:
         answer = self._once("GET", "", "process status")
         return self._checked_record(_jsend_data(answer, "process status"))
 
-    def status(self) -> Optional[_Exit]:
+    def exited(self) -> Optional[_Exit]:
         """The exit status in the process record (one request), or None while its leader runs."""
         record = self.current_record()
         if record.get("leader_exited") is not True:
             return None
-        status = _exit_status(record)
-        if status is None:
+        exited = _exit_status(record)
+        if exited is None:
             raise ProtocolError("the process record has no exit status", process_id=self.process_id)
-        return status
+        return exited
 
     def signal(self, name: str) -> None:
         """Signal the process group; a leader that has exited (409) has nothing to signal."""
@@ -4059,7 +4059,7 @@ class _Endpoints:
 _INPUT_PIECE = 3 * 65_520
 
 
-class _Stdin:
+class _StdinWriter:
     """The stdin of one process, written piece by piece, each confirmed before the next.
 
     A piece is sent again only when it certainly did not reach the process:
@@ -4080,7 +4080,7 @@ class _Stdin:
         self._closed = False
 
     def __repr__(self) -> str:
-        return f"_Stdin(process_id={self._process_id!r}, closed={self._closed!r})"
+        return f"_StdinWriter(process_id={self._process_id!r}, closed={self._closed!r})"
 
     def write(self, data: Union[str, bytes], deadline: _Deadline, *, ended: bool = False) -> None:
         """Return once the service has accepted every byte of `data` (str is encoded
@@ -4187,14 +4187,14 @@ class _PortWait:
         deadline = _Deadline.after(self._timeout, "wait", time.monotonic(), cancel)
         try:
             pid = self._target_pid(deadline)
-            status = _PROBE_GONE if pid is None else self._probe(pid, deadline)
+            exited = _PROBE_GONE if pid is None else self._probe(pid, deadline)
         except CancelledError:
-            status = None
-        if status == _PROBE_OPEN:
+            exited = None
+        if exited == _PROBE_OPEN:
             return
-        if status == _PROBE_GONE:
-            self._ended(finish, deadline)
-        if status is not None and status != _PROBE_LIMIT:
+        if exited == _PROBE_GONE:
+            self._raise_ended(finish, deadline)
+        if exited is not None and exited != _PROBE_LIMIT:
             raise CreateOSError(
                 "The port probe in the sandbox ended without an answer.",
                 process_id=self._process_id,
@@ -4235,7 +4235,7 @@ class _PortWait:
             with contextlib.suppress(CleanupError):  # logged; the probe's limit ends it
                 probe.delete(grace=0.0)
 
-    def _ended(self, finish: Callable[[float], ExecResult], deadline: _Deadline) -> None:
+    def _raise_ended(self, finish: Callable[[float], ExecResult], deadline: _Deadline) -> NoReturn:
         result: Optional[ExecResult]
         try:
             result = finish(max(_ENDED_GRACE, deadline.remaining() or 0.0))

@@ -558,6 +558,11 @@ def _error_samples() -> List[BaseException]:
     ]
 
 
+def test_the_public_names_are_listed_once_classes_first_each_kind_in_order() -> None:
+    assert cx.__all__ == sorted(set(cx.__all__), key=lambda name: (name[0].islower(), name))
+    assert all(hasattr(cx, name) for name in cx.__all__)
+
+
 def test_every_public_error_class_is_sampled() -> None:
     public = {
         getattr(cx, name)
