@@ -24,6 +24,22 @@ remote process tree is terminated. start() returns a RemoteProcess at once, the
 counterpart of subprocess.Popen; execute() is start(...).wait(), and
 client.process() is a handle on a process started earlier.
 `createos-exec --help` (or `python -m createos_exec --help`) is the command line.
+
+Contents, in the order a call runs through them (each section opens with its contract):
+
+     1. Public types: the result, the errors, the retry policy
+     2. Entry points: the client, execute(), start(), process()
+     3. The process: one object owns its run
+     4. Following: the stream read to its end, resumed after every failure
+     5. Launch: the plan, the staged secrets, one creation
+     6. The service: what a sandbox and a process answer
+     7. The stream: bytes -> blocks of complete lines -> frames
+     8. Capture: incremental decoders and bounded tails
+     9. Transport: requests, retries, the one exception map
+    10. Deadlines and pacing
+    11. Configuration checks: the URL, the key, ids, numbers
+    12. Sandbox-side scripts
+    13. The command line
 """
 
 from __future__ import annotations
@@ -152,9 +168,29 @@ PIPE = _Pipe()
 Stdin = Union[str, bytes, None, _Pipe]
 
 
-# --------------------------------------------------------------------------
-# Public types: the result, the errors, the retry policy
-# --------------------------------------------------------------------------
+_T = TypeVar("_T")
+
+# The numbers a reader may want to change, in one place.
+_FRAME_LIMIT = 1024 * 1024  # longest NDJSON line accepted, in bytes
+_READ_SIZE = 256 * 1024  # most bytes taken at once from a body that is not chunked
+_TERMINATE_GRACE = 1.0  # seconds between SIGTERM and SIGKILL when terminating
+_CANCEL_POLL = 0.1  # seconds between looks at the cancel event while a read blocks
+_EXIT_CHECK_MS = 5_000  # how long an exit frame without status is checked against `wait`
+_LIVENESS_POLL_MS = 1_000  # the `wait` that tells a quiet process from an exited one
+_KILLED_POLL_MS = 2_000  # the `wait` for the leader's end after kill()'s SIGKILL
+_LISTING_PAGE_SIZE = 500  # the most the service's paginated lists hold in a page
+_LISTING_PAGES = 20  # pages of the process listing read at most: 10,000 processes
+
+
+# ==========================================================================
+# 1. Public types: the result, the errors, the retry policy
+# ==========================================================================
+#
+# What a caller holds. ExecResult is how a run ended; every error is a
+# CreateOSError that carries the process id and, where output had arrived,
+# the partial result. Messages are fixed sentences built from attributes,
+# never from a response body, the key or command output; every error
+# survives a pickle. RetryPolicy is frozen data.
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -613,1632 +649,16 @@ class RetryPolicy:
                 raise ConfigError(f"RetryPolicy.{name} must be a number of seconds >= 0.")
 
 
-# --------------------------------------------------------------------------
-# Configuration: the API URL, the key, ids
-# --------------------------------------------------------------------------
-
-DEFAULT_API_URL = "https://api.sb.createos.sh"
-_HEADER_SAFE = re.compile(r"[!-~]+\Z")  # printable ASCII, no spaces at all
-_HOST = re.compile(r"[A-Za-z0-9._:-]+\Z")  # a name, IPv4 or (unbracketed) IPv6
-_ID = re.compile(r"[A-Za-z0-9_-]{1,200}\Z")
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-_FRAME_LIMIT = 1024 * 1024  # longest NDJSON line accepted, in bytes
-_READ_SIZE = 256 * 1024  # most bytes taken at once from a body that is not chunked
-_TERMINATE_GRACE = 1.0  # seconds between SIGTERM and SIGKILL when terminating
-_CANCEL_POLL = 0.1  # seconds between looks at the cancel event while a read blocks
-_EXIT_CHECK_MS = 5_000  # how long an exit frame without status is checked against `wait`
-_LIVENESS_POLL_MS = 1_000  # the `wait` that tells a quiet process from an exited one
-_KILLED_POLL_MS = 2_000  # the `wait` for the leader's end after kill()'s SIGKILL
-_LISTING_PAGE_SIZE = 500  # the most the service's paginated lists hold in a page
-_LISTING_PAGES = 20  # pages of the process listing read at most: 10,000 processes
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _positive_seconds(name: str, value: Any) -> float:
-    if not _is_number(value) or not value > 0 or value != value:
-        raise ConfigError(f"{name} must be a positive number of seconds, not {_shown(value)}.")
-    return float(value)
-
-
-def _api_base(url: str) -> str:
-    """Check an API URL and return it as scheme://host[:port][/prefix] without /v1."""
-    if not isinstance(url, str) or not url:
-        raise ConfigError("The API URL must be a non-empty string.")
-    try:
-        parts = urllib.parse.urlsplit(url)
-        hostname = parts.hostname
-        parts.port  # noqa: B018 -- raises ValueError on a malformed port
-    except ValueError:
-        raise ConfigError("The API URL is not a valid URL.") from None
-    if parts.username is not None or parts.password is not None:
-        raise ConfigError("The API URL must not contain user information.")
-    if parts.query or parts.fragment or url.endswith(("?", "#")):
-        raise ConfigError("The API URL must not contain a query or a fragment.")
-    if not hostname or not _HOST.match(hostname):
-        raise ConfigError("The API URL has no valid host.")
-    if parts.scheme == "http":
-        if not _is_loopback(hostname):
-            raise ConfigError("The API URL must use https (plain http only to loopback).")
-    elif parts.scheme != "https":
-        raise ConfigError("The API URL must use https (plain http only to loopback).")
-    path = parts.path.rstrip("/")
-    if path.endswith("/v1"):
-        path = path[: -len("/v1")]
-    return f"{parts.scheme}://{parts.netloc}{path}"
-
-
-def _is_loopback(hostname: str) -> bool:
-    if hostname.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(hostname).is_loopback
-    except ValueError:
-        return False
-
-
-def _key_from_environment() -> Optional[str]:
-    return os.environ.get("CREATEOS_API_KEY") or os.environ.get("CREATEOS_SANDBOX_API_KEY") or None
-
-
-def _api_key(key: Optional[str]) -> str:
-    if key is None:
-        key = _key_from_environment()
-    if not key:
-        raise ConfigError(
-            "No API key: pass api_key= to the Client, or set CREATEOS_API_KEY "
-            "(or CREATEOS_SANDBOX_API_KEY) in the environment."
-        )
-    if not isinstance(key, str) or not _HEADER_SAFE.match(key):
-        raise ConfigError(
-            "The API key contains characters that cannot be sent in a header (a space or a "
-            "newline copied with it?)."
-        )
-    return key
-
-
-def _checked_id(kind: str, value: Any) -> str:
-    if not isinstance(value, str) or not _ID.match(value):
-        raise ConfigError(
-            f"Invalid {kind} id {_shown(value)}: expected 1-200 characters of A-Z a-z 0-9 _ -."
-        )
-    return value
-
-
-# --------------------------------------------------------------------------
-# Deadlines: when the waits of a run end, and what may end them sooner
-# --------------------------------------------------------------------------
-
-
-class _Deadline(NamedTuple):
-    """When waiting must stop, on the monotonic clock (None: never), and which
-    kind of limit that is: the command's `timeout`, a wait's own
-    (`wait(timeout=)`, `iter_output(timeout=)`, `wait_for_port(timeout=)`,
-    `communicate(timeout=)`) or a cleanup's. The one who meets it knows which
-    fired. What may end a wait sooner travels with when it must end: `cancel`,
-    the run's event, stops every wait under it (CancelledError); `hurry`, the
-    event that asked for a cleanup, cuts the cleanup's next wait short, once.
-    A deadline carries one of the two at most. Every wait under a deadline
-    ends at it, or at its event, whichever comes first."""
-
-    at: Optional[float] = None
-    kind: str = "command"
-    seconds: Optional[float] = None  # the timeout it was made from
-    cancel: Optional[threading.Event] = None
-    hurry: Optional[threading.Event] = None
-
-    @classmethod
-    def after(
-        cls,
-        seconds: Optional[float],
-        kind: str,
-        now: float,
-        cancel: Optional[threading.Event] = None,
-        hurry: Optional[threading.Event] = None,
-    ) -> "_Deadline":
-        """`seconds` (None: no deadline) from `now`; a ConfigError for anything but
-        a number >= 0, before anything waits."""
-        if seconds is None:
-            return cls(None, kind, None, cancel, hurry)
-        if not _is_number(seconds) or not seconds >= 0:
-            raise ConfigError(f"The {kind} timeout must be a number of seconds >= 0, or None.")
-        return cls(now + seconds, kind, seconds, cancel, hurry)
-
-    def sooner(self, other: "_Deadline") -> "_Deadline":
-        """Whichever comes first (this one on a tie), with either's events."""
-        first = self if other.at is None or (self.at is not None and self.at <= other.at) else other
-        return first._replace(cancel=self.cancel or other.cancel, hurry=self.hurry or other.hurry)
-
-    def remaining(self) -> Optional[float]:
-        return None if self.at is None else self.at - time.monotonic()
-
-    def within(self, seconds: float) -> float:
-        """`seconds`, cut to what remains; never 0 (urllib3 refuses a zero timeout):
-        an expired deadline is caught by the caller."""
-        if self.at is None:
-            return seconds
-        return max(0.001, min(seconds, self.at - time.monotonic()))
-
-    def expired(self) -> bool:
-        return self.at is not None and time.monotonic() >= self.at
-
-    def cancelled(self) -> bool:
-        return self.cancel is not None and self.cancel.is_set()
-
-    def check(self, process_id: Optional[str] = None) -> None:
-        """CancelledError once the cancel is set; _TimedOut once the deadline has passed."""
-        if self.cancel is not None and self.cancel.is_set():
-            raise CancelledError(process_id=process_id)
-        if self.at is not None and time.monotonic() >= self.at:
-            raise _TimedOut(self)
-
-    def sleep(self, seconds: float) -> bool:
-        """The one place a run sleeps: `seconds`, at most to the deadline, or until
-        the cancel or the hurry is set (then True). Ctrl-C interrupts either
-        (Event.wait is interruptible, as time.sleep is)."""
-        left = self.remaining()
-        seconds = seconds if left is None else max(0.0, min(seconds, left))
-        event = self.cancel or self.hurry
-        if event is None:
-            time.sleep(seconds)
-            return False
-        return event.wait(seconds)
-
-    def pause(self, seconds: float) -> "_Deadline":
-        """Wait `seconds` (at most to the deadline) before the next attempt; the
-        deadline to go on under.
-
-        The cancel ends the wait at once: CancelledError. The hurry cuts it
-        short once instead, and the cleanup goes on at once, then at its own pace.
-        """
-        if not self.sleep(seconds):
-            return self
-        if self.cancelled():
-            raise CancelledError()
-        return self._replace(hurry=None)
-
-
-class _TimedOut(Exception):
-    """A wait's deadline expired; args[0] is that _Deadline."""
-
-
-_ENDLESS = _Deadline()  # no deadline, nothing that interrupts
-
-
-# --------------------------------------------------------------------------
-# Pacing: a sliding window per API origin, shared by threads and processes
-# --------------------------------------------------------------------------
-
-_PACING_POLL = 0.05  # seconds between looks at a full window
-_LONGEST_HOLD = 86_400.0  # seconds a request holds its place at most before it is answered
-_EPOCH_SLACK = 5.0  # seconds the epoch of the monotonic clock may move between two writers
-_WIN_BACK = 16  # periods a narrowed window takes at the fastest to win its whole limit back
-
-_T = TypeVar("_T")
-
-
-class _Place(NamedTuple):
-    """A request's place in a window: its token, and when it was let through."""
-
-    token: int
-    let_through: float
-
-
-@dataclasses.dataclass
-class _Window:
-    """One sliding window, on the monotonic clock: the places of requests on
-    their way (token -> the latest they free), the times at which the places
-    of answered requests free (in order), and how many places it allows now
-    (the limit, or fewer since a 429)."""
-
-    allowance: float
-    narrowed_at: float = -math.inf
-    on_the_way: Dict[int, float] = dataclasses.field(default_factory=dict)
-    answered: array.array[float] = dataclasses.field(default_factory=lambda: array.array("d"))
-
-    def expire(self, now: float) -> None:
-        del self.answered[: bisect.bisect_right(self.answered, now)]
-        if self.on_the_way and min(self.on_the_way.values()) <= now:  # its process died
-            self.on_the_way = {t: frees for t, frees in self.on_the_way.items() if frees > now}
-
-    def held(self) -> int:
-        return len(self.on_the_way) + len(self.answered)
-
-    def first_free(self) -> float:
-        return min(itertools.chain(self.answered[:1], self.on_the_way.values()))
-
-    def answer(self, token: int, frees: float) -> None:
-        self.on_the_way.pop(token, None)
-        bisect.insort(self.answered, frees)
-
-
-_WINDOWS_FILE = "windows"  # the one file of every shared window, in the folder of _window_file
-_WINDOW_MAGIC = b"cxpace2\n"
-_FILE_HEAD = struct.Struct("=8sd")
-_WINDOW_HEAD = struct.Struct("=16sddddQQ")
-_WINDOW_PLACE = struct.Struct("=dQ")
-_WINDOW_TIME = struct.Struct("=d")  # array "d", native
-
-
-class _SharedWindow:
-    """The window of one origin and limit, kept with those of every other in
-    the one file that the processes of this user on this machine share (see
-    _window_file).
-
-    The file, in native byte order (it never leaves the machine), is a head
-    (_FILE_HEAD: magic, clock epoch) and then the windows one after the
-    other to its end, each a head (_WINDOW_HEAD: its key, until when it is
-    of use, period, allowance, narrowed at, how many places are on their
-    way, how many are answered), the places on their way
-    (_WINDOW_PLACE: the latest each frees, its token), then the times the
-    answered ones free, ascending (_WINDOW_TIME). The key is the first 16
-    bytes of the SHA-256 of the origin, the limit and the period.
-
-    The file is opened and locked (flock) only while it is read and written,
-    never while a request is on its way. Times are on the monotonic clock,
-    which the processes of one machine share; the head keeps its epoch (wall
-    time minus monotonic time). A file whose epoch differs (another boot, a
-    clock stepped) or that is not whole starts afresh, and so does a window
-    that no process can have written. A place held by a process that died
-    frees when its time is over, like any other.
-
-    Each write leaves out the windows that are of use no more (they hold no
-    place, and no narrowing younger than _WIN_BACK periods), so the file
-    holds the windows in use and no more; those of other origins and limits
-    are copied as they are, read no further than their heads. Being one
-    file for every origin, it is never removed: nothing piles up however
-    many origins come and go (local servers on random ports), and no
-    process can lock a file that another has just removed, with the places
-    it then wrote seen by nobody.
-    """
-
-    def __init__(self, path: str, key: bytes, limit: int, period: float) -> None:
-        self.path = path
-        self._key = key
-        self._limit = limit
-        self._period = period
-
-    def update(self, change: Callable[[_Window, float], _T]) -> _T:
-        """`change` applied to the window, which the file holds before and after."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # released when the file is closed
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
-                raise PermissionError("the shared window file is not this user's alone")
-            now = time.monotonic()
-            window, others = self._read(os.pread(fd, info.st_size, 0), now)
-            result = change(window, now)
-            epoch = time.time() - now
-            data = b"".join(
-                [_FILE_HEAD.pack(_WINDOW_MAGIC, epoch), *others, self._encoded(window, now)]
-            )
-            os.pwrite(fd, data, 0)
-            os.ftruncate(fd, len(data))
-            return result
-        finally:
-            os.close(fd)
-
-    def _read(self, data: bytes, now: float) -> Tuple[_Window, List[bytes]]:
-        """This window in the file's `data` (a fresh one unless the file holds a
-        sound one), and the records of the other windows still of use."""
-        fresh = _Window(float(self._limit))
-        if len(data) < _FILE_HEAD.size:
-            return fresh, []
-        magic, epoch = _FILE_HEAD.unpack_from(data)
-        if magic != _WINDOW_MAGIC or not abs(epoch - (time.time() - now)) <= _EPOCH_SLACK:
-            return fresh, []
-        window, others, offset = fresh, [], _FILE_HEAD.size
-        while offset < len(data):  # each other window costs a look at its head, no more
-            if len(data) - offset < _WINDOW_HEAD.size:
-                return fresh, []  # torn, or not written by this code
-            head = _WINDOW_HEAD.unpack_from(data, offset)
-            key, until, period, _, _, on_the_way, answered = head
-            start, offset = offset, offset + _WINDOW_HEAD.size
-            offset += on_the_way * _WINDOW_PLACE.size + answered * _WINDOW_TIME.size
-            if offset > len(data):
-                return fresh, []
-            if not now < until < now + _LONGEST_HOLD + _WIN_BACK * period:
-                continue  # of no use any more, or written by no process
-            if key != self._key:
-                others.append(data[start:offset])
-            else:
-                window = self._window(data, start, head, now) or fresh
-        return window, others
-
-    def _window(
-        self, data: bytes, offset: int, head: Tuple[Any, ...], now: float
-    ) -> Optional[_Window]:
-        """The window whose record is at `offset`; None unless some process can have written it."""
-        _, _, _, allowance, narrowed_at, on_the_way, answered = head
-        places = offset + _WINDOW_HEAD.size
-        times = places + on_the_way * _WINDOW_PLACE.size
-        window = _Window(allowance, narrowed_at)
-        for frees, token in _WINDOW_PLACE.iter_unpack(data[places:times]):
-            window.on_the_way[token] = frees
-        window.answered.frombytes(data[times : times + answered * _WINDOW_TIME.size])
-        sound = 1 <= allowance <= self._limit and narrowed_at <= now
-        return window if sound and self._last(window) < now + _LONGEST_HOLD + self._period else None
-
-    def _encoded(self, window: _Window, now: float) -> bytes:
-        """The record of `window`, or nothing once it is of no use: it holds no
-        place, and no narrowing it has not won back."""
-        window.expire(now)
-        until = self._last(window)
-        if window.allowance < self._limit:
-            until = max(until, window.narrowed_at + _WIN_BACK * self._period)
-        if until <= now:
-            return b""
-        head = (self._key, until, self._period, window.allowance, window.narrowed_at)
-        return b"".join(
-            [
-                _WINDOW_HEAD.pack(*head, len(window.on_the_way), len(window.answered)),
-                *(_WINDOW_PLACE.pack(f, t) for t, f in window.on_the_way.items()),
-                window.answered.tobytes(),
-            ]
-        )
-
-    @staticmethod
-    def _last(window: _Window) -> float:
-        """When the last of its places frees: the answered ones free in order."""
-        return max(
-            itertools.chain(window.answered[-1:], window.on_the_way.values()), default=-math.inf
-        )
-
-
-def _window_file(origin: str, limit: int, period: float) -> Optional[_SharedWindow]:
-    """The shared window of this origin and limit, or None where there is none.
-
-    Its file, the one of every window, is in a folder of this user's alone
-    (mode 0700) under $XDG_RUNTIME_DIR, else the temp directory; without
-    fcntl (Windows), or when that folder is not safely ours, each process
-    paces alone.
-    """
-    if fcntl is None:
-        return None
-    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
-    if not (os.path.isabs(runtime) and os.path.isdir(runtime)):
-        runtime = ""
-    try:  # gettempdir() raises when no temp directory is usable
-        folder = os.path.join(runtime or tempfile.gettempdir(), f"createos_exec-{os.getuid()}")
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(folder, 0o700)
-        info = os.lstat(folder)
-    except OSError:
-        return None
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
-        logger.debug("Pacing is per process: %s is not this user's alone", folder)
-        return None
-    key = hashlib.sha256(f"{origin} {limit} {period!r}".encode()).digest()[:16]
-    return _SharedWindow(os.path.join(folder, _WINDOWS_FILE), key, limit, period)
-
-
-class _RateLimiter:
-    """Sliding-window pacing of every request sent to one API origin.
-
-    A request holds its place from the moment it is let through until its
-    answer starts (or it fails), and for one period after that: a server that
-    counts arrivals never sees more than `limit` in any window, however long
-    requests queue on the way. The window is shared by the threads of this
-    process and, through a file, by the processes of this user on this
-    machine. After a 429 it allows half as many requests (once per round of
-    requests let through), and wins the rest back as answers come.
-    """
-
-    _shared: Dict[Tuple[str, int, float], "_RateLimiter"] = {}
-    _shared_lock = threading.Lock()
-
-    def __init__(self, limit: int, period: float, file: Optional[_SharedWindow] = None) -> None:
-        self._limit = limit
-        self._period = period
-        self._own = _Window(float(limit))  # the window, unless `file` holds it
-        self._file = file
-        self._lock = threading.Lock()
-
-    @classmethod
-    def for_origin(cls, origin: str, limit: int, period: float) -> "_RateLimiter":
-        with cls._shared_lock:
-            key = (origin, limit, period)
-            if key not in cls._shared:
-                cls._shared[key] = cls(limit, period, _window_file(origin, limit, period))
-            return cls._shared[key]
-
-    def acquire(self, hold: float = math.inf, deadline: _Deadline = _ENDLESS) -> Optional[_Place]:
-        """Wait for a place in the window; hand it to release() once answered.
-        None when `deadline` passed first.
-
-        `hold` is the longest the request can take to arrive (its timeouts):
-        should release() never come, the place frees that long plus a period
-        after it was let through. The cancel of `deadline` ends the wait; its
-        hurry lets it through at once, over the limit if need be: the
-        termination a cancel asks for waits for no other request.
-        """
-        hold = min(hold, _LONGEST_HOLD)
-        first = False
-        while True:
-            taken = self._update(functools.partial(self._take, hold, first))
-            if isinstance(taken, _Place):
-                return taken
-            if deadline.expired():
-                return None
-            hurried = deadline.pause(min(taken, _PACING_POLL))
-            first = hurried.hurry is None and deadline.hurry is not None
-            deadline = hurried
-
-    def release(self, place: _Place, status: Optional[int] = None) -> None:
-        """The answer to the request of `place` started (its status), or it failed (None)."""
-        self._update(functools.partial(self._settle, place, status))
-
-    def _update(self, change: Callable[[_Window, float], _T]) -> _T:
-        with self._lock:
-            if self._file is not None:
-                try:
-                    return self._file.update(change)
-                except OSError:
-                    logger.debug("Pacing is per process from now on: the window file failed")
-                    self._file = None
-            return change(self._own, time.monotonic())
-
-    def _take(self, hold: float, first: bool, window: _Window, now: float) -> Union[_Place, float]:
-        """A place (`first`: even in a full window), or the seconds until the first one frees."""
-        window.expire(now)
-        if first or window.held() < int(window.allowance):
-            place = _Place(random.getrandbits(64), now)
-            window.on_the_way[place.token] = now + hold + self._period
-            return place
-        return window.first_free() - now
-
-    def _settle(self, place: _Place, status: Optional[int], window: _Window, now: float) -> None:
-        window.answer(place.token, now + self._period)
-        if status == 429 and place.let_through >= window.narrowed_at:
-            window.allowance = max(1.0, window.allowance / 2)
-            window.narrowed_at = now
-            logger.info(
-                "Answered 429: pacing narrowed to %d requests per %g s",
-                window.allowance,
-                self._period,
-            )
-        elif status is not None and status != 429 and window.allowance < self._limit:
-            # At most a limit's worth in _WIN_BACK periods: a window allows
-            # `allowance` answers a period.
-            gain = self._limit / (_WIN_BACK * window.allowance)
-            window.allowance = min(float(self._limit), window.allowance + gain)
-
-
-def _rate_limit(value: Any) -> Optional[Tuple[int, float]]:
-    if value is None:
-        return None
-    try:
-        limit, period = value
-    except (TypeError, ValueError):
-        raise ConfigError("rate_limit must be (requests, seconds) or None.") from None
-    if not _is_int(limit) or limit < 1 or not _is_number(period) or not period > 0:
-        raise ConfigError("rate_limit must be (requests, seconds) or None.")
-    return limit, float(period)
-
-
-# --------------------------------------------------------------------------
-# HTTP plumbing: retries, deadlines, the session
-# --------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(eq=False)
-class _Retryable(Exception):
-    """A failure worth another attempt: transport trouble, 408/429/5xx."""
-
-    operation: str
-    status: Optional[int] = None
-    retry_after: Optional[float] = None
-    maybe_sent: bool = True
-    address: Optional[str] = None  # of TransportError
-    reason: Optional[str] = None  # of TransportError
-
-    def final(self, process_id: Optional[str]) -> CreateOSError:
-        """The public error to raise once no attempt is left."""
-        if self.status is not None:
-            return APIError(self.status, self.operation, process_id=process_id)
-        return TransportError(
-            self.operation, process_id=process_id, address=self.address, reason=self.reason
-        )
-
-
-# What the HTTP stack raises: urllib3's and http.client's errors and OSError,
-# which requests' own exceptions are too.
-_LOW_LEVEL_ERRORS = (urllib3.exceptions.HTTPError, http.client.HTTPException, OSError)
-_TRANSIENT_REQUEST_ERRORS = (
-    requests.exceptions.Timeout,
-    requests.exceptions.ChunkedEncodingError,
-    requests.exceptions.ContentDecodingError,
-)
-
-
-@contextlib.contextmanager
-def _transport_errors(operation: str, origin: Optional[str] = None) -> Iterator[None]:
-    """Exceptions of the HTTP stack raised inside, translated by _transport_failure."""
-    try:
-        yield
-    except _LOW_LEVEL_ERRORS as exc:
-        raise _transport_failure(exc, operation, origin) from exc
-
-
-def _transport_failure(exc: BaseException, operation: str, origin: Optional[str]) -> Exception:
-    """The one place where exceptions of the HTTP stack are translated.
-
-    Their text is never copied: requests puts URLs (and so ids) into messages.
-    What is kept is the API's host and port, and the kind of failure.
-    """
-    address, kind = _address(origin), _unreachable_reason(exc)
-    if isinstance(exc, requests.exceptions.SSLError):
-        return TransportError(operation, address=address, reason=kind)
-    if isinstance(exc, requests.exceptions.ConnectTimeout):
-        return _Retryable(operation, maybe_sent=False, address=address, reason=kind)
-    if isinstance(exc, requests.exceptions.ConnectionError):
-        reason = getattr(exc.args[0], "reason", None) if exc.args else None
-        not_sent = isinstance(reason, urllib3.exceptions.NewConnectionError)
-        return _Retryable(operation, maybe_sent=not not_sent, address=address, reason=kind)
-    if isinstance(exc, requests.exceptions.RequestException) and not isinstance(
-        exc, _TRANSIENT_REQUEST_ERRORS
-    ):
-        # A request that could not be made as asked.
-        return TransportError(operation, address=address, reason=kind)
-    return _Retryable(operation, address=address, reason=kind)
-
-
-def _address(origin: Optional[str]) -> Optional[str]:
-    """host:port of an API URL (never a secret: _api_base refuses user information)."""
-    if origin is None:
-        return None
-    parts = urllib.parse.urlsplit(origin)
-    host = parts.hostname or ""
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-# The exceptions below an HTTP failure that say what kind it was, the most
-# telling first. Not urllib3's timeout classes: its NewConnectionError is one
-# too, whatever the failure; a real timeout has socket.timeout below it.
-_FAILURE_KINDS: Tuple[Tuple[str, Tuple[Type[BaseException], ...]], ...] = (
-    ("dns", (socket.gaierror, getattr(urllib3.exceptions, "NameResolutionError", socket.gaierror))),
-    ("refused", (ConnectionRefusedError,)),
-    ("tls", (urllib3.exceptions.SSLError, requests.exceptions.SSLError)),
-    ("timeout", (socket.timeout, requests.exceptions.Timeout)),
-    ("reset", (ConnectionResetError,)),
-)
-
-
-def _unreachable_reason(exc: BaseException) -> Optional[str]:
-    """The kind of an HTTP failure (a key of _UNREACHABLE), found in its chain of causes."""
-    causes = list(_causes(exc))
-    for kind, classes in _FAILURE_KINDS:
-        if any(isinstance(cause, classes) for cause in causes):
-            return kind
-    return None
-
-
-def _causes(exc: BaseException, most: int = 16) -> Iterator[BaseException]:
-    """exc and what lies below it: urllib3's `reason`, wrapped arguments, causes, contexts."""
-    pending: List[BaseException] = [exc]
-    seen: Set[int] = set()
-    while pending and len(seen) < most:
-        cause = pending.pop(0)
-        if id(cause) in seen:
-            continue
-        seen.add(id(cause))
-        yield cause
-        below = [getattr(cause, "reason", None), *cause.args, cause.__cause__, cause.__context__]
-        pending.extend(item for item in below if isinstance(item, BaseException))
-
-
-def _retry_after(value: Optional[str]) -> Optional[float]:
-    """Retry-After as seconds (delta-seconds or HTTP date); unparsable means absent."""
-    if not value:
-        return None
-    value = value.strip()
-    if re.fullmatch(r"[0-9]+", value):
-        return float(value)
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError):
-        return None
-    if when is None or when.tzinfo is None:
-        return None
-    return max(0.0, when.timestamp() - time.time())
-
-
-class _Budget:
-    """The failures of one run without progress; it resets whenever progress is made."""
-
-    def __init__(self, policy: RetryPolicy) -> None:
-        self._policy = policy
-        self._failures = 0
-        self._since: Optional[float] = None
-
-    def progress(self) -> None:
-        self._failures = 0
-        self._since = None
-
-    def next_delay(self, retry_after: Optional[float] = None) -> Optional[float]:
-        """Count one failure; the delay before the next attempt, or None when spent."""
-        now = time.monotonic()
-        if self._since is None:
-            self._since = now
-        self._failures += 1
-        left = self._policy.budget - (now - self._since)
-        if self._failures >= self._policy.max_attempts or left <= 0:
-            return None
-        if retry_after is not None:
-            delay = min(retry_after, self._policy.max_retry_after)
-        elif self._failures == 1:
-            # A connection that breaks after progress (a recycled proxy
-            # connection, a reset) is most likely fine at once; back off
-            # only when failures follow each other.
-            delay = 0.0
-        else:
-            ceiling = self._policy.initial_backoff * 2 ** (self._failures - 2)
-            delay = random.uniform(0, min(self._policy.max_backoff, ceiling))
-        return min(delay, left)
-
-    def delay_within(self, retry_after: Optional[float], deadline: _Deadline) -> Optional[float]:
-        """next_delay(), or None too when the deadline would pass before it is over."""
-        delay = self.next_delay(retry_after)
-        left = deadline.remaining()
-        return None if delay is None or (left is not None and left <= delay) else delay
-
-
-# Headers the service reads before X-Api-Key (protocol.md 1): sent by
-# accident, one of them decides whose call it is.
-_OTHER_CREDENTIALS = ("Authorization", "X-Auth-Token", "X-Access-Token")
-
-
-class _OnlyTheKey(requests.auth.AuthBase):
-    """Every request's one credential: X-Api-Key.
-
-    As a request's own auth it keeps requests from reading ~/.netrc (which
-    would add Authorization: Basic), and it removes the other credential
-    headers from whatever the session adds.
-    """
-
-    def __init__(self, api_key: str) -> None:
-        self._api_key = api_key
-
-    def __call__(self, request: requests.PreparedRequest) -> requests.PreparedRequest:
-        for name in _OTHER_CREDENTIALS:
-            request.headers.pop(name, None)
-        request.headers["X-Api-Key"] = self._api_key
-        return request
-
-    def __repr__(self) -> str:
-        return "_OnlyTheKey(<key>)"
-
-
-class _Transport:
-    """Requests to one API origin: pacing, the key header, no redirects, status
-    triage, and retries under the client's policy. It holds the client's
-    timeouts too: everything that sends a request asks it."""
-
-    def __init__(
-        self,
-        base: str,
-        api_key: str,
-        session: requests.Session,
-        limiter: Optional[_RateLimiter],
-        *,
-        request_timeout: float,
-        stream_idle_timeout: float,
-        cleanup_timeout: float,
-        retry: RetryPolicy,
-    ) -> None:
-        self.base = base
-        self.request_timeout = request_timeout
-        self.stream_idle_timeout = stream_idle_timeout
-        self.cleanup_timeout = cleanup_timeout
-        # Between SIGTERM and SIGKILL, capped so that a DELETE that waits it out
-        # fits in the cleanup deadline; the sandbox's watchdog keeps the same.
-        self.termination_grace = min(_TERMINATE_GRACE, cleanup_timeout / 2)
-        self.retry = retry
-        self._auth = _OnlyTheKey(api_key)
-        self._session = session
-        self._limiter = limiter
-
-    def call(
-        self,
-        method: str,
-        path: str,
-        *,
-        operation: str,
-        deadline: _Deadline,
-        read_timeout: Optional[float] = None,
-        process_id: Optional[str] = None,
-        **request: Any,
-    ) -> requests.Response:
-        """One request, retried under the retry policy while it fails and time remains.
-        A cancel ends its waits (see _Deadline.pause)."""
-        budget = _Budget(self.retry)
-        while True:
-            answer = self.attempt(
-                method,
-                path,
-                operation=operation,
-                read_timeout=read_timeout,
-                deadline=deadline,
-                process_id=process_id,
-                **request,
-            )
-            if not isinstance(answer, _Retryable):
-                return answer
-            delay = budget.delay_within(answer.retry_after, deadline)
-            if delay is None:
-                raise answer.final(process_id) from answer.__cause__
-            deadline = deadline.pause(delay)  # the run names the process on a cancel
-
-    def attempt(self, method: str, path: str, **send: Any) -> Union[requests.Response, _Retryable]:
-        """The response, or the failure worth another attempt (returned, not raised:
-        the public error raised for it must not have it as its context)."""
-        try:
-            return self.send(method, path, **send)
-        except _Retryable as failure:
-            return failure
-
-    def send(
-        self,
-        method: str,
-        path: str,
-        *,
-        operation: str,
-        read_timeout: Optional[float] = None,
-        deadline: _Deadline = _ENDLESS,
-        process_id: Optional[str] = None,
-        params: Optional[Dict[str, Any]] = None,
-        json_body: Any = None,
-        data: Optional[bytes] = None,
-        data_type: str = "application/octet-stream",
-        stream: bool = False,
-        ok_statuses: Tuple[int, ...] = (),
-    ) -> requests.Response:
-        """One attempt: a 2xx (or an `ok_statuses`) response; any other status raises.
-
-        Connecting takes at most request_timeout, reading `read_timeout` (by default
-        request_timeout too), both cut to what remains of `deadline`, which with its cancel
-        ends a wait in the pacing window too (one that the deadline ends is a request
-        never sent). `data` is a raw body of `data_type` (a JSON body built by hand
-        costs less)."""
-        logger.debug("%s %s", method, path)
-        headers = {}
-        if data is not None:
-            headers["Content-Type"] = data_type
-        if stream:
-            # Compression on the way (gzip in a proxy) would hold live output back.
-            headers["Accept-Encoding"] = "identity"
-        timeout = (
-            deadline.within(self.request_timeout),
-            deadline.within(read_timeout or self.request_timeout),
-        )
-        place = None
-        if self._limiter is not None:
-            place = self._limiter.acquire(sum(timeout), deadline)
-            if place is None:
-                address = _address(self.base)
-                raise _Retryable(operation, maybe_sent=False, address=address, reason="timeout")
-        status: Optional[int] = None
-        try:
-            with _transport_errors(operation, self.base):
-                response = self._session.request(
-                    method,
-                    self.base + path,
-                    params=params,
-                    json=json_body,
-                    data=data,
-                    headers=headers,
-                    auth=self._auth,
-                    timeout=timeout,
-                    stream=stream,
-                    allow_redirects=False,  # requests would forward X-Api-Key to the new host
-                )
-            status = response.status_code
-        finally:
-            if place is not None and self._limiter is not None:
-                self._limiter.release(place, status)
-        if 200 <= response.status_code < 300 or response.status_code in ok_statuses:
-            return response
-        raise _refusal(response, operation, process_id)
-
-
-def _refusal(
-    response: requests.Response, operation: str, process_id: Optional[str]
-) -> Union[_Retryable, APIError]:
-    """What a status other than 2xx says: one worth another attempt, or an APIError."""
-    status = response.status_code
-    retry_after = _retry_after(response.headers.get("Retry-After"))
-    response.close()
-    if status in (408, 429) or status >= 500:
-        return _Retryable(operation, status=status, retry_after=retry_after)
-    return APIError(status, operation, process_id=process_id)
-
-
-def _jsend_data(response: requests.Response, operation: str) -> Any:
-    """The `data` of a JSend success envelope."""
-    if response.status_code in (204, 205) and not response.content:
-        return None
-    try:
-        body = response.json()
-    except (ValueError, RecursionError):
-        raise ProtocolError(f"the answer to {operation} is not JSON") from None
-    if not isinstance(body, dict) or body.get("status") != "success":
-        raise ProtocolError(f"the answer to {operation} is not a JSend success envelope")
-    return body.get("data")
-
-
-# --------------------------------------------------------------------------
-# Wire protocol: bytes -> blocks of complete lines -> frames
-# --------------------------------------------------------------------------
-
-_STREAMS = ("stdout", "stderr")
-
-# A line in the form the service writes (protocol.md 5.4): a data frame or a
-# heartbeat. Such a line is a JSON object whose fields the groups give (a
-# heartbeat has empty groups): digits and one of two words need no unescaping,
-# and base64 text needs none when the block holds no backslash. The base64 is
-# taken as whatever stands between the quotes (`[^"]*`, a fast path in `re`;
-# a character class costs several times more): _base64 checks it.
-_DATA_HEAD = r'\{"type":"data","seq":([1-9][0-9]{0,17}),"stream":"(stdout|stderr)","data_base64":"'
-_SERVICE_FORM = "(?:" + _DATA_HEAD + r'([^"]*)"\}|\{"type":"heartbeat"\})'
-_SERVICE_LINE = re.compile("^" + _SERVICE_FORM + "$", re.MULTILINE)
-_ONE_SERVICE_LINE = re.compile(_SERVICE_FORM + "\n\\Z")
-_LONG_DATA_HEAD = re.compile(_DATA_HEAD)
-_SHORT_LINE = 512  # characters; a block that starts with a longer line skips the pattern
-_Line = Tuple[str, ...]  # seq digits, stream, base64 text; all empty for a heartbeat
-
-
-def _arriving(response: requests.Response) -> Iterator[bytes]:
-    """The body as it arrives: HTTP chunk by HTTP chunk, or what the socket holds.
-
-    Straight from urllib3 (requests' iter_content() adds a layer per chunk
-    and would wait for the end of a body that is not chunked: a proxy may
-    remove the chunking, and all live output would be held back). This is
-    where the bytes come from, so this is where the HTTP stack's errors
-    become a broken connection.
-    """
-    raw = response.raw
-    if raw.chunked or not hasattr(raw, "read1"):  # read1: urllib3 2.2 and later
-        chunks = raw.stream(None, decode_content=True)
-    else:
-        chunks = iter(functools.partial(raw.read1, _READ_SIZE, decode_content=True), b"")
-    with _transport_errors("output connection"):
-        yield from chunks
-
-
-@contextlib.contextmanager
-def _unblocked_by(deadline: _Deadline, response: requests.Response) -> Iterator[None]:
-    """While reading `response`, let `deadline` or its cancel end a read that is
-    waiting for data.
-
-    A quiet process sends nothing but heartbeats, whose interval is unknown,
-    and each of them starts the read timeout again: without this, a wait
-    could go on that long past its deadline or its cancel. Shutting the
-    socket down wakes the blocked read; the reader then sees the cancel or
-    the deadline.
-    """
-    done = threading.Event()
-    finishing = threading.Lock()
-    watcher = threading.Thread(
-        target=_shut_down_at,
-        args=(deadline, done, finishing, response),
-        name="createos_exec-deadline",
-    )
-    watcher.daemon = True
-    watcher.start()
-    try:
-        yield
-    finally:
-        with finishing:  # from here on the connection may serve another request
-            done.set()  # the watcher ends within one poll; nothing waits for it
-
-
-def _shut_down_at(
-    deadline: _Deadline, done: threading.Event, finishing: threading.Lock, response: Any
-) -> None:
-    while not done.is_set():
-        deadline.sleep(_CANCEL_POLL)
-        if deadline.cancelled() or deadline.expired():
-            with finishing:
-                if done.is_set():
-                    return
-                connection: Any = getattr(response.raw, "connection", None)
-                with contextlib.suppress(OSError, AttributeError):
-                    connection.sock.shutdown(socket.SHUT_RDWR)
-            return
-
-
-@dataclasses.dataclass
-class _Reader:
-    """The output stream of one process, read from a cursor on.
-
-    bytes -> blocks of complete lines -> frames -> the capture. It owns the
-    cursor (the seq of the last data frame accepted), the bytes of a line cut
-    between chunks, the heartbeats seen and the routes by which data lines are
-    taken: lines in the service's own form by one pattern (nearly every block),
-    a block that is one long data line by its head and strict base64, anything
-    else as JSON, line by line, with the verdict json.loads gives each line.
-    Whatever the route, data frames end in _take_data: _base64 is the one
-    base64 decoder, and _take_data holds the one sequence check.
-    """
-
-    output: _Output
-    cursor: int = 0  # the seq of the last data frame accepted
-    limit: int = _FRAME_LIMIT  # the longest line, in bytes
-    heartbeats: int = dataclasses.field(default=0, init=False)
-    stepwise: bool = dataclasses.field(default=False, init=False)  # a step after each block
-
-    def read(
-        self,
-        chunks: Iterator[bytes],
-        interrupted: Callable[[], None],
-        until: Optional[int] = None,
-    ) -> Generator[None, None, Optional[_Exit]]:
-        """Read one connection: the exit frame's status, or None once the cursor reaches `until`.
-
-        A connection that ends before either is a broken one (_Retryable).
-        `interrupted` runs before each block: a stream that keeps flowing can
-        still be cancelled or time out. While `stepwise`, a step is yielded
-        after each block, for a loop to take what it held.
-        """
-        for block in self.blocks(chunks):
-            interrupted()
-            exited = self.take(block)
-            if exited is not None:
-                # Finish the body (at most 64 KiB more, whatever follows is
-                # ignored) so that the connection can be reused.
-                read = 0
-                with contextlib.suppress(_Retryable, TransportError):
-                    for chunk in chunks:
-                        read += len(chunk)
-                        if read > 65536:
-                            break
-                return exited
-            if until is not None and self.cursor >= until:
-                return None
-            if self.stepwise:
-                yield
-        raise _Retryable("output connection")  # clean EOF before the exit frame
-
-    def blocks(self, chunks: Iterable[bytes]) -> Iterator[bytes]:
-        """The complete lines of a byte stream, as soon as they arrive, a block at a time.
-
-        Every block ends with b"\\n" (the only line break: U+2028 is legal
-        inside JSON). A stream that ends inside a line is a broken
-        connection (_Retryable), not a frame.
-        """
-        limit = self.limit
-        pending: List[Union[bytes, memoryview]] = []
-        pending_size = 0
-        for chunk in chunks:
-            if not pending and chunk.endswith(b"\n") and len(chunk) <= limit:
-                yield chunk  # the usual chunk: whole lines, nothing before or after
-                continue
-            end = chunk.rfind(b"\n") + 1
-            if end:
-                if pending:
-                    pending.append(memoryview(chunk)[:end])  # joined without a copy of its own
-                    block = b"".join(pending)
-                    pending.clear()
-                else:
-                    block = chunk if end == len(chunk) else chunk[:end]
-                yield from _within_limit(block, limit) if len(block) > limit else (block,)
-                pending_size = 0
-            if end < len(chunk):
-                pending.append(chunk[end:] if end else chunk)
-                pending_size += len(chunk) - end
-                if pending_size > limit:
-                    raise ProtocolError("an output frame is longer than 1 MiB")
-        if pending:
-            raise _Retryable("output connection")
-
-    def take(self, block: bytes) -> Optional[_Exit]:
-        """Act on a block of complete lines; the exit status when it holds the exit frame.
-
-        An exit frame without a status gives _NO_STATUS.
-        """
-        try:
-            text: Optional[str] = block.decode("utf-8")
-        except UnicodeDecodeError:
-            text = None  # its lines are then decoded alone, to fail at the first bad one
-        lines = None if text is None else _service_lines(text)
-        if lines is None:
-            return self._take_frames(_frames(block, text))
-        self._take_data(lines)
-        return None
-
-    def _take_frames(self, frames: Iterator[Any]) -> Optional[_Exit]:
-        """Act on parsed frames in order; the exit status when one is the exit frame.
-
-        Data frames are gathered and taken together, before whatever ends
-        the block: a later frame, its failure, or the block's end.
-        """
-        data: List[Tuple[Any, str, Any]] = []
-        try:
-            for frame in frames:
-                kind = frame.get("type") if type(frame) is dict else None
-                if type(kind) is not str:
-                    raise ProtocolError("an output frame is not an object with a type")
-                if kind == "data":
-                    data.append(_data_frame(frame))
-                    continue
-                done, data = data, []  # never taken twice, even if that fails
-                self._take_data(done)
-                if kind == "exit":
-                    return _exit_status(frame) or _NO_STATUS
-                if kind == "error":
-                    raise _stream_error(frame)
-                if kind != "heartbeat":
-                    raise ProtocolError("an output frame has an unknown type")
-                self.heartbeats += 1
-            return None
-        finally:
-            self._take_data(data)
-
-    def _take_data(self, lines: Iterable[Sequence[Any]]) -> None:
-        """Accept data frames (seq, stream, base64) in order; an empty seq is a heartbeat.
-
-        Every route ends here: _base64 is the one decoder, and this the one
-        sequence check. The next frame is kept, a frame read before (a
-        replay after a resume) is dropped, a frame beyond the next fails
-        closed after those before it. Each run of one stream's frames is
-        delivered to the capture in one piece.
-        """
-        cursor = self.cursor
-        run: List[bytes] = []
-        run_stream = ""
-        try:
-            for seq, stream, base64 in lines:
-                if not seq:
-                    self.heartbeats += 1
-                    continue
-                payload = _base64(base64)
-                number = int(seq)
-                if number != cursor + 1:
-                    if number <= cursor:
-                        continue
-                    raise ProtocolError(f"output seq jumped from {cursor} to {number}")
-                if stream != run_stream:
-                    if run:
-                        done, run = run, []  # never handed out twice, even if that fails
-                        self.output.feed(run_stream, b"".join(done))
-                    run_stream = stream
-                run.append(payload)
-                cursor = number
-        finally:
-            self.cursor = cursor
-            if run:
-                self.output.feed(run_stream, b"".join(run))  # one payload: not copied
-
-
-def _within_limit(block: bytes, limit: int) -> Iterator[bytes]:
-    """A block longer than `limit`, or the lines before its first line that is, then the error."""
-    start = 0
-    while start < len(block):
-        end = block.index(b"\n", start)
-        if end - start > limit:
-            if start:
-                yield block[:start]
-            raise ProtocolError("an output frame is longer than 1 MiB")
-        start = end + 1
-    yield block
-
-
-def _service_lines(text: str) -> Optional[List[_Line]]:
-    """The fields of every line of `text` when all are in the service's form, else None.
-
-    Exactly the lines whose JSON value is what the groups say: the block
-    holds no escape, each line is one match and none spans lines. The
-    pattern scans a long line more slowly than strict base64 decoding checks
-    it, so a block that starts with one is only looked at as one data line.
-    """
-    if "\\" in text:
-        return None  # an escape: JSON decides what it stands for
-    if len(text) <= _SHORT_LINE:
-        line = _ONE_SERVICE_LINE.match(text)  # the usual block of live output
-        if line is not None:
-            return [line.groups("")]  # as findall gives it: "" for no group
-    first_end = text.find("\n")
-    if first_end > _SHORT_LINE:  # one long data line by its head; else JSON is faster
-        return _long_data_line(text) if first_end == len(text) - 1 else None
-    lines: List[_Line] = _SERVICE_LINE.findall(text)
-    return lines if len(lines) == text.count("\n") else None
-
-
-def _long_data_line(text: str) -> Optional[List[_Line]]:
-    """A block that is one long data line in the service's form, as one line's fields.
-
-    With no quote between its quotes, the line is exactly what its head and
-    its end say.
-    """
-    head = _LONG_DATA_HEAD.match(text)
-    if head is None or not text.endswith('"}\n'):
-        return None
-    base64 = text[head.end() : -3]
-    return None if '"' in base64 else [(head.group(1), head.group(2), base64)]
-
-
-_JSON = json.JSONDecoder()
-
-
-def _frames(block: bytes, text: Optional[str]) -> Iterator[Any]:
-    """The JSON value of each line of a block of complete lines, in order.
-
-    `text` is the block decoded (None: not UTF-8). A line that is not
-    exactly one JSON value fails after the lines before it were handed out,
-    exactly as json.loads of each line alone decides.
-    """
-    if text is None:
-        for line in block.split(b"\n")[:-1]:
-            yield _line_value(_utf8_line(line))
-        return
-    position = 0
-    while position < len(text):
-        try:
-            value, end = _JSON.raw_decode(text, position)
-        except (ValueError, RecursionError):
-            end = -1
-        if end < 0 or text[end] != "\n":  # whitespace around the value, or worse
-            end = text.index("\n", position)
-            value = _line_value(text[position:end])
-        yield value
-        position = end + 1
-
-
-def _utf8_line(line: bytes) -> str:
-    try:
-        return line.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ProtocolError("an output frame is not UTF-8") from None
-
-
-def _line_value(line: str) -> Any:
-    try:
-        return json.loads(line)
-    except (ValueError, RecursionError):
-        raise ProtocolError("an output frame is not valid JSON") from None
-
-
-def _data_frame(frame: Dict[str, Any]) -> Tuple[int, str, str]:
-    """seq, stream and base64 text of a data frame, checked but for the base64."""
-    seq: Any = frame.get("seq")
-    if not _is_int(seq) or seq < 1:
-        raise ProtocolError("a data frame has no positive integer seq")
-    stream = frame.get("stream")
-    if stream not in _STREAMS:
-        raise ProtocolError("a data frame names an unknown stream")
-    text = frame.get("data_base64")
-    if type(text) is not str:
-        raise ProtocolError("a data frame has no data_base64 string")
-    return seq, stream, text
-
-
-def _stream_error(frame: Dict[str, Any]) -> ProtocolError:
-    """The error an `error` frame reports."""
-    if frame.get("error") == "output_offset_expired":
-        oldest = frame.get("oldest_available_seq")
-        return OutputEvictedError(oldest if _is_int(oldest) else None)
-    return ProtocolError("the output stream reported an error")
-
-
-# By bytes in the last quantum (1 or 2): the characters allowed before its
-# padding, those whose unused bits are zero.
-_CANONICAL_LAST = ("", "AQgw", "AEIMQUYcgkosw048")
-_BASE64 = re.compile(r"(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?\Z")
-
-
-if sys.version_info >= (3, 11):
-    _a2b_base64 = binascii.a2b_base64
-else:
-
-    def _a2b_base64(text: str, strict_mode: bool = False) -> bytes:
-        """a2b_base64 with the strict_mode of Python 3.11 (standard, padded base64 only)."""
-        if strict_mode and not _BASE64.match(text):
-            raise binascii.Error("not strict base64")
-        return binascii.a2b_base64(text)
-
-
-def _base64(text: str) -> bytes:
-    """The payload of canonical base64: standard alphabet, "=" padding, unused bits zero.
-
-    The one definition of what a data frame may carry, whatever route took it.
-    """
-    try:
-        payload = _a2b_base64(text, strict_mode=True)  # novermin: its own before 3.11
-    except ValueError:  # binascii.Error, or a character beyond ASCII
-        raise ProtocolError("a data frame carries invalid base64") from None
-    # strict_mode lets "=" follow a whole last quantum; the length tells.
-    last = len(payload) % 3
-    if len(text) != (len(payload) + 2) // 3 * 4 or (
-        last and text[last - 4] not in _CANONICAL_LAST[last]
-    ):
-        raise ProtocolError("a data frame carries non-canonical base64")
-    return payload
-
-
-class _Exit(NamedTuple):
-    exit_code: Optional[int]
-    signal: Optional[str]
-
-
-_NO_STATUS = _Exit(None, None)  # an exit frame that carries no status
-
-
-# Go-style spellings of signals, as some agents report them.
-_SIGNAL_WORDS = {
-    "hangup": "SIGHUP",
-    "interrupt": "SIGINT",
-    "quit": "SIGQUIT",
-    "illegal instruction": "SIGILL",
-    "trace/breakpoint trap": "SIGTRAP",
-    "aborted": "SIGABRT",
-    "bus error": "SIGBUS",
-    "floating point exception": "SIGFPE",
-    "killed": "SIGKILL",
-    "user defined signal 1": "SIGUSR1",
-    "segmentation fault": "SIGSEGV",
-    "user defined signal 2": "SIGUSR2",
-    "broken pipe": "SIGPIPE",
-    "alarm clock": "SIGALRM",
-    "terminated": "SIGTERM",
-    "stack fault": "SIGSTKFLT",
-    "child exited": "SIGCHLD",
-    "continued": "SIGCONT",
-    "stopped (signal)": "SIGSTOP",
-    "stopped": "SIGTSTP",
-    "stopped (tty input)": "SIGTTIN",
-    "stopped (tty output)": "SIGTTOU",
-    "urgent i/o condition": "SIGURG",
-    "cpu time limit exceeded": "SIGXCPU",
-    "file size limit exceeded": "SIGXFSZ",
-    "virtual timer expired": "SIGVTALRM",
-    "profiling timer expired": "SIGPROF",
-    "window changed": "SIGWINCH",
-    "i/o possible": "SIGIO",
-    "power failure": "SIGPWR",
-    "bad system call": "SIGSYS",
-}
-_SIGNAL_NUMBER_WORD = re.compile(r"signal ([1-9][0-9]?)\Z")  # Go's words for the others
-_SIGNAL_NAME = re.compile(r"SIG[A-Z0-9]{1,16}\Z")
-
-
-def _exit_status(fields: Dict[str, Any]) -> Optional[_Exit]:
-    """exit_code/signal of an exit frame or a process record; None when neither is set.
-
-    The signal is authoritative: a process that died of one has no exit code.
-    """
-    signal, code = fields.get("signal"), fields.get("exit_code")
-    if signal is not None:
-        if not isinstance(signal, str):
-            raise ProtocolError("an exit status names its signal with a non-string")
-        name = signal if _SIGNAL_NAME.match(signal) else _signal_from_words(signal.lower())
-        if name is None:
-            raise ProtocolError("an exit status names an unknown signal")
-        return _Exit(None, name)
-    if code is None:
-        return None
-    if not _is_int(code) or not 0 <= code <= 255:
-        raise ProtocolError("an exit status is not an integer from 0 to 255")
-    return _Exit(code, None)
-
-
-def _evicted_seq(response: requests.Response) -> Optional[int]:
-    """oldest_available_seq from a 410 body, when it has one."""
-    try:
-        data = response.json().get("data")
-        oldest = data.get("oldest_available_seq")
-    except (ValueError, AttributeError, RecursionError):
-        return None
-    finally:
-        response.close()
-    return oldest if _is_int(oldest) else None
-
-
-def _output_seq(record: Dict[str, Any], field: str) -> int:
-    """The record's output.newest_seq or output.oldest_seq: its journal's window."""
-    output = record.get("output")
-    seq: Any = output.get(field) if isinstance(output, dict) else None
-    if not _is_int(seq) or seq < 0:
-        raise ProtocolError(f"the process record has no valid output.{field}")
-    return int(seq)
-
-
-def _listing_page(listing: Any, offset: int) -> Tuple[List[Any], Optional[int]]:
-    """The records of a page of the process listing, and the offset of the next page.
-
-    Either `{"processes": [...]}`, all at once, or the paginated form of the
-    vendor's other lists, `{"data": [...], "pagination": {"total": N, ...}}`;
-    anything else fails closed.
-    """
-    if not isinstance(listing, dict):
-        raise ProtocolError("the process listing is not an object")
-    if "pagination" not in listing and isinstance(listing.get("processes"), list):
-        return listing["processes"], None
-    records, page = listing.get("data"), listing.get("pagination")
-    if not isinstance(page, dict):
-        page = {}
-    total: Any = page.get("total")
-    if not isinstance(records, list) or not _is_int(total) or page.get("offset", offset) != offset:
-        raise ProtocolError("the process listing is in no form this client knows")
-    following = offset + len(records)
-    if following >= total:
-        return records, None
-    if not records:
-        raise ProtocolError("a page of the process listing is empty before its end")
-    return records, following
-
-
-def _checked_process_id(value: Any) -> str:
-    if not isinstance(value, str) or not _ID.match(value):
-        raise ProtocolError("a process record has an invalid process_id")
-    return value
-
-
-def _process_info(record: Any) -> ProcessInfo:
-    """A listed (or looked up) process record as the public ProcessInfo."""
-    if not isinstance(record, dict):
-        raise ProtocolError("a process record is not an object")
-    args, ours = _given_command(record.get("cmd"), record.get("args"))
-    leader_exited = record.get("leader_exited") is True
-    exited = _exit_status(record) if leader_exited else None
-    return ProcessInfo(
-        process_id=_checked_process_id(record.get("process_id")),
-        args=args,
-        state="exited" if leader_exited else "running",
-        exit_code=None if exited is None else exited.exit_code,
-        signal=None if exited is None else exited.signal,
-        ours=ours,
-        pid=_leader_pid(record),
-    )
-
-
-def _leader_pid(record: Dict[str, Any]) -> Optional[int]:
-    """The leader's pid in the record, or None when it shows none (yet)."""
-    pid: Any = record.get("pid")
-    return int(pid) if _is_int(pid) and pid >= 1 else None
-
-
-def _ended_by_deadline(record: Dict[str, Any], timeout: float) -> bool:
-    """Whether an exited process's record shows its deadline ended it, not the program.
-
-    The sandbox's watchdog fires `timeout` after the wrapper starts, which is
-    after the record's created_at: a process that finished sooner than that
-    ended on its own. Both times are the sandbox's clock, so no local clock
-    is compared with them. A record that does not tell (a time missing or
-    unreadable) counts as ended by the deadline: the client's own view.
-    """
-    created, finished = (_rfc3339(record.get(name)) for name in ("created_at", "finished_at"))
-    if created is None or finished is None:
-        return True
-    return finished - created >= timeout
-
-
-_RFC3339 = re.compile(
-    r"([0-9]{4})-([0-9]{2})-([0-9]{2})[Tt ]([0-9]{2}):([0-9]{2}):([0-9]{2})"
-    r"(?:\.([0-9]{1,9}))?(?:[Zz]|([+-])([0-9]{2}):([0-9]{2}))\Z"
-)
-
-
-def _rfc3339(value: Any) -> Optional[float]:
-    """Seconds since the epoch of an RFC 3339 time ("…T…Z", Go's nanoseconds too), else None.
-
-    By hand: datetime.fromisoformat reads neither "Z" nor 9 digits before Python 3.11.
-    """
-    match = _RFC3339.match(value) if isinstance(value, str) else None
-    if match is None:
-        return None
-    year, month, day, hour, minute, second = (int(part) for part in match.groups()[:6])
-    fraction, sign, offset_hours, offset_minutes = match.groups()[6:]
-    try:
-        when = datetime.datetime(
-            year, month, day, hour, minute, min(second, 59), tzinfo=datetime.timezone.utc
-        )
-    except ValueError:
-        return None
-    seconds = when.timestamp() + (int(fraction) / 10 ** len(fraction) if fraction else 0.0)
-    if sign is not None:
-        offset = int(offset_hours) * 3600 + int(offset_minutes) * 60
-        seconds -= offset if sign == "+" else -offset
-    return seconds
-
-
-def _signal_from_words(words: str) -> Optional[str]:
-    numbered = _SIGNAL_NUMBER_WORD.match(words)
-    return "SIG" + numbered.group(1) if numbered else _SIGNAL_WORDS.get(words)
-
-
-def _signal_number(name: str) -> Optional[int]:
-    """The number of a signal name; SIG34 style names (real-time signals) included."""
-    if name[3:].isdigit():
-        return int(name[3:])
-    try:
-        return int(_signal.Signals[name])
-    except KeyError:
-        return None
-
-
-# --------------------------------------------------------------------------
-# Output capture: incremental decoders and bounded tails
-# --------------------------------------------------------------------------
-
-
-_TAIL_PART = 16384  # characters; shorter texts are gathered into one part for the tails
-
-
-class _Tail:
-    """The last `limit` characters of a stream, O(1) amortised per character.
-
-    It is handed parts, not single frames (_Output gathers them), and drops
-    its head in whole parts, a quarter of `limit` at a time: the deque sees
-    one part per thousands of characters.
-    """
-
-    def __init__(self, limit: int, dropped: bool = False) -> None:
-        self._limit = limit
-        self._high = limit + limit // 4  # held at most, beyond the part just appended
-        self._parts: Deque[str] = collections.deque()
-        self._size = 0  # characters in _parts
-        self.truncated = dropped  # its head was dropped, or will be: it outgrew the limit
-
-    def append(self, part: str) -> None:
-        self._parts.append(part)
-        self._size += len(part)
-        if self._size > self._limit:
-            self.truncated = True
-            if self._size > self._high:
-                self._drop_head()
-
-    def _drop_head(self) -> None:
-        """Drop whole parts while the rest still holds `limit` characters."""
-        parts = self._parts
-        while parts and self._size - len(parts[0]) >= self._limit:
-            self._size -= len(parts.popleft())
-
-    def text(self) -> str:
-        if self._size > self._limit:
-            self._drop_head()
-        parts = iter(self._parts)
-        head = next(parts, "")[max(0, self._size - self._limit) :]
-        return "".join(itertools.chain((head,), parts))  # one copy of the tail, no more
-
-
-class _Output:
-    """What the process printed: a decoder and a tail per stream, plus the tail
-    of both in the order they were written (what `2>&1` would have shown).
-
-    Text goes to on_output (and to a loop over iter_output()) as soon as it
-    is decoded. The tails get it in parts of about _TAIL_PART characters (a
-    long text alone is a part without a copy): a frame costs two list
-    appends here, not an append to each of two tails.
-    """
-
-    def __init__(
-        self,
-        encoding: str,
-        errors: str,
-        limit: int,
-        on_output: Optional[OutputCallback],
-        merges_stderr: bool = False,
-    ) -> None:
-        self._decoder = codecs.getincrementaldecoder(encoding)
-        # The stream each stream's text is: with stderr=subprocess.STDOUT, stderr's
-        # is stdout's everywhere it goes (decoded apart: each pipe's bytes are whole).
-        self._into = {"stdout": "stdout", "stderr": "stdout" if merges_stderr else "stderr"}
-        self._errors = errors
-        self._limit = limit
-        self._on_output = on_output
-        self._deliver = on_output  # on_output, a loop's taker, both, or None
-        self._part_size = min(_TAIL_PART, limit // 16)
-        self.evicted = False  # the service dropped output nobody had read
-        self._decoders = {name: self._decoder(errors) for name in _STREAMS}
-        self.tails = {name: _Tail(limit) for name in _STREAMS}
-        self.combined = _Tail(limit)
-        # Texts not yet in the tails: per stream, and of both in order.
-        self._recent: Dict[str, List[str]] = {name: [] for name in _STREAMS}
-        self._recent_both: List[str] = []
-        self._recent_size = 0
-
-    def drop_all(self) -> None:
-        """Forget what was read: the output after it is what is kept now, its head dropped."""
-        self.evicted = True
-        self._decoders = {name: self._decoder(self._errors) for name in _STREAMS}
-        self.tails = {name: _Tail(self._limit, dropped=True) for name in _STREAMS}
-        self.combined = _Tail(self._limit, dropped=True)
-        for texts in self._recent.values():
-            texts.clear()
-        self._recent_both.clear()
-        self._recent_size = 0
-
-    @property
-    def live(self) -> bool:
-        """Whether someone takes the output as it comes (and would see a gap in it)."""
-        return self._deliver is not None
-
-    def hand_to(self, taker: Optional[OutputCallback]) -> None:
-        """Hand each text to `taker` too, after on_output; None: to on_output alone."""
-        on_output = self._on_output
-        if taker is None or on_output is None:
-            self._deliver = taker or on_output
-            return
-
-        def both(stream: str, text: str) -> None:
-            on_output(stream, text)
-            taker(stream, text)
-
-        self._deliver = both
-
-    def feed(self, stream: str, payload: bytes, final: bool = False) -> None:
-        text: str = self._decoders[stream].decode(payload, final)
-        if text:
-            stream = self._into[stream]
-            self._recent[stream].append(text)
-            self._recent_both.append(text)
-            self._recent_size += len(text)
-            if self._recent_size > self._part_size:
-                self._file_recent()
-            if self._deliver is not None:
-                self._deliver(stream, text)
-
-    def _file_recent(self) -> None:
-        for name, texts in self._recent.items():
-            if texts:
-                self.tails[name].append("".join(texts))  # one text is not copied
-                texts.clear()
-        if self._recent_both:
-            self.combined.append("".join(self._recent_both))
-            self._recent_both.clear()
-        self._recent_size = 0
-
-    def texts(self) -> Tuple[str, str]:
-        """The tails of stdout and stderr as they stand; the decoders keep what they hold."""
-        self._file_recent()
-        return self.tails["stdout"].text(), self.tails["stderr"].text()
-
-    def finish(self, hand_out: bool) -> None:
-        """Decode what the decoders hold back (a character cut off at the end),
-        handing it out unless `hand_out` is false, and fill the tails."""
-        if not hand_out:
-            self._on_output = self._deliver = None
-        for name in _STREAMS:
-            self.feed(name, b"", final=True)
-        self._file_recent()
-
-    def result(
-        self, exited: Optional[_Exit], *, timed_out: bool, partial: bool, **about: Any
-    ) -> ExecResult:
-        """The result of a run that ended with `status` (None: not known) or at its
-        deadline: the tails, once the decoders gave up what they held (handed out
-        unless the result is `partial`), and `about` the run, ExecResult's other fields."""
-        self.finish(hand_out=not partial)
-        out, err = self.tails["stdout"], self.tails["stderr"]
-        return ExecResult(
-            exit_code=None if timed_out or exited is None else exited.exit_code,
-            signal=None if exited is None else exited.signal,
-            timed_out=timed_out,
-            stdout=out.text(),
-            stderr=err.text(),
-            stdout_truncated=out.truncated,
-            stderr_truncated=err.truncated,
-            output=self.combined.text(),
-            combined_truncated=self.combined.truncated,
-            output_evicted=self.evicted,
-            **about,
-        )
-
-
-# --------------------------------------------------------------------------
-# A call as it runs: its options and deadline, the client, start(), the plan
-# (wrapper script, staged secrets), the launch, the RemoteProcess that owns
-# the run, the following of its stream, and the requests the sandbox and the
-# process answer
-# --------------------------------------------------------------------------
+# ==========================================================================
+# 2. Entry points: the client, execute(), start(), process()
+# ==========================================================================
+#
+# Every keyword of a run is written once, typed, in _RunKeywords (with its
+# default and its check in _Options) and checked before any request is sent.
+# start() plans the run, launches it and hands it to a RemoteProcess;
+# execute() is start(...).wait(); process() and attach() take up a process
+# started elsewhere. The module-level functions build a client from the
+# environment.
 
 
 class _FollowKeywords(TypedDict, total=False):
@@ -2268,6 +688,10 @@ class _RunKeywords(_FollowKeywords, total=False):
     text: Literal[True]
     stdout: Optional[int]  # subprocess.PIPE or None: captured all the same
     stderr: Optional[int]  # also subprocess.STDOUT: merged into stdout
+
+
+_RUN_KEYWORDS = frozenset(_RunKeywords.__annotations__)
+_FOLLOW_KEYWORDS = frozenset(_FollowKeywords.__annotations__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2324,50 +748,6 @@ class _Options:
             raise ConfigError("cancel must be a threading.Event.")
 
 
-def _ported_stdin(stdin: Any) -> Any:
-    """stdin= of a ported subprocess call: its PIPE is ours, DEVNULL is no data (EOF at once)."""
-    if _is_int(stdin) and stdin in (subprocess.PIPE, subprocess.DEVNULL):
-        return PIPE if stdin == subprocess.PIPE else None
-    return stdin
-
-
-def _check_ported(name: str, value: Any, accepted: Tuple[int, ...]) -> None:
-    """stdout= and stderr= of a ported subprocess call: output is always captured."""
-    if value is not None and not (_is_int(value) and value in accepted):
-        merge = ", or subprocess.STDOUT to merge it into stdout" if name == "stderr" else ""
-        raise ConfigError(
-            f"{name} can only be subprocess.PIPE or None{merge}: output is always captured "
-            f"(not {_shown(value)})."
-        )
-
-
-def _codec_error(encoding: Any, errors: Any) -> ConfigError:
-    """What is wrong with `encoding` or `errors`: output is always decoded to text."""
-    bytes_kept = (
-        'errors="surrogateescape" keeps undecodable bytes recoverable '
-        '(text.encode("utf-8", "surrogateescape") gives them back)'
-    )
-    if encoding is None:
-        return ConfigError(
-            f"encoding=None does not give bytes here: output is always text; {bytes_kept}."
-        )
-    if not _codec_known(codecs.getincrementaldecoder, encoding):
-        return ConfigError(f'Unknown encoding {_shown(encoding)}: name a codec such as "utf-8".')
-    return ConfigError(
-        f'Unknown error handler {_shown(errors)}: use "replace", "strict", or {bytes_kept}.'
-    )
-
-
-def _codec_known(lookup: Callable[[Any], Any], name: Any) -> bool:
-    try:
-        lookup(name)
-    except (LookupError, TypeError):
-        return False
-    return True
-
-
-_DEFAULT = _Options()  # the defaults the signatures below show
-
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
@@ -2383,7 +763,7 @@ def _shows(keywords: Any) -> Callable[[_F], _F]:
             inspect.Parameter(
                 field.name,
                 inspect.Parameter.KEYWORD_ONLY,
-                default=getattr(_DEFAULT, field.name),
+                default=field.default,
                 annotation=getattr(types[field.name], "__forward_arg__", types[field.name]),
             )
             for field in dataclasses.fields(_Options)
@@ -2393,16 +773,6 @@ def _shows(keywords: Any) -> Callable[[_F], _F]:
         return function
 
     return show
-
-
-_RUN_KEYWORDS = frozenset(_RunKeywords.__annotations__)
-_FOLLOW_KEYWORDS = frozenset(_FollowKeywords.__annotations__)
-
-
-def _unexpected(function: str, given: Mapping[str, Any], keywords: AbstractSet[str]) -> TypeError:
-    """TypeError, as Python's own, for a keyword that `function` does not take."""
-    unknown = sorted(set(given) - keywords)
-    return TypeError(f"{function}() got an unexpected keyword argument {unknown[0]!r}")
 
 
 class Client:
@@ -2565,7 +935,8 @@ class Client:
     def processes(self, sandbox_id: str) -> List[ProcessInfo]:
         """Every managed process the sandbox keeps, running or exited."""
         return [
-            _process_info(record) for record in _Sandbox(self._transport, sandbox_id).processes()
+            _process_info(record)
+            for record in _Sandbox(self._transport, sandbox_id).processes(_ENDLESS)
         ]
 
 
@@ -2614,361 +985,64 @@ def echo(stream: str, text: str) -> None:
     print(text, end="", file=sys.stderr if stream == "stderr" else sys.stdout, flush=True)
 
 
-def _new_session() -> requests.Session:
-    session = requests.Session()
-    adapter = requests.adapters.HTTPAdapter(pool_maxsize=64)  # threads share one client
-    session.mount("https://", adapter)
-    session.mount("http://", adapter)
-    return session
+def _unexpected(function: str, given: Mapping[str, Any], keywords: AbstractSet[str]) -> TypeError:
+    """TypeError, as Python's own, for a keyword that `function` does not take."""
+    unknown = sorted(set(given) - keywords)
+    return TypeError(f"{function}() got an unexpected keyword argument {unknown[0]!r}")
 
 
-# -- plan: the wrapper script that runs the command, and the staged secrets ---
+def _ported_stdin(stdin: Any) -> Any:
+    """stdin= of a ported subprocess call: its PIPE is ours, DEVNULL is no data (EOF at once)."""
+    if _is_int(stdin) and stdin in (subprocess.PIPE, subprocess.DEVNULL):
+        return PIPE if stdin == subprocess.PIPE else None
+    return stdin
 
 
-def _quote(text: str) -> str:
-    """Single-quote for bash: nothing inside is expanded."""
-    return "'" + text.replace("'", "'\\''") + "'"
-
-
-class _Plan(NamedTuple):
-    """What is sent to create the process, and the private file staged beforehand."""
-
-    marker: str
-    body: Dict[str, Any]
-    staged_path: Optional[str]
-    staged: Optional[bytes]
-
-
-def _plan(command: Command, options: _Options, grace: float = _TERMINATE_GRACE) -> _Plan:
-    """Build the bash wrapper that runs the command: `bash -c WRAPPER MARKER ARGV...`.
-
-    The random marker ($0) lets an ambiguously created process be found again.
-
-    Env values and stdin are secrets: anyone listing the sandbox's processes
-    reads cmd/args. They travel in a private file instead, which the wrapper
-    opens as its stdin, reads the variables from and removes at once. With
-    stdin=PIPE the wrapper reads that file on a descriptor of its own and
-    leaves its stdin, the service's pipe, to the command.
-
-    With a `timeout`, the wrapper forks a watchdog (see _WATCHDOG) that keeps
-    the deadline in the sandbox, with `grace` seconds between SIGTERM and
-    SIGKILL; without one, nothing is added.
-    """
-    marker = _MARKER_PREFIX + secrets.token_hex(12)
-    argv = _argv(command, options.shell)
-    piped = isinstance(options.stdin, _Pipe)
-    stdin = None if piped else (options.stdin if options.input is None else options.input)
-    staged = _staged_bytes(options.env, stdin) if options.env or stdin is not None else None
-    staged_path = f"/tmp/.{marker}" if staged is not None else None
-    lines = [_WRAPPER_HEAD]
-    if staged_path is not None:
-        lines.extend(_reading_staged(staged_path, marker, piped))
-    elif not piped:
-        lines.append("exec 0</dev/null")
-    if options.cwd is not None:
-        lines.extend([_ENTER, _call("_cx_enter", _checked_text("cwd", options.cwd))])
-    # The command travels as the wrapper's positional parameters, untouched by
-    # any quoting, each its own exec string (Linux caps one at 128 KiB).
-    if not options.shell:
-        lines.extend([_FIND_PROGRAM, '_cx_find_program "$1"'])
-    if options.timeout is not None:
-        lines.extend(_watchdog(options.timeout, grace))
-    lines.append(_RUN_SCRIPT if options.shell else _RUN_ARGV)
-    body = {"cmd": "bash", "args": ["-c", "\n".join(lines) + "\n", marker, *argv]}
-    return _Plan(marker, body, staged_path, staged)
-
-
-_MARKER_PREFIX = "createos_exec-"
-_MARKER = re.compile(re.escape(_MARKER_PREFIX) + r"[0-9a-f]{24}\Z")
-
-
-def _given_command(cmd: Any, args: Any) -> Tuple[Any, bool]:
-    """A listed process's command as it was given, and whether createos_exec
-    started it: its argv (or shell=True script) out of the wrapper, else
-    `cmd` + `args` as listed."""
-    args = args if isinstance(args, list) else []
-    ours = (
-        cmd == "bash"
-        and len(args) >= 3
-        and args[0] == "-c"
-        and isinstance(args[1], str)
-        and isinstance(args[2], str)
-        and _MARKER.match(args[2]) is not None
-    )
-    if not ours:
-        return ([cmd] if isinstance(cmd, str) else []) + args, False
-    argv = args[3:]
-    if args[1].rstrip("\n").endswith(_RUN_SCRIPT) and len(argv) == 1:
-        return argv[0], True
-    return argv, True
-
-
-def _checked_text(what: str, value: Any) -> str:
-    if not isinstance(value, str):
-        raise ConfigError(f"{what} must be a string, not {type(value).__name__}.")
-    if "\0" in value:
-        raise ConfigError(f"{what} contains a NUL byte, which no argument or file name can hold.")
-    return value
-
-
-def _argv(command: Command, shell: bool) -> List[str]:
-    if shell:
-        if not isinstance(command, str):
-            raise ConfigError("With shell=True the command must be one string.")
-        return [_checked_text("The shell script", command)]
-    if isinstance(command, str):
-        command = [command]
-    if isinstance(command, (bytes, bytearray)) or not isinstance(command, Sequence):
+def _check_ported(name: str, value: Any, accepted: Tuple[int, ...]) -> None:
+    """stdout= and stderr= of a ported subprocess call: output is always captured."""
+    if value is not None and not (_is_int(value) and value in accepted):
+        merge = ", or subprocess.STDOUT to merge it into stdout" if name == "stderr" else ""
         raise ConfigError(
-            f"The command must be a list of strings (or one string), not {type(command).__name__}."
+            f"{name} can only be subprocess.PIPE or None{merge}: output is always captured "
+            f"(not {_shown(value)})."
         )
-    if not command:
-        raise ConfigError("The command is empty: give at least the program to run.")
-    for arg in command:
-        if type(arg) is not str or "\0" in arg:
-            _checked_text("Each command argument", arg)  # says which is wrong
-    return list(command)
 
 
-def _staged_bytes(env: Optional[Dict[str, str]], stdin: Any) -> bytes:
-    """NUL-terminated NAME=value entries, an empty entry, then the stdin bytes."""
-    entries = []
-    for name, value in (env or {}).items():
-        if not isinstance(name, str) or not _ENV_NAME.match(name):
-            raise ConfigError(
-                f"Invalid env name {_shown(name)}: names must match [A-Za-z_][A-Za-z0-9_]*."
-            )
-        what = f"The value of env {name}"
-        entries.append(
-            name.encode("ascii") + b"=" + _utf8(what, _checked_text(what, value)) + b"\0"
+def _codec_error(encoding: Any, errors: Any) -> ConfigError:
+    """What is wrong with `encoding` or `errors`: output is always decoded to text."""
+    bytes_kept = (
+        'errors="surrogateescape" keeps undecodable bytes recoverable '
+        '(text.encode("utf-8", "surrogateescape") gives them back)'
+    )
+    if encoding is None:
+        return ConfigError(
+            f"encoding=None does not give bytes here: output is always text; {bytes_kept}."
         )
-    if isinstance(stdin, str):
-        stdin = _utf8("stdin", stdin)
-    elif stdin is not None and not isinstance(stdin, (bytes, bytearray)):
-        raise ConfigError(f"stdin must be str, bytes or None, not {type(stdin).__name__}.")
-    return b"".join(entries) + b"\0" + bytes(stdin or b"")
+    if not _codec_known(codecs.getincrementaldecoder, encoding):
+        return ConfigError(f'Unknown encoding {_shown(encoding)}: name a codec such as "utf-8".')
+    return ConfigError(
+        f'Unknown error handler {_shown(errors)}: use "replace", "strict", or {bytes_kept}.'
+    )
 
 
-def _utf8(what: str, text: str) -> bytes:
-    """UTF-8 of a secret (env or stdin)."""
-    return _encoded(text, "utf-8", f"{what} is not valid Unicode (pass bytes for binary stdin).")
-
-
-def _encoded(text: str, encoding: str, complaint: str) -> bytes:
-    """`text` encoded; the error for what cannot be encoded must not carry the text."""
+def _codec_known(lookup: Callable[[Any], Any], name: Any) -> bool:
     try:
-        encoded: Optional[bytes] = text.encode(encoding)
-    except UnicodeEncodeError:
-        encoded = None  # raised below, outside the handler: no __context__ holding the text
-    if encoded is None:
-        raise ConfigError(complaint)
-    return encoded
+        lookup(name)
+    except (LookupError, TypeError):
+        return False
+    return True
 
 
-# -- launch: stage the private file, then create the process exactly once ------
-
-
-@dataclasses.dataclass(frozen=True)
-class _Launch:
-    """Staging the private file and creating the process, exactly once: the
-    policy; the requests are the sandbox's."""
-
-    sandbox: _Sandbox
-    plan: _Plan
-
-    def _stage(self, path: str, staged: bytes, deadline: _Deadline) -> None:
-        if deadline.cancelled():
-            raise CancelledError()  # before anything is written
-        try:
-            self.sandbox.put_file(path, staged, "staging of env and stdin", deadline)
-        except CancelledError:
-            self.unstage(deadline.cancel)  # an attempt before the wait may have written it
-            raise
-
-    def create(self, deadline: _Deadline) -> Tuple[_Endpoints, bool]:
-        """Stage the private file, if any, then create the process: the new process,
-        and whether it had to be found by its marker.
-
-        A 4xx other than 429, or a refused connection, means no process; a
-        lost answer or a 5xx means it may exist, so look for it: neither is
-        sent again. A 429 is the service's "not done": it is waited out under
-        the retry policy and within `deadline`, and the creation sent again
-        only once a listing shows no process with the marker. After a cancel
-        nothing is sent again. An error raised once an attempt may have
-        reached the service means that no process exists (see _left_behind).
-        """
-        plan = self.plan
-        if plan.staged_path is not None and plan.staged is not None:
-            self._stage(plan.staged_path, plan.staged, deadline)
-        budget: Optional[_Budget] = None  # of the 429s, once there is one
-        reached = False  # whether an attempt may have reached the service
-        try:
-            while not deadline.cancelled():
-                try:
-                    answer = self.sandbox.create(plan.body, deadline)
-                except ProtocolError as unreadable:
-                    return self._unreadable(unreadable), True
-                if not isinstance(answer, _Retryable):
-                    return answer, False
-                if answer.status != 429:
-                    return self._unanswered(answer), True
-                reached = True  # a proxy may answer 429 to a request it forwarded
-                budget = budget or _Budget(self.sandbox.transport.retry)
-                found = self._after_refusal(answer, budget, deadline)
-                if found is not None:
-                    return found, True
-            raise CancelledError()
-        except KeyboardInterrupt:
-            self._abandon()
-            raise
-        except CleanupError:
-            raise
-        except CreateOSError as error:
-            if reached:
-                self._left_behind(error, deadline.cancel)
-            self.unstage(deadline.cancel)
-            raise
-
-    def _unanswered(self, failure: _Retryable) -> _Endpoints:
-        """After a failure other than 429: no process if nothing was sent, else find it."""
-        if not failure.maybe_sent:
-            raise failure.final(None) from failure.__cause__
-        logger.info("Process creation is ambiguous; looking for it by its marker")
-        return self._find_created()
-
-    def _after_refusal(
-        self, refusal: _Retryable, budget: _Budget, deadline: _Deadline
-    ) -> Optional[_Endpoints]:
-        """After a 429: wait, then list. The process, if the refused request went
-        through after all, or None to send it again. APIError 429 when the retry
-        policy or the deadline runs out (or the listing fails); CancelledError
-        when a cancel ends the wait or the listing."""
-        delay = budget.delay_within(refusal.retry_after, deadline)
-        if delay is None:
-            raise refusal.final(None)
-        logger.info("Process creation was answered 429; asking again in %.2f s", delay)
-        deadline.pause(delay)
-        try:
-            found = self._marked(deadline)
-        except CancelledError:
-            raise
-        except CreateOSError as problem:
-            raise refusal.final(None) from problem
-        if found is None and deadline.expired():
-            raise refusal.final(None)
-        return found
-
-    def _left_behind(self, error: CreateOSError, hurry: Optional[threading.Event]) -> NoReturn:
-        """Creation ends with `error` after an attempt that may have reached the
-        service: the marker is looked up once more (under the cleanup's own
-        deadline, which no cancel cuts), and a process found is terminated and
-        that confirmed before `error` is raised; `error` then means that no
-        process exists. CleanupError when either cannot be confirmed."""
-        try:
-            found = self._terminate_marked(hurry)
-        except CleanupError as cleanup:
-            if cleanup.__cause__ is None:
-                raise cleanup from error
-            raise
-        self.unstage(hurry)
-        if found is not None and isinstance(error, CancelledError):
-            raise CancelledError(process_id=found)  # created after all, and terminated
-        raise error
-
-    def _terminate_marked(self, hurry: Optional[threading.Event] = None) -> Optional[str]:
-        """Terminate the process with the run's marker, if the listing shows one, and
-        return its id; CleanupError when the listing or the termination fails."""
-        found = self._marked_or_unconfirmed(_Deadline(kind="cleanup", hurry=hurry))
-        if found is None:
-            return None
-        logger.info("Terminating process %s: its creation ended in error", found.process_id)
-        found.delete(hurry=hurry)
-        return found.process_id
-
-    def _unreadable(self, unreadable: ProtocolError) -> _Endpoints:
-        """Created, but unnamed: it may run unseen. Find it by its marker."""
-        logger.info("Process creation answer is unreadable; looking for it by its marker")
-        try:
-            return self._find_created()
-        except CleanupError as cleanup:
-            raise cleanup from unreadable
-
-    def _find_created(self) -> _Endpoints:
-        """Find the process by the marker in its arguments, or fail as unconfirmed."""
-        found = self._marked_or_unconfirmed()
-        if found is None:
-            self.unstage()
-            raise CleanupError(creation_unconfirmed=True)
-        return found
-
-    def _marked(self, deadline: _Deadline = _ENDLESS) -> Optional[_Endpoints]:
-        """The process with the run's marker, or None when the listing shows none."""
-        listed = self.sandbox.processes(deadline)
-        mine = next((record for record in listed if self._has_marker(record)), None)
-        if mine is None:
-            return None
-        process_id = _checked_process_id(mine.get("process_id"))
-        logger.info("Found process %s by its marker; following it", process_id)
-        return _Endpoints(self.sandbox, process_id, mine)
-
-    def _marked_or_unconfirmed(self, deadline: _Deadline = _ENDLESS) -> Optional[_Endpoints]:
-        """_marked(); a listing that fails leaves the creation unconfirmed."""
-        try:
-            return self._marked(deadline)
-        except CreateOSError as exc:
-            raise CleanupError(creation_unconfirmed=True) from exc
-
-    def _has_marker(self, record: Any) -> bool:
-        args = record.get("args") if isinstance(record, dict) else None
-        return isinstance(args, list) and self.plan.marker in args
-
-    def _abandon(self) -> None:
-        """Ctrl-C while creating: find the process if it exists and terminate it."""
-        try:
-            self._terminate_marked()
-        except CleanupError:
-            logger.warning("Could not confirm that no process was left running")
-
-    def unstage(self, hurry: Optional[threading.Event] = None) -> None:
-        """Remove the staged secrets file, best-effort, when the wrapper may not have;
-        a cleanup, which `hurry` hurries through the pacing window."""
-        if self.plan.staged_path is None:
-            return
-        try:
-            self.sandbox.exec(
-                ["rm", "-f", "--", self.plan.staged_path],
-                "removal of the staged file",
-                _Deadline(kind="cleanup", hurry=hurry),
-            )
-        except (CreateOSError, _Retryable):
-            logger.warning("Could not remove the staged env/stdin file from the sandbox")
-
-
-# -- the process: one object owns its run, from following to containment ------
-
-_Steps = Generator[None, None, _T]  # a run's steps: one after each block a loop takes
-
-
-def _to_end(steps: _Steps[_T]) -> _T:
-    """Take every step; what the steps came to."""
-    while True:
-        try:
-            next(steps)
-        except StopIteration as end:
-            return end.value  # type: ignore[no-any-return]
-
-
-class _Ending(NamedTuple):
-    """How following a process ended, before containment: a status, the
-    deadline, an error (a callback's and Ctrl-C included), or a termination
-    the caller asked for (terminate(), kill(), leaving a `with` block)."""
-
-    exited: Optional[_Exit] = None
-    timed_out: bool = False
-    error: Optional[BaseException] = None
-    asked: bool = False
-    grace: Optional[float] = None  # of an asked termination; None: the usual grace period
-    gone: bool = False  # the tree is known to be gone: nothing to terminate
+# ==========================================================================
+# 3. The process: one object owns its run
+# ==========================================================================
+#
+# RemoteProcess is the counterpart of subprocess.Popen: one object per remote
+# process holds its whole run, hands the output over as it arrives and
+# decides how the run ended. Whatever ends it (the exit, the deadline, an
+# error, Ctrl-C, an asked termination) goes through _end: the tree is
+# terminated and that confirmed unless the process ended by itself, then the
+# result, or the error with the partial result attached.
 
 
 class RemoteProcess:
@@ -3378,6 +1452,31 @@ class RemoteProcess:
         return _Ending(error=unconfirmed)
 
 
+_Steps = Generator[None, None, _T]  # a run's steps: one after each block a loop takes
+
+
+def _to_end(steps: _Steps[_T]) -> _T:
+    """Take every step; what the steps came to."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as end:
+            return end.value  # type: ignore[no-any-return]
+
+
+class _Ending(NamedTuple):
+    """How following a process ended, before containment: a status, the
+    deadline, an error (a callback's and Ctrl-C included), or a termination
+    the caller asked for (terminate(), kill(), leaving a `with` block)."""
+
+    exited: Optional[_Exit] = None
+    timed_out: bool = False
+    error: Optional[BaseException] = None
+    asked: bool = False
+    grace: Optional[float] = None  # of an asked termination; None: the usual grace period
+    gone: bool = False  # the tree is known to be gone: nothing to terminate
+
+
 @dataclasses.dataclass
 class _Turn:
     """The stream is read by one thread at a time: whose turn it is.
@@ -3523,11 +1622,6 @@ class _Handover:
                 self._partial_size[name] = 0
 
 
-# The signals of Linux, where the sandboxes run: a name outside them would be
-# refused by the service after the request.
-_LINUX_SIGNALS = frozenset(_SIGNAL_WORDS.values())
-
-
 def _signal_name(value: Any) -> str:
     """The SIG name of a signal given as kill -l lists it ("SIGUSR1" or "USR1"), or its number."""
     if _is_int(value):
@@ -3543,7 +1637,107 @@ def _signal_name(value: Any) -> str:
     )
 
 
-# -- following: read the stream, resume it after every failure, recover --------
+_ENDED_GRACE = 5.0  # seconds at least to read the output of a process the probe saw end
+
+
+class _PortWait:
+    """wait_for_port(): until a TCP connect inside the sandbox succeeds.
+
+    A managed process probes (see _PROBE_SCRIPT) while the client follows its
+    output stream, which costs one request per stream (a stream lives as long
+    as the service keeps it), plus a look at the target's record, the probe's
+    creation and its DELETE, which always comes before the call returns.
+    """
+
+    def __init__(
+        self, endpoints: _Endpoints, args: Any, *, port: Any, host: Any, timeout: Any
+    ) -> None:
+        if not _is_int(port) or not 1 <= port <= 65535:
+            raise ConfigError("port must be an integer from 1 to 65535.")
+        if not isinstance(host, str) or not _HOST.match(host):
+            raise ConfigError("host must be a host name or an IP address.")
+        self._timeout = _positive_seconds("timeout", timeout)
+        self._endpoints = endpoints
+        self._process_id = endpoints.process_id
+        self._args = args
+        self._port = port
+        self._host = host
+
+    def until_open(
+        self, finish: Callable[[float], ExecResult], cancel: Optional[threading.Event]
+    ) -> None:
+        """Return once the port accepts a connection. ProcessEndedError, with the
+        result `finish` (the process's wait) gives, when the process ends first;
+        WaitTimeout at the timeout, the process running on; CancelledError once
+        `cancel` (the run's) is set."""
+        deadline = _Deadline.after(self._timeout, "wait", time.monotonic(), cancel)
+        try:
+            pid = self._target_pid(deadline)
+            exited = _PROBE_GONE if pid is None else self._probe(pid, deadline)
+        except CancelledError:
+            exited = None
+        if exited == _PROBE_OPEN:
+            return
+        if exited == _PROBE_GONE:
+            self._raise_ended(finish, deadline)
+        if exited is not None and exited != _PROBE_LIMIT:
+            raise CreateOSError(
+                "The port probe in the sandbox ended without an answer.",
+                process_id=self._process_id,
+            )
+        if deadline.cancelled():
+            raise CancelledError(process_id=self._process_id)
+        raise WaitTimeout(self._args, self._timeout, process_id=self._process_id, port=self._port)
+
+    def _target_pid(self, deadline: _Deadline) -> Optional[int]:
+        """The target's pid, or None once its leader has exited (or it is gone)."""
+        try:
+            record = self._endpoints.record(deadline)
+        except APIError as refused:
+            if refused.status == 404:  # the service no longer keeps it: it has ended
+                return None
+            raise
+        if record.get("leader_exited") is True:
+            return None
+        pid: Any = record.get("pid")
+        if not _is_int(pid) or pid < 1:
+            raise ProtocolError("the process record has no valid pid", process_id=self._process_id)
+        return int(pid)
+
+    def _probe(self, pid: int, deadline: _Deadline) -> Optional[_Exit]:
+        """The probe's exit status, or None at the deadline or its cancel; the probe
+        is gone either way."""
+        limit = math.ceil(self._timeout) + 2  # a backstop: the DELETE comes first
+        argv = [str(pid), self._host, str(self._port), str(limit)]
+        command = ["bash", "-c", _PROBE_SCRIPT, "createos_exec-port-probe", *argv]
+        sandbox = self._endpoints.sandbox
+        probe, _ = _Launch(sandbox, _plan(command, _Options())).create(deadline)
+        try:
+            follower = _Follower(probe, _Options(), args=command, started=time.monotonic())
+            return _to_end(follower.follow(deadline))
+        except (_TimedOut, CancelledError):
+            return None
+        finally:
+            with contextlib.suppress(CleanupError):  # logged; the probe's limit ends it
+                probe.delete(grace=0.0)
+
+    def _raise_ended(self, finish: Callable[[float], ExecResult], deadline: _Deadline) -> NoReturn:
+        result: Optional[ExecResult]
+        try:
+            result = finish(max(_ENDED_GRACE, deadline.remaining() or 0.0))
+        except CommandError as failed:  # check=True: the result all the same
+            result = failed.result
+        raise ProcessEndedError(self._port, process_id=self._process_id, result=result)
+
+
+# ==========================================================================
+# 4. Following: the stream read to its end, resumed after every failure
+# ==========================================================================
+#
+# One process's output followed from the cursor: every transport failure
+# resumes it at the last accepted seq; once the retry budget is spent, the
+# exit status is recovered out of band (wait?scope=tree) and the missing
+# output replayed; a protocol error never reconnects.
 
 
 class _Follower:
@@ -3771,7 +1965,336 @@ class _Follower:
         return exited
 
 
-# -- the sandbox: the requests one sandbox answers -------------------------------
+# ==========================================================================
+# 5. Launch: the plan, the staged secrets, one creation
+# ==========================================================================
+#
+# The wrapper script and the private file of env and stdin (never in the
+# process record), then the creation, exactly once: a 4xx means not
+# created; a 429 is waited out and sent again only once a listing shows no
+# process with the run's marker; an unknown outcome is looked for by that
+# marker, and reported as unconfirmed when it cannot be found.
+
+
+class _Plan(NamedTuple):
+    """What is sent to create the process, and the private file staged beforehand."""
+
+    marker: str
+    body: Dict[str, Any]
+    staged_path: Optional[str]
+    staged: Optional[bytes]
+
+
+def _plan(command: Command, options: _Options, grace: float = _TERMINATE_GRACE) -> _Plan:
+    """Build the bash wrapper that runs the command: `bash -c WRAPPER MARKER ARGV...`.
+
+    The random marker ($0) lets an ambiguously created process be found again.
+
+    Env values and stdin are secrets: anyone listing the sandbox's processes
+    reads cmd/args. They travel in a private file instead, which the wrapper
+    opens as its stdin, reads the variables from and removes at once. With
+    stdin=PIPE the wrapper reads that file on a descriptor of its own and
+    leaves its stdin, the service's pipe, to the command.
+
+    With a `timeout`, the wrapper forks a watchdog (see _WATCHDOG) that keeps
+    the deadline in the sandbox, with `grace` seconds between SIGTERM and
+    SIGKILL; without one, nothing is added.
+    """
+    marker = _MARKER_PREFIX + secrets.token_hex(12)
+    argv = _argv(command, options.shell)
+    piped = isinstance(options.stdin, _Pipe)
+    stdin = None if piped else (options.stdin if options.input is None else options.input)
+    staged = _staged_bytes(options.env, stdin) if options.env or stdin is not None else None
+    staged_path = f"/tmp/.{marker}" if staged is not None else None
+    lines = [_WRAPPER_HEAD]
+    if staged_path is not None:
+        lines.extend(_reading_staged(staged_path, marker, piped))
+    elif not piped:
+        lines.append("exec 0</dev/null")
+    if options.cwd is not None:
+        lines.extend([_ENTER, _call("_cx_enter", _checked_text("cwd", options.cwd))])
+    # The command travels as the wrapper's positional parameters, untouched by
+    # any quoting, each its own exec string (Linux caps one at 128 KiB).
+    if not options.shell:
+        lines.extend([_FIND_PROGRAM, '_cx_find_program "$1"'])
+    if options.timeout is not None:
+        lines.extend(_watchdog(options.timeout, grace))
+    lines.append(_RUN_SCRIPT if options.shell else _RUN_ARGV)
+    body = {"cmd": "bash", "args": ["-c", "\n".join(lines) + "\n", marker, *argv]}
+    return _Plan(marker, body, staged_path, staged)
+
+
+_MARKER_PREFIX = "createos_exec-"
+_MARKER = re.compile(re.escape(_MARKER_PREFIX) + r"[0-9a-f]{24}\Z")
+
+
+def _given_command(cmd: Any, args: Any) -> Tuple[Any, bool]:
+    """A listed process's command as it was given, and whether createos_exec
+    started it: its argv (or shell=True script) out of the wrapper, else
+    `cmd` + `args` as listed."""
+    args = args if isinstance(args, list) else []
+    ours = (
+        cmd == "bash"
+        and len(args) >= 3
+        and args[0] == "-c"
+        and isinstance(args[1], str)
+        and isinstance(args[2], str)
+        and _MARKER.match(args[2]) is not None
+    )
+    if not ours:
+        return ([cmd] if isinstance(cmd, str) else []) + args, False
+    argv = args[3:]
+    if args[1].rstrip("\n").endswith(_RUN_SCRIPT) and len(argv) == 1:
+        return argv[0], True
+    return argv, True
+
+
+def _argv(command: Command, shell: bool) -> List[str]:
+    if shell:
+        if not isinstance(command, str):
+            raise ConfigError("With shell=True the command must be one string.")
+        return [_checked_text("The shell script", command)]
+    if isinstance(command, str):
+        command = [command]
+    if isinstance(command, (bytes, bytearray)) or not isinstance(command, Sequence):
+        raise ConfigError(
+            f"The command must be a list of strings (or one string), not {type(command).__name__}."
+        )
+    if not command:
+        raise ConfigError("The command is empty: give at least the program to run.")
+    for arg in command:
+        if type(arg) is not str or "\0" in arg:
+            _checked_text("Each command argument", arg)  # says which is wrong
+    return list(command)
+
+
+def _checked_text(what: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{what} must be a string, not {type(value).__name__}.")
+    if "\0" in value:
+        raise ConfigError(f"{what} contains a NUL byte, which no argument or file name can hold.")
+    return value
+
+
+def _staged_bytes(env: Optional[Dict[str, str]], stdin: Any) -> bytes:
+    """NUL-terminated NAME=value entries, an empty entry, then the stdin bytes."""
+    entries = []
+    for name, value in (env or {}).items():
+        if not isinstance(name, str) or not _ENV_NAME.match(name):
+            raise ConfigError(
+                f"Invalid env name {_shown(name)}: names must match [A-Za-z_][A-Za-z0-9_]*."
+            )
+        what = f"The value of env {name}"
+        entries.append(
+            name.encode("ascii") + b"=" + _utf8(what, _checked_text(what, value)) + b"\0"
+        )
+    if isinstance(stdin, str):
+        stdin = _utf8("stdin", stdin)
+    elif stdin is not None and not isinstance(stdin, (bytes, bytearray)):
+        raise ConfigError(f"stdin must be str, bytes or None, not {type(stdin).__name__}.")
+    return b"".join(entries) + b"\0" + bytes(stdin or b"")
+
+
+def _utf8(what: str, text: str) -> bytes:
+    """UTF-8 of a secret (env or stdin)."""
+    return _encoded(text, "utf-8", f"{what} is not valid Unicode (pass bytes for binary stdin).")
+
+
+def _encoded(text: str, encoding: str, complaint: str) -> bytes:
+    """`text` encoded; the error for what cannot be encoded must not carry the text."""
+    try:
+        encoded: Optional[bytes] = text.encode(encoding)
+    except UnicodeEncodeError:
+        encoded = None  # raised below, outside the handler: no __context__ holding the text
+    if encoded is None:
+        raise ConfigError(complaint)
+    return encoded
+
+
+@dataclasses.dataclass(frozen=True)
+class _Launch:
+    """Staging the private file and creating the process, exactly once: the
+    policy; the requests are the sandbox's."""
+
+    sandbox: _Sandbox
+    plan: _Plan
+
+    def _stage(self, path: str, staged: bytes, deadline: _Deadline) -> None:
+        if deadline.cancelled():
+            raise CancelledError()  # before anything is written
+        try:
+            self.sandbox.put_file(path, staged, "staging of env and stdin", deadline)
+        except CancelledError:
+            self.unstage(deadline.cancel)  # an attempt before the wait may have written it
+            raise
+
+    def create(self, deadline: _Deadline) -> Tuple[_Endpoints, bool]:
+        """Stage the private file, if any, then create the process: the new process,
+        and whether it had to be found by its marker.
+
+        A 4xx other than 429, or a refused connection, means no process; a
+        lost answer or a 5xx means it may exist, so look for it: neither is
+        sent again. A 429 is the service's "not done": it is waited out under
+        the retry policy and within `deadline`, and the creation sent again
+        only once a listing shows no process with the marker. After a cancel
+        nothing is sent again. An error raised once an attempt may have
+        reached the service means that no process exists (see _left_behind).
+        """
+        plan = self.plan
+        if plan.staged_path is not None and plan.staged is not None:
+            self._stage(plan.staged_path, plan.staged, deadline)
+        budget: Optional[_Budget] = None  # of the 429s, once there is one
+        reached = False  # whether an attempt may have reached the service
+        try:
+            while not deadline.cancelled():
+                try:
+                    answer = self.sandbox.create(plan.body, deadline)
+                except ProtocolError as unreadable:
+                    return self._unreadable(unreadable), True
+                if not isinstance(answer, _Retryable):
+                    return answer, False
+                if answer.status != 429:
+                    return self._unanswered(answer), True
+                reached = True  # a proxy may answer 429 to a request it forwarded
+                budget = budget or _Budget(self.sandbox.transport.retry)
+                found = self._after_refusal(answer, budget, deadline)
+                if found is not None:
+                    return found, True
+            raise CancelledError()
+        except KeyboardInterrupt:
+            self._abandon()
+            raise
+        except CleanupError:
+            raise
+        except CreateOSError as error:
+            if reached:
+                self._left_behind(error, deadline.cancel)
+            self.unstage(deadline.cancel)
+            raise
+
+    def _unanswered(self, failure: _Retryable) -> _Endpoints:
+        """After a failure other than 429: no process if nothing was sent, else find it."""
+        if not failure.maybe_sent:
+            raise failure.final(None) from failure.__cause__
+        logger.info("Process creation is ambiguous; looking for it by its marker")
+        return self._find_created()
+
+    def _after_refusal(
+        self, refusal: _Retryable, budget: _Budget, deadline: _Deadline
+    ) -> Optional[_Endpoints]:
+        """After a 429: wait, then list. The process, if the refused request went
+        through after all, or None to send it again. APIError 429 when the retry
+        policy or the deadline runs out (or the listing fails); CancelledError
+        when a cancel ends the wait or the listing."""
+        delay = budget.delay_within(refusal.retry_after, deadline)
+        if delay is None:
+            raise refusal.final(None)
+        logger.info("Process creation was answered 429; asking again in %.2f s", delay)
+        deadline.pause(delay)
+        try:
+            found = self._marked(deadline)
+        except CancelledError:
+            raise
+        except CreateOSError as problem:
+            raise refusal.final(None) from problem
+        if found is None and deadline.expired():
+            raise refusal.final(None)
+        return found
+
+    def _left_behind(self, error: CreateOSError, hurry: Optional[threading.Event]) -> NoReturn:
+        """Creation ends with `error` after an attempt that may have reached the
+        service: the marker is looked up once more (under the cleanup's own
+        deadline, which no cancel cuts), and a process found is terminated and
+        that confirmed before `error` is raised; `error` then means that no
+        process exists. CleanupError when either cannot be confirmed."""
+        try:
+            found = self._terminate_marked(hurry)
+        except CleanupError as cleanup:
+            if cleanup.__cause__ is None:
+                raise cleanup from error
+            raise
+        self.unstage(hurry)
+        if found is not None and isinstance(error, CancelledError):
+            raise CancelledError(process_id=found)  # created after all, and terminated
+        raise error
+
+    def _terminate_marked(self, hurry: Optional[threading.Event] = None) -> Optional[str]:
+        """Terminate the process with the run's marker, if the listing shows one, and
+        return its id; CleanupError when the listing or the termination fails."""
+        found = self._marked_or_unconfirmed(_Deadline(kind="cleanup", hurry=hurry))
+        if found is None:
+            return None
+        logger.info("Terminating process %s: its creation ended in error", found.process_id)
+        found.delete(hurry=hurry)
+        return found.process_id
+
+    def _unreadable(self, unreadable: ProtocolError) -> _Endpoints:
+        """Created, but unnamed: it may run unseen. Find it by its marker."""
+        logger.info("Process creation answer is unreadable; looking for it by its marker")
+        try:
+            return self._find_created()
+        except CleanupError as cleanup:
+            raise cleanup from unreadable
+
+    def _find_created(self) -> _Endpoints:
+        """Find the process by the marker in its arguments, or fail as unconfirmed."""
+        found = self._marked_or_unconfirmed(_ENDLESS)
+        if found is None:
+            self.unstage()
+            raise CleanupError(creation_unconfirmed=True)
+        return found
+
+    def _marked(self, deadline: _Deadline) -> Optional[_Endpoints]:
+        """The process with the run's marker, or None when the listing shows none."""
+        listed = self.sandbox.processes(deadline)
+        mine = next((record for record in listed if self._has_marker(record)), None)
+        if mine is None:
+            return None
+        process_id = _checked_process_id(mine.get("process_id"))
+        logger.info("Found process %s by its marker; following it", process_id)
+        return _Endpoints(self.sandbox, process_id, mine)
+
+    def _marked_or_unconfirmed(self, deadline: _Deadline) -> Optional[_Endpoints]:
+        """_marked(); a listing that fails leaves the creation unconfirmed."""
+        try:
+            return self._marked(deadline)
+        except CreateOSError as exc:
+            raise CleanupError(creation_unconfirmed=True) from exc
+
+    def _has_marker(self, record: Any) -> bool:
+        args = record.get("args") if isinstance(record, dict) else None
+        return isinstance(args, list) and self.plan.marker in args
+
+    def _abandon(self) -> None:
+        """Ctrl-C while creating: find the process if it exists and terminate it."""
+        try:
+            self._terminate_marked()
+        except CleanupError:
+            logger.warning("Could not confirm that no process was left running")
+
+    def unstage(self, hurry: Optional[threading.Event] = None) -> None:
+        """Remove the staged secrets file, best-effort, when the wrapper may not have;
+        a cleanup, which `hurry` hurries through the pacing window."""
+        if self.plan.staged_path is None:
+            return
+        try:
+            self.sandbox.exec(
+                ["rm", "-f", "--", self.plan.staged_path],
+                "removal of the staged file",
+                _Deadline(kind="cleanup", hurry=hurry),
+            )
+        except (CreateOSError, _Retryable):
+            logger.warning("Could not remove the staged env/stdin file from the sandbox")
+
+
+# ==========================================================================
+# 6. The service: what a sandbox and a process answer
+# ==========================================================================
+#
+# One place for each request and for what each of its statuses means: the
+# sandbox's (creation, the listing, its view, files, exec) and the
+# process's (connect, wait, record, signal, delete, input, stdin). Records
+# are checked here, before anything reads them.
 
 
 class _Sandbox:
@@ -3791,7 +2314,7 @@ class _Sandbox:
         self.sandbox_id = _checked_id("sandbox", sandbox_id)
         self.path = f"/v1/sandboxes/{self.sandbox_id}"
 
-    def view(self, deadline: _Deadline = _ENDLESS) -> Dict[str, Any]:
+    def view(self, deadline: _Deadline) -> Dict[str, Any]:
         """The sandbox's own view (protocol 4.1): its `id`, its `status` (a word
         that may be new to this client) and what else the service tells."""
         response = self.transport.call(
@@ -3821,7 +2344,7 @@ class _Sandbox:
             raise ProtocolError("the created process record is not an object")
         return _Endpoints(self, _checked_process_id(record.get("process_id")), record)
 
-    def processes(self, deadline: _Deadline = _ENDLESS) -> Iterator[Any]:
+    def processes(self, deadline: _Deadline) -> Iterator[Any]:
         """Its process records, page after page (a bounded number of them),
         within `deadline` and a cleanup_timeout of their own."""
         transport = self.transport
@@ -3868,9 +2391,6 @@ class _Sandbox:
             deadline=deadline,
             json_body={"cmd": argv[0], "args": argv[1:]},
         ).close()
-
-
-# -- endpoints: the requests one process answers ---------------------------------
 
 
 class _Endpoints:
@@ -4043,6 +2563,7 @@ class _Endpoints:
             method,
             self._path + rest,
             operation=operation,
+            deadline=_ENDLESS,  # one attempt: its request timeout bounds it
             process_id=self.process_id,
             **request,
         )
@@ -4050,8 +2571,6 @@ class _Endpoints:
             raise answer.final(self.process_id) from answer.__cause__
         return answer
 
-
-# -- input: the process's stdin, written in order and never twice ----------------
 
 # Raw bytes per input request: base64 makes 4 of every 3, and with the JSON
 # around them a request body stays under 256 KiB (protocol.md 5.5), whether
@@ -4149,104 +2668,1657 @@ def _input_bytes(data: Any, encoding: str) -> bytes:
     return _encoded(data, encoding, complaint)
 
 
-# -- wait_for_port: a probe inside the sandbox, ended before the call returns ----
+def _listing_page(listing: Any, offset: int) -> Tuple[List[Any], Optional[int]]:
+    """The records of a page of the process listing, and the offset of the next page.
 
-_ENDED_GRACE = 5.0  # seconds at least to read the output of a process the probe saw end
+    Either `{"processes": [...]}`, all at once, or the paginated form of the
+    vendor's other lists, `{"data": [...], "pagination": {"total": N, ...}}`;
+    anything else fails closed.
+    """
+    if not isinstance(listing, dict):
+        raise ProtocolError("the process listing is not an object")
+    if "pagination" not in listing and isinstance(listing.get("processes"), list):
+        return listing["processes"], None
+    records, page = listing.get("data"), listing.get("pagination")
+    if not isinstance(page, dict):
+        page = {}
+    total: Any = page.get("total")
+    if not isinstance(records, list) or not _is_int(total) or page.get("offset", offset) != offset:
+        raise ProtocolError("the process listing is in no form this client knows")
+    following = offset + len(records)
+    if following >= total:
+        return records, None
+    if not records:
+        raise ProtocolError("a page of the process listing is empty before its end")
+    return records, following
 
 
-class _PortWait:
-    """wait_for_port(): until a TCP connect inside the sandbox succeeds.
+def _checked_process_id(value: Any) -> str:
+    if not isinstance(value, str) or not _ID.match(value):
+        raise ProtocolError("a process record has an invalid process_id")
+    return value
 
-    A managed process probes (see _PROBE_SCRIPT) while the client follows its
-    output stream, which costs one request per stream (a stream lives as long
-    as the service keeps it), plus a look at the target's record, the probe's
-    creation and its DELETE, which always comes before the call returns.
+
+def _process_info(record: Any) -> ProcessInfo:
+    """A listed (or looked up) process record as the public ProcessInfo."""
+    if not isinstance(record, dict):
+        raise ProtocolError("a process record is not an object")
+    args, ours = _given_command(record.get("cmd"), record.get("args"))
+    leader_exited = record.get("leader_exited") is True
+    exited = _exit_status(record) if leader_exited else None
+    return ProcessInfo(
+        process_id=_checked_process_id(record.get("process_id")),
+        args=args,
+        state="exited" if leader_exited else "running",
+        exit_code=None if exited is None else exited.exit_code,
+        signal=None if exited is None else exited.signal,
+        ours=ours,
+        pid=_leader_pid(record),
+    )
+
+
+def _leader_pid(record: Dict[str, Any]) -> Optional[int]:
+    """The leader's pid in the record, or None when it shows none (yet)."""
+    pid: Any = record.get("pid")
+    return int(pid) if _is_int(pid) and pid >= 1 else None
+
+
+def _ended_by_deadline(record: Dict[str, Any], timeout: float) -> bool:
+    """Whether an exited process's record shows its deadline ended it, not the program.
+
+    The sandbox's watchdog fires `timeout` after the wrapper starts, which is
+    after the record's created_at: a process that finished sooner than that
+    ended on its own. Both times are the sandbox's clock, so no local clock
+    is compared with them. A record that does not tell (a time missing or
+    unreadable) counts as ended by the deadline: the client's own view.
+    """
+    created, finished = (_rfc3339(record.get(name)) for name in ("created_at", "finished_at"))
+    if created is None or finished is None:
+        return True
+    return finished - created >= timeout
+
+
+_RFC3339 = re.compile(
+    r"([0-9]{4})-([0-9]{2})-([0-9]{2})[Tt ]([0-9]{2}):([0-9]{2}):([0-9]{2})"
+    r"(?:\.([0-9]{1,9}))?(?:[Zz]|([+-])([0-9]{2}):([0-9]{2}))\Z"
+)
+
+
+def _rfc3339(value: Any) -> Optional[float]:
+    """Seconds since the epoch of an RFC 3339 time ("…T…Z", Go's nanoseconds too), else None.
+
+    By hand: datetime.fromisoformat reads neither "Z" nor 9 digits before Python 3.11.
+    """
+    match = _RFC3339.match(value) if isinstance(value, str) else None
+    if match is None:
+        return None
+    year, month, day, hour, minute, second = (int(part) for part in match.groups()[:6])
+    fraction, sign, offset_hours, offset_minutes = match.groups()[6:]
+    try:
+        when = datetime.datetime(
+            year, month, day, hour, minute, min(second, 59), tzinfo=datetime.timezone.utc
+        )
+    except ValueError:
+        return None
+    seconds = when.timestamp() + (int(fraction) / 10 ** len(fraction) if fraction else 0.0)
+    if sign is not None:
+        offset = int(offset_hours) * 3600 + int(offset_minutes) * 60
+        seconds -= offset if sign == "+" else -offset
+    return seconds
+
+
+def _output_seq(record: Dict[str, Any], field: str) -> int:
+    """The record's output.newest_seq or output.oldest_seq: its journal's window."""
+    output = record.get("output")
+    seq: Any = output.get(field) if isinstance(output, dict) else None
+    if not _is_int(seq) or seq < 0:
+        raise ProtocolError(f"the process record has no valid output.{field}")
+    return int(seq)
+
+
+def _evicted_seq(response: requests.Response) -> Optional[int]:
+    """oldest_available_seq from a 410 body, when it has one."""
+    try:
+        data = response.json().get("data")
+        oldest = data.get("oldest_available_seq")
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    finally:
+        response.close()
+    return oldest if _is_int(oldest) else None
+
+
+# ==========================================================================
+# 7. The stream: bytes -> blocks of complete lines -> frames
+# ==========================================================================
+#
+# A response's bytes become blocks of complete lines (b"\n" only), lines
+# become frames, frames are checked (seq, stream, canonical base64, exit
+# status) and their data goes to the capture. Anything not understood fails
+# closed; a stream that ends inside a line is a broken connection.
+
+
+def _arriving(response: requests.Response) -> Iterator[bytes]:
+    """The body as it arrives: HTTP chunk by HTTP chunk, or what the socket holds.
+
+    Straight from urllib3 (requests' iter_content() adds a layer per chunk
+    and would wait for the end of a body that is not chunked: a proxy may
+    remove the chunking, and all live output would be held back). This is
+    where the bytes come from, so this is where the HTTP stack's errors
+    become a broken connection.
+    """
+    raw = response.raw
+    if raw.chunked or not hasattr(raw, "read1"):  # read1: urllib3 2.2 and later
+        chunks = raw.stream(None, decode_content=True)
+    else:
+        chunks = iter(functools.partial(raw.read1, _READ_SIZE, decode_content=True), b"")
+    with _transport_errors("output connection"):
+        yield from chunks
+
+
+@contextlib.contextmanager
+def _unblocked_by(deadline: _Deadline, response: requests.Response) -> Iterator[None]:
+    """While reading `response`, let `deadline` or its cancel end a read that is
+    waiting for data.
+
+    A quiet process sends nothing but heartbeats, whose interval is unknown,
+    and each of them starts the read timeout again: without this, a wait
+    could go on that long past its deadline or its cancel. Shutting the
+    socket down wakes the blocked read; the reader then sees the cancel or
+    the deadline.
+    """
+    done = threading.Event()
+    finishing = threading.Lock()
+    watcher = threading.Thread(
+        target=_shut_down_at,
+        args=(deadline, done, finishing, response),
+        name="createos_exec-deadline",
+    )
+    watcher.daemon = True
+    watcher.start()
+    try:
+        yield
+    finally:
+        with finishing:  # from here on the connection may serve another request
+            done.set()  # the watcher ends within one poll; nothing waits for it
+
+
+def _shut_down_at(
+    deadline: _Deadline, done: threading.Event, finishing: threading.Lock, response: Any
+) -> None:
+    while not done.is_set():
+        deadline.sleep(_CANCEL_POLL)
+        if deadline.cancelled() or deadline.expired():
+            with finishing:
+                if done.is_set():
+                    return
+                connection: Any = getattr(response.raw, "connection", None)
+                with contextlib.suppress(OSError, AttributeError):
+                    connection.sock.shutdown(socket.SHUT_RDWR)
+            return
+
+
+@dataclasses.dataclass
+class _Reader:
+    """The output stream of one process, read from a cursor on.
+
+    bytes -> blocks of complete lines -> frames -> the capture. It owns the
+    cursor (the seq of the last data frame accepted), the bytes of a line cut
+    between chunks, the heartbeats seen and the routes by which data lines are
+    taken: lines in the service's own form by one pattern (nearly every block),
+    a block that is one long data line by its head and strict base64, anything
+    else as JSON, line by line, with the verdict json.loads gives each line.
+    Whatever the route, data frames end in _take_data: _base64 is the one
+    base64 decoder, and _take_data holds the one sequence check.
+    """
+
+    output: _Output
+    cursor: int = 0  # the seq of the last data frame accepted
+    limit: int = _FRAME_LIMIT  # the longest line, in bytes
+    heartbeats: int = dataclasses.field(default=0, init=False)
+    stepwise: bool = dataclasses.field(default=False, init=False)  # a step after each block
+
+    def read(
+        self,
+        chunks: Iterator[bytes],
+        interrupted: Callable[[], None],
+        until: Optional[int] = None,
+    ) -> Generator[None, None, Optional[_Exit]]:
+        """Read one connection: the exit frame's status, or None once the cursor reaches `until`.
+
+        A connection that ends before either is a broken one (_Retryable).
+        `interrupted` runs before each block: a stream that keeps flowing can
+        still be cancelled or time out. While `stepwise`, a step is yielded
+        after each block, for a loop to take what it held.
+        """
+        for block in self.blocks(chunks):
+            interrupted()
+            exited = self.take(block)
+            if exited is not None:
+                # Finish the body (at most 64 KiB more, whatever follows is
+                # ignored) so that the connection can be reused.
+                read = 0
+                with contextlib.suppress(_Retryable, TransportError):
+                    for chunk in chunks:
+                        read += len(chunk)
+                        if read > 65536:
+                            break
+                return exited
+            if until is not None and self.cursor >= until:
+                return None
+            if self.stepwise:
+                yield
+        raise _Retryable("output connection")  # clean EOF before the exit frame
+
+    def blocks(self, chunks: Iterable[bytes]) -> Iterator[bytes]:
+        """The complete lines of a byte stream, as soon as they arrive, a block at a time.
+
+        Every block ends with b"\\n" (the only line break: U+2028 is legal
+        inside JSON). A stream that ends inside a line is a broken
+        connection (_Retryable), not a frame.
+        """
+        limit = self.limit
+        pending: List[Union[bytes, memoryview]] = []
+        pending_size = 0
+        for chunk in chunks:
+            if not pending and chunk.endswith(b"\n") and len(chunk) <= limit:
+                yield chunk  # the usual chunk: whole lines, nothing before or after
+                continue
+            end = chunk.rfind(b"\n") + 1
+            if end:
+                if pending:
+                    pending.append(memoryview(chunk)[:end])  # joined without a copy of its own
+                    block = b"".join(pending)
+                    pending.clear()
+                else:
+                    block = chunk if end == len(chunk) else chunk[:end]
+                yield from _within_limit(block, limit) if len(block) > limit else (block,)
+                pending_size = 0
+            if end < len(chunk):
+                pending.append(chunk[end:] if end else chunk)
+                pending_size += len(chunk) - end
+                if pending_size > limit:
+                    raise ProtocolError("an output frame is longer than 1 MiB")
+        if pending:
+            raise _Retryable("output connection")
+
+    def take(self, block: bytes) -> Optional[_Exit]:
+        """Act on a block of complete lines; the exit status when it holds the exit frame.
+
+        An exit frame without a status gives _NO_STATUS.
+        """
+        try:
+            text: Optional[str] = block.decode("utf-8")
+        except UnicodeDecodeError:
+            text = None  # its lines are then decoded alone, to fail at the first bad one
+        lines = None if text is None else _service_lines(text)
+        if lines is None:
+            return self._take_frames(_frames(block, text))
+        self._take_data(lines)
+        return None
+
+    def _take_frames(self, frames: Iterator[Any]) -> Optional[_Exit]:
+        """Act on parsed frames in order; the exit status when one is the exit frame.
+
+        Data frames are gathered and taken together, before whatever ends
+        the block: a later frame, its failure, or the block's end.
+        """
+        data: List[Tuple[Any, str, Any]] = []
+        try:
+            for frame in frames:
+                kind = frame.get("type") if type(frame) is dict else None
+                if type(kind) is not str:
+                    raise ProtocolError("an output frame is not an object with a type")
+                if kind == "data":
+                    data.append(_data_frame(frame))
+                    continue
+                done, data = data, []  # never taken twice, even if that fails
+                self._take_data(done)
+                if kind == "exit":
+                    return _exit_status(frame) or _NO_STATUS
+                if kind == "error":
+                    raise _stream_error(frame)
+                if kind != "heartbeat":
+                    raise ProtocolError("an output frame has an unknown type")
+                self.heartbeats += 1
+            return None
+        finally:
+            self._take_data(data)
+
+    def _take_data(self, lines: Iterable[Sequence[Any]]) -> None:
+        """Accept data frames (seq, stream, base64) in order; an empty seq is a heartbeat.
+
+        Every route ends here: _base64 is the one decoder, and this the one
+        sequence check. The next frame is kept, a frame read before (a
+        replay after a resume) is dropped, a frame beyond the next fails
+        closed after those before it. Each run of one stream's frames is
+        delivered to the capture in one piece.
+        """
+        cursor = self.cursor
+        run: List[bytes] = []
+        run_stream = ""
+        try:
+            for seq, stream, base64 in lines:
+                if not seq:
+                    self.heartbeats += 1
+                    continue
+                payload = _base64(base64)
+                number = int(seq)
+                if number != cursor + 1:
+                    if number <= cursor:
+                        continue
+                    raise ProtocolError(f"output seq jumped from {cursor} to {number}")
+                if stream != run_stream:
+                    if run:
+                        done, run = run, []  # never handed out twice, even if that fails
+                        self.output.feed(run_stream, b"".join(done))
+                    run_stream = stream
+                run.append(payload)
+                cursor = number
+        finally:
+            self.cursor = cursor
+            if run:
+                self.output.feed(run_stream, b"".join(run))  # one payload: not copied
+
+
+def _within_limit(block: bytes, limit: int) -> Iterator[bytes]:
+    """A block longer than `limit`, or the lines before its first line that is, then the error."""
+    start = 0
+    while start < len(block):
+        end = block.index(b"\n", start)
+        if end - start > limit:
+            if start:
+                yield block[:start]
+            raise ProtocolError("an output frame is longer than 1 MiB")
+        start = end + 1
+    yield block
+
+
+_STREAMS = ("stdout", "stderr")
+
+# A line in the form the service writes (protocol.md 5.4): a data frame or a
+# heartbeat. Such a line is a JSON object whose fields the groups give (a
+# heartbeat has empty groups): digits and one of two words need no unescaping,
+# and base64 text needs none when the block holds no backslash. The base64 is
+# taken as whatever stands between the quotes (`[^"]*`, a fast path in `re`;
+# a character class costs several times more): _base64 checks it.
+_DATA_HEAD = r'\{"type":"data","seq":([1-9][0-9]{0,17}),"stream":"(stdout|stderr)","data_base64":"'
+_SERVICE_FORM = "(?:" + _DATA_HEAD + r'([^"]*)"\}|\{"type":"heartbeat"\})'
+_SERVICE_LINE = re.compile("^" + _SERVICE_FORM + "$", re.MULTILINE)
+_ONE_SERVICE_LINE = re.compile(_SERVICE_FORM + "\n\\Z")
+_LONG_DATA_HEAD = re.compile(_DATA_HEAD)
+_SHORT_LINE = 512  # characters; a block that starts with a longer line skips the pattern
+_Line = Tuple[str, ...]  # seq digits, stream, base64 text; all empty for a heartbeat
+
+
+def _service_lines(text: str) -> Optional[List[_Line]]:
+    """The fields of every line of `text` when all are in the service's form, else None.
+
+    Exactly the lines whose JSON value is what the groups say: the block
+    holds no escape, each line is one match and none spans lines. The
+    pattern scans a long line more slowly than strict base64 decoding checks
+    it, so a block that starts with one is only looked at as one data line.
+    """
+    if "\\" in text:
+        return None  # an escape: JSON decides what it stands for
+    if len(text) <= _SHORT_LINE:
+        line = _ONE_SERVICE_LINE.match(text)  # the usual block of live output
+        if line is not None:
+            return [line.groups("")]  # as findall gives it: "" for no group
+    first_end = text.find("\n")
+    if first_end > _SHORT_LINE:  # one long data line by its head; else JSON is faster
+        return _long_data_line(text) if first_end == len(text) - 1 else None
+    lines: List[_Line] = _SERVICE_LINE.findall(text)
+    return lines if len(lines) == text.count("\n") else None
+
+
+def _long_data_line(text: str) -> Optional[List[_Line]]:
+    """A block that is one long data line in the service's form, as one line's fields.
+
+    With no quote between its quotes, the line is exactly what its head and
+    its end say.
+    """
+    head = _LONG_DATA_HEAD.match(text)
+    if head is None or not text.endswith('"}\n'):
+        return None
+    base64 = text[head.end() : -3]
+    return None if '"' in base64 else [(head.group(1), head.group(2), base64)]
+
+
+_JSON = json.JSONDecoder()
+
+
+def _frames(block: bytes, text: Optional[str]) -> Iterator[Any]:
+    """The JSON value of each line of a block of complete lines, in order.
+
+    `text` is the block decoded (None: not UTF-8). A line that is not
+    exactly one JSON value fails after the lines before it were handed out,
+    exactly as json.loads of each line alone decides.
+    """
+    if text is None:
+        for line in block.split(b"\n")[:-1]:
+            yield _line_value(_utf8_line(line))
+        return
+    position = 0
+    while position < len(text):
+        try:
+            value, end = _JSON.raw_decode(text, position)
+        except (ValueError, RecursionError):
+            end = -1
+        if end < 0 or text[end] != "\n":  # whitespace around the value, or worse
+            end = text.index("\n", position)
+            value = _line_value(text[position:end])
+        yield value
+        position = end + 1
+
+
+def _utf8_line(line: bytes) -> str:
+    try:
+        return line.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ProtocolError("an output frame is not UTF-8") from None
+
+
+def _line_value(line: str) -> Any:
+    try:
+        return json.loads(line)
+    except (ValueError, RecursionError):
+        raise ProtocolError("an output frame is not valid JSON") from None
+
+
+def _data_frame(frame: Dict[str, Any]) -> Tuple[int, str, str]:
+    """seq, stream and base64 text of a data frame, checked but for the base64."""
+    seq: Any = frame.get("seq")
+    if not _is_int(seq) or seq < 1:
+        raise ProtocolError("a data frame has no positive integer seq")
+    stream = frame.get("stream")
+    if stream not in _STREAMS:
+        raise ProtocolError("a data frame names an unknown stream")
+    text = frame.get("data_base64")
+    if type(text) is not str:
+        raise ProtocolError("a data frame has no data_base64 string")
+    return seq, stream, text
+
+
+def _stream_error(frame: Dict[str, Any]) -> ProtocolError:
+    """The error an `error` frame reports."""
+    if frame.get("error") == "output_offset_expired":
+        oldest = frame.get("oldest_available_seq")
+        return OutputEvictedError(oldest if _is_int(oldest) else None)
+    return ProtocolError("the output stream reported an error")
+
+
+# By bytes in the last quantum (1 or 2): the characters allowed before its
+# padding, those whose unused bits are zero.
+_CANONICAL_LAST = ("", "AQgw", "AEIMQUYcgkosw048")
+_BASE64 = re.compile(r"(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?\Z")
+
+
+if sys.version_info >= (3, 11):
+    _a2b_base64 = binascii.a2b_base64
+else:
+
+    def _a2b_base64(text: str, strict_mode: bool = False) -> bytes:
+        """a2b_base64 with the strict_mode of Python 3.11 (standard, padded base64 only)."""
+        if strict_mode and not _BASE64.match(text):
+            raise binascii.Error("not strict base64")
+        return binascii.a2b_base64(text)
+
+
+def _base64(text: str) -> bytes:
+    """The payload of canonical base64: standard alphabet, "=" padding, unused bits zero.
+
+    The one definition of what a data frame may carry, whatever route took it.
+    """
+    try:
+        payload = _a2b_base64(text, strict_mode=True)  # novermin: its own before 3.11
+    except ValueError:  # binascii.Error, or a character beyond ASCII
+        raise ProtocolError("a data frame carries invalid base64") from None
+    # strict_mode lets "=" follow a whole last quantum; the length tells.
+    last = len(payload) % 3
+    if len(text) != (len(payload) + 2) // 3 * 4 or (
+        last and text[last - 4] not in _CANONICAL_LAST[last]
+    ):
+        raise ProtocolError("a data frame carries non-canonical base64")
+    return payload
+
+
+class _Exit(NamedTuple):
+    exit_code: Optional[int]
+    signal: Optional[str]
+
+
+_NO_STATUS = _Exit(None, None)  # an exit frame that carries no status
+
+
+# Go-style spellings of signals, as some agents report them.
+_SIGNAL_WORDS = {
+    "hangup": "SIGHUP",
+    "interrupt": "SIGINT",
+    "quit": "SIGQUIT",
+    "illegal instruction": "SIGILL",
+    "trace/breakpoint trap": "SIGTRAP",
+    "aborted": "SIGABRT",
+    "bus error": "SIGBUS",
+    "floating point exception": "SIGFPE",
+    "killed": "SIGKILL",
+    "user defined signal 1": "SIGUSR1",
+    "segmentation fault": "SIGSEGV",
+    "user defined signal 2": "SIGUSR2",
+    "broken pipe": "SIGPIPE",
+    "alarm clock": "SIGALRM",
+    "terminated": "SIGTERM",
+    "stack fault": "SIGSTKFLT",
+    "child exited": "SIGCHLD",
+    "continued": "SIGCONT",
+    "stopped (signal)": "SIGSTOP",
+    "stopped": "SIGTSTP",
+    "stopped (tty input)": "SIGTTIN",
+    "stopped (tty output)": "SIGTTOU",
+    "urgent i/o condition": "SIGURG",
+    "cpu time limit exceeded": "SIGXCPU",
+    "file size limit exceeded": "SIGXFSZ",
+    "virtual timer expired": "SIGVTALRM",
+    "profiling timer expired": "SIGPROF",
+    "window changed": "SIGWINCH",
+    "i/o possible": "SIGIO",
+    "power failure": "SIGPWR",
+    "bad system call": "SIGSYS",
+}
+
+
+# The signals of Linux, where the sandboxes run: a name outside them would be
+# refused by the service after the request.
+_LINUX_SIGNALS = frozenset(_SIGNAL_WORDS.values())
+
+
+_SIGNAL_NUMBER_WORD = re.compile(r"signal ([1-9][0-9]?)\Z")  # Go's words for the others
+_SIGNAL_NAME = re.compile(r"SIG[A-Z0-9]{1,16}\Z")
+
+
+def _exit_status(fields: Dict[str, Any]) -> Optional[_Exit]:
+    """exit_code/signal of an exit frame or a process record; None when neither is set.
+
+    The signal is authoritative: a process that died of one has no exit code.
+    """
+    signal, code = fields.get("signal"), fields.get("exit_code")
+    if signal is not None:
+        if not isinstance(signal, str):
+            raise ProtocolError("an exit status names its signal with a non-string")
+        name = signal if _SIGNAL_NAME.match(signal) else _signal_from_words(signal.lower())
+        if name is None:
+            raise ProtocolError("an exit status names an unknown signal")
+        return _Exit(None, name)
+    if code is None:
+        return None
+    if not _is_int(code) or not 0 <= code <= 255:
+        raise ProtocolError("an exit status is not an integer from 0 to 255")
+    return _Exit(code, None)
+
+
+def _signal_from_words(words: str) -> Optional[str]:
+    numbered = _SIGNAL_NUMBER_WORD.match(words)
+    return "SIG" + numbered.group(1) if numbered else _SIGNAL_WORDS.get(words)
+
+
+def _signal_number(name: str) -> Optional[int]:
+    """The number of a signal name; SIG34 style names (real-time signals) included."""
+    if name[3:].isdigit():
+        return int(name[3:])
+    try:
+        return int(_signal.Signals[name])
+    except KeyError:
+        return None
+
+
+# ==========================================================================
+# 8. Capture: incremental decoders and bounded tails
+# ==========================================================================
+#
+# Each stream has its own incremental decoder, so a character split across
+# frames or reconnects decodes once, and a tail of at most max_output_chars,
+# kept in O(1) amortised per character: memory stays bounded whatever the
+# output's size. The output object builds the result from its tails.
+
+
+_TAIL_PART = 16384  # characters; shorter texts are gathered into one part for the tails
+
+
+class _Output:
+    """What the process printed: a decoder and a tail per stream, plus the tail
+    of both in the order they were written (what `2>&1` would have shown).
+
+    Text goes to on_output (and to a loop over iter_output()) as soon as it
+    is decoded. The tails get it in parts of about _TAIL_PART characters (a
+    long text alone is a part without a copy): a frame costs two list
+    appends here, not an append to each of two tails.
     """
 
     def __init__(
-        self, endpoints: _Endpoints, args: Any, *, port: Any, host: Any, timeout: Any
+        self,
+        encoding: str,
+        errors: str,
+        limit: int,
+        on_output: Optional[OutputCallback],
+        merges_stderr: bool = False,
     ) -> None:
-        if not _is_int(port) or not 1 <= port <= 65535:
-            raise ConfigError("port must be an integer from 1 to 65535.")
-        if not isinstance(host, str) or not _HOST.match(host):
-            raise ConfigError("host must be a host name or an IP address.")
-        self._timeout = _positive_seconds("timeout", timeout)
-        self._endpoints = endpoints
-        self._process_id = endpoints.process_id
-        self._args = args
-        self._port = port
-        self._host = host
+        self._decoder = codecs.getincrementaldecoder(encoding)
+        # The stream each stream's text is: with stderr=subprocess.STDOUT, stderr's
+        # is stdout's everywhere it goes (decoded apart: each pipe's bytes are whole).
+        self._into = {"stdout": "stdout", "stderr": "stdout" if merges_stderr else "stderr"}
+        self._errors = errors
+        self._limit = limit
+        self._on_output = on_output
+        self._deliver = on_output  # on_output, a loop's taker, both, or None
+        self._part_size = min(_TAIL_PART, limit // 16)
+        self.evicted = False  # the service dropped output nobody had read
+        self._decoders = {name: self._decoder(errors) for name in _STREAMS}
+        self.tails = {name: _Tail(limit) for name in _STREAMS}
+        self.combined = _Tail(limit)
+        # Texts not yet in the tails: per stream, and of both in order.
+        self._recent: Dict[str, List[str]] = {name: [] for name in _STREAMS}
+        self._recent_both: List[str] = []
+        self._recent_size = 0
 
-    def until_open(
-        self, finish: Callable[[float], ExecResult], cancel: Optional[threading.Event]
-    ) -> None:
-        """Return once the port accepts a connection. ProcessEndedError, with the
-        result `finish` (the process's wait) gives, when the process ends first;
-        WaitTimeout at the timeout, the process running on; CancelledError once
-        `cancel` (the run's) is set."""
-        deadline = _Deadline.after(self._timeout, "wait", time.monotonic(), cancel)
-        try:
-            pid = self._target_pid(deadline)
-            exited = _PROBE_GONE if pid is None else self._probe(pid, deadline)
-        except CancelledError:
-            exited = None
-        if exited == _PROBE_OPEN:
+    def drop_all(self) -> None:
+        """Forget what was read: the output after it is what is kept now, its head dropped."""
+        self.evicted = True
+        self._decoders = {name: self._decoder(self._errors) for name in _STREAMS}
+        self.tails = {name: _Tail(self._limit, dropped=True) for name in _STREAMS}
+        self.combined = _Tail(self._limit, dropped=True)
+        for texts in self._recent.values():
+            texts.clear()
+        self._recent_both.clear()
+        self._recent_size = 0
+
+    @property
+    def live(self) -> bool:
+        """Whether someone takes the output as it comes (and would see a gap in it)."""
+        return self._deliver is not None
+
+    def hand_to(self, taker: Optional[OutputCallback]) -> None:
+        """Hand each text to `taker` too, after on_output; None: to on_output alone."""
+        on_output = self._on_output
+        if taker is None or on_output is None:
+            self._deliver = taker or on_output
             return
-        if exited == _PROBE_GONE:
-            self._raise_ended(finish, deadline)
-        if exited is not None and exited != _PROBE_LIMIT:
-            raise CreateOSError(
-                "The port probe in the sandbox ended without an answer.",
-                process_id=self._process_id,
+
+        def both(stream: str, text: str) -> None:
+            on_output(stream, text)
+            taker(stream, text)
+
+        self._deliver = both
+
+    def feed(self, stream: str, payload: bytes, final: bool = False) -> None:
+        text: str = self._decoders[stream].decode(payload, final)
+        if text:
+            stream = self._into[stream]
+            self._recent[stream].append(text)
+            self._recent_both.append(text)
+            self._recent_size += len(text)
+            if self._recent_size > self._part_size:
+                self._file_recent()
+            if self._deliver is not None:
+                self._deliver(stream, text)
+
+    def _file_recent(self) -> None:
+        for name, texts in self._recent.items():
+            if texts:
+                self.tails[name].append("".join(texts))  # one text is not copied
+                texts.clear()
+        if self._recent_both:
+            self.combined.append("".join(self._recent_both))
+            self._recent_both.clear()
+        self._recent_size = 0
+
+    def texts(self) -> Tuple[str, str]:
+        """The tails of stdout and stderr as they stand; the decoders keep what they hold."""
+        self._file_recent()
+        return self.tails["stdout"].text(), self.tails["stderr"].text()
+
+    def finish(self, hand_out: bool) -> None:
+        """Decode what the decoders hold back (a character cut off at the end),
+        handing it out unless `hand_out` is false, and fill the tails."""
+        if not hand_out:
+            self._on_output = self._deliver = None
+        for name in _STREAMS:
+            self.feed(name, b"", final=True)
+        self._file_recent()
+
+    def result(
+        self, exited: Optional[_Exit], *, timed_out: bool, partial: bool, **about: Any
+    ) -> ExecResult:
+        """The result of a run that ended with `status` (None: not known) or at its
+        deadline: the tails, once the decoders gave up what they held (handed out
+        unless the result is `partial`), and `about` the run, ExecResult's other fields."""
+        self.finish(hand_out=not partial)
+        out, err = self.tails["stdout"], self.tails["stderr"]
+        return ExecResult(
+            exit_code=None if timed_out or exited is None else exited.exit_code,
+            signal=None if exited is None else exited.signal,
+            timed_out=timed_out,
+            stdout=out.text(),
+            stderr=err.text(),
+            stdout_truncated=out.truncated,
+            stderr_truncated=err.truncated,
+            output=self.combined.text(),
+            combined_truncated=self.combined.truncated,
+            output_evicted=self.evicted,
+            **about,
+        )
+
+
+class _Tail:
+    """The last `limit` characters of a stream, O(1) amortised per character.
+
+    It is handed parts, not single frames (_Output gathers them), and drops
+    its head in whole parts, a quarter of `limit` at a time: the deque sees
+    one part per thousands of characters.
+    """
+
+    def __init__(self, limit: int, dropped: bool = False) -> None:
+        self._limit = limit
+        self._high = limit + limit // 4  # held at most, beyond the part just appended
+        self._parts: Deque[str] = collections.deque()
+        self._size = 0  # characters in _parts
+        self.truncated = dropped  # its head was dropped, or will be: it outgrew the limit
+
+    def append(self, part: str) -> None:
+        self._parts.append(part)
+        self._size += len(part)
+        if self._size > self._limit:
+            self.truncated = True
+            if self._size > self._high:
+                self._drop_head()
+
+    def _drop_head(self) -> None:
+        """Drop whole parts while the rest still holds `limit` characters."""
+        parts = self._parts
+        while parts and self._size - len(parts[0]) >= self._limit:
+            self._size -= len(parts.popleft())
+
+    def text(self) -> str:
+        if self._size > self._limit:
+            self._drop_head()
+        parts = iter(self._parts)
+        head = next(parts, "")[max(0, self._size - self._limit) :]
+        return "".join(itertools.chain((head,), parts))  # one copy of the tail, no more
+
+
+# ==========================================================================
+# 9. Transport: requests, retries, the one exception map
+# ==========================================================================
+#
+# Every request goes through _Transport: paced by the shared window, its
+# timeouts cut to the one deadline, its transport failures translated in one
+# place (_transport_failure), never redirected, the key sent only as
+# X-Api-Key. What is worth another attempt is a _Retryable, spent against a
+# _Budget that resets on progress.
+
+
+class _Transport:
+    """Requests to one API origin: pacing, the key header, no redirects, status
+    triage, and retries under the client's policy. It holds the client's
+    timeouts too: everything that sends a request asks it."""
+
+    def __init__(
+        self,
+        base: str,
+        api_key: str,
+        session: requests.Session,
+        limiter: Optional[_RateLimiter],
+        *,
+        request_timeout: float,
+        stream_idle_timeout: float,
+        cleanup_timeout: float,
+        retry: RetryPolicy,
+    ) -> None:
+        self.base = base
+        self.request_timeout = request_timeout
+        self.stream_idle_timeout = stream_idle_timeout
+        self.cleanup_timeout = cleanup_timeout
+        # Between SIGTERM and SIGKILL, capped so that a DELETE that waits it out
+        # fits in the cleanup deadline; the sandbox's watchdog keeps the same.
+        self.termination_grace = min(_TERMINATE_GRACE, cleanup_timeout / 2)
+        self.retry = retry
+        self._auth = _OnlyTheKey(api_key)
+        self._session = session
+        self._limiter = limiter
+
+    def call(
+        self,
+        method: str,
+        path: str,
+        *,
+        operation: str,
+        deadline: _Deadline,
+        read_timeout: Optional[float] = None,
+        process_id: Optional[str] = None,
+        **request: Any,
+    ) -> requests.Response:
+        """One request, retried under the retry policy while it fails and time remains.
+        A cancel ends its waits (see _Deadline.pause)."""
+        budget = _Budget(self.retry)
+        while True:
+            answer = self.attempt(
+                method,
+                path,
+                operation=operation,
+                read_timeout=read_timeout,
+                deadline=deadline,
+                process_id=process_id,
+                **request,
             )
-        if deadline.cancelled():
-            raise CancelledError(process_id=self._process_id)
-        raise WaitTimeout(self._args, self._timeout, process_id=self._process_id, port=self._port)
+            if not isinstance(answer, _Retryable):
+                return answer
+            delay = budget.delay_within(answer.retry_after, deadline)
+            if delay is None:
+                raise answer.final(process_id) from answer.__cause__
+            deadline = deadline.pause(delay)  # the run names the process on a cancel
 
-    def _target_pid(self, deadline: _Deadline) -> Optional[int]:
-        """The target's pid, or None once its leader has exited (or it is gone)."""
+    def attempt(self, method: str, path: str, **send: Any) -> Union[requests.Response, _Retryable]:
+        """The response, or the failure worth another attempt (returned, not raised:
+        the public error raised for it must not have it as its context)."""
         try:
-            record = self._endpoints.record(deadline)
-        except APIError as refused:
-            if refused.status == 404:  # the service no longer keeps it: it has ended
-                return None
-            raise
-        if record.get("leader_exited") is True:
-            return None
-        pid: Any = record.get("pid")
-        if not _is_int(pid) or pid < 1:
-            raise ProtocolError("the process record has no valid pid", process_id=self._process_id)
-        return int(pid)
+            return self.send(method, path, **send)
+        except _Retryable as failure:
+            return failure
 
-    def _probe(self, pid: int, deadline: _Deadline) -> Optional[_Exit]:
-        """The probe's exit status, or None at the deadline or its cancel; the probe
-        is gone either way."""
-        limit = math.ceil(self._timeout) + 2  # a backstop: the DELETE comes first
-        argv = [str(pid), self._host, str(self._port), str(limit)]
-        command = ["bash", "-c", _PROBE_SCRIPT, "createos_exec-port-probe", *argv]
-        sandbox = self._endpoints.sandbox
-        probe, _ = _Launch(sandbox, _plan(command, _Options())).create(deadline)
+    def send(
+        self,
+        method: str,
+        path: str,
+        *,
+        operation: str,
+        deadline: _Deadline,
+        read_timeout: Optional[float] = None,
+        process_id: Optional[str] = None,
+        params: Optional[Dict[str, Any]] = None,
+        json_body: Any = None,
+        data: Optional[bytes] = None,
+        data_type: str = "application/octet-stream",
+        stream: bool = False,
+        ok_statuses: Tuple[int, ...] = (),
+    ) -> requests.Response:
+        """One attempt: a 2xx (or an `ok_statuses`) response; any other status raises.
+
+        Connecting takes at most request_timeout, reading `read_timeout` (by default
+        request_timeout too), both cut to what remains of `deadline`, which with its cancel
+        ends a wait in the pacing window too (one that the deadline ends is a request
+        never sent). `data` is a raw body of `data_type` (a JSON body built by hand
+        costs less)."""
+        logger.debug("%s %s", method, path)
+        headers = {}
+        if data is not None:
+            headers["Content-Type"] = data_type
+        if stream:
+            # Compression on the way (gzip in a proxy) would hold live output back.
+            headers["Accept-Encoding"] = "identity"
+        timeout = (
+            deadline.within(self.request_timeout),
+            deadline.within(read_timeout or self.request_timeout),
+        )
+        place = None
+        if self._limiter is not None:
+            place = self._limiter.acquire(sum(timeout), deadline)
+            if place is None:
+                address = _address(self.base)
+                raise _Retryable(operation, maybe_sent=False, address=address, reason="timeout")
+        status: Optional[int] = None
         try:
-            follower = _Follower(probe, _Options(), args=command, started=time.monotonic())
-            return _to_end(follower.follow(deadline))
-        except (_TimedOut, CancelledError):
-            return None
+            with _transport_errors(operation, self.base):
+                response = self._session.request(
+                    method,
+                    self.base + path,
+                    params=params,
+                    json=json_body,
+                    data=data,
+                    headers=headers,
+                    auth=self._auth,
+                    timeout=timeout,
+                    stream=stream,
+                    allow_redirects=False,  # requests would forward X-Api-Key to the new host
+                )
+            status = response.status_code
         finally:
-            with contextlib.suppress(CleanupError):  # logged; the probe's limit ends it
-                probe.delete(grace=0.0)
+            if place is not None and self._limiter is not None:
+                self._limiter.release(place, status)
+        if 200 <= response.status_code < 300 or response.status_code in ok_statuses:
+            return response
+        raise _refusal(response, operation, process_id)
 
-    def _raise_ended(self, finish: Callable[[float], ExecResult], deadline: _Deadline) -> NoReturn:
-        result: Optional[ExecResult]
+
+class _OnlyTheKey(requests.auth.AuthBase):
+    """Every request's one credential: X-Api-Key.
+
+    As a request's own auth it keeps requests from reading ~/.netrc (which
+    would add Authorization: Basic), and it removes the other credential
+    headers from whatever the session adds.
+    """
+
+    def __init__(self, api_key: str) -> None:
+        self._api_key = api_key
+
+    def __call__(self, request: requests.PreparedRequest) -> requests.PreparedRequest:
+        for name in _OTHER_CREDENTIALS:
+            request.headers.pop(name, None)
+        request.headers["X-Api-Key"] = self._api_key
+        return request
+
+    def __repr__(self) -> str:
+        return "_OnlyTheKey(<key>)"
+
+
+# Headers the service reads before X-Api-Key (protocol.md 1): sent by
+# accident, one of them decides whose call it is.
+_OTHER_CREDENTIALS = ("Authorization", "X-Auth-Token", "X-Access-Token")
+
+
+def _refusal(
+    response: requests.Response, operation: str, process_id: Optional[str]
+) -> Union[_Retryable, APIError]:
+    """What a status other than 2xx says: one worth another attempt, or an APIError."""
+    status = response.status_code
+    retry_after = _retry_after(response.headers.get("Retry-After"))
+    response.close()
+    if status in (408, 429) or status >= 500:
+        return _Retryable(operation, status=status, retry_after=retry_after)
+    return APIError(status, operation, process_id=process_id)
+
+
+def _jsend_data(response: requests.Response, operation: str) -> Any:
+    """The `data` of a JSend success envelope."""
+    if response.status_code in (204, 205) and not response.content:
+        return None
+    try:
+        body = response.json()
+    except (ValueError, RecursionError):
+        raise ProtocolError(f"the answer to {operation} is not JSON") from None
+    if not isinstance(body, dict) or body.get("status") != "success":
+        raise ProtocolError(f"the answer to {operation} is not a JSend success envelope")
+    return body.get("data")
+
+
+def _new_session() -> requests.Session:
+    session = requests.Session()
+    adapter = requests.adapters.HTTPAdapter(pool_maxsize=64)  # threads share one client
+    session.mount("https://", adapter)
+    session.mount("http://", adapter)
+    return session
+
+
+@dataclasses.dataclass(eq=False)
+class _Retryable(Exception):
+    """A failure worth another attempt: transport trouble, 408/429/5xx."""
+
+    operation: str
+    status: Optional[int] = None
+    retry_after: Optional[float] = None
+    maybe_sent: bool = True
+    address: Optional[str] = None  # of TransportError
+    reason: Optional[str] = None  # of TransportError
+
+    def final(self, process_id: Optional[str]) -> CreateOSError:
+        """The public error to raise once no attempt is left."""
+        if self.status is not None:
+            return APIError(self.status, self.operation, process_id=process_id)
+        return TransportError(
+            self.operation, process_id=process_id, address=self.address, reason=self.reason
+        )
+
+
+# What the HTTP stack raises: urllib3's and http.client's errors and OSError,
+# which requests' own exceptions are too.
+_LOW_LEVEL_ERRORS = (urllib3.exceptions.HTTPError, http.client.HTTPException, OSError)
+_TRANSIENT_REQUEST_ERRORS = (
+    requests.exceptions.Timeout,
+    requests.exceptions.ChunkedEncodingError,
+    requests.exceptions.ContentDecodingError,
+)
+
+
+@contextlib.contextmanager
+def _transport_errors(operation: str, origin: Optional[str] = None) -> Iterator[None]:
+    """Exceptions of the HTTP stack raised inside, translated by _transport_failure."""
+    try:
+        yield
+    except _LOW_LEVEL_ERRORS as exc:
+        raise _transport_failure(exc, operation, origin) from exc
+
+
+def _transport_failure(exc: BaseException, operation: str, origin: Optional[str]) -> Exception:
+    """The one place where exceptions of the HTTP stack are translated.
+
+    Their text is never copied: requests puts URLs (and so ids) into messages.
+    What is kept is the API's host and port, and the kind of failure.
+    """
+    address, kind = _address(origin), _unreachable_reason(exc)
+    if isinstance(exc, requests.exceptions.SSLError):
+        return TransportError(operation, address=address, reason=kind)
+    if isinstance(exc, requests.exceptions.ConnectTimeout):
+        return _Retryable(operation, maybe_sent=False, address=address, reason=kind)
+    if isinstance(exc, requests.exceptions.ConnectionError):
+        reason = getattr(exc.args[0], "reason", None) if exc.args else None
+        not_sent = isinstance(reason, urllib3.exceptions.NewConnectionError)
+        return _Retryable(operation, maybe_sent=not not_sent, address=address, reason=kind)
+    if isinstance(exc, requests.exceptions.RequestException) and not isinstance(
+        exc, _TRANSIENT_REQUEST_ERRORS
+    ):
+        # A request that could not be made as asked.
+        return TransportError(operation, address=address, reason=kind)
+    return _Retryable(operation, address=address, reason=kind)
+
+
+def _address(origin: Optional[str]) -> Optional[str]:
+    """host:port of an API URL (never a secret: _api_base refuses user information)."""
+    if origin is None:
+        return None
+    parts = urllib.parse.urlsplit(origin)
+    host = parts.hostname or ""
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+# The exceptions below an HTTP failure that say what kind it was, the most
+# telling first. Not urllib3's timeout classes: its NewConnectionError is one
+# too, whatever the failure; a real timeout has socket.timeout below it.
+_FAILURE_KINDS: Tuple[Tuple[str, Tuple[Type[BaseException], ...]], ...] = (
+    ("dns", (socket.gaierror, getattr(urllib3.exceptions, "NameResolutionError", socket.gaierror))),
+    ("refused", (ConnectionRefusedError,)),
+    ("tls", (urllib3.exceptions.SSLError, requests.exceptions.SSLError)),
+    ("timeout", (socket.timeout, requests.exceptions.Timeout)),
+    ("reset", (ConnectionResetError,)),
+)
+
+
+def _unreachable_reason(exc: BaseException) -> Optional[str]:
+    """The kind of an HTTP failure (a key of _UNREACHABLE), found in its chain of causes."""
+    causes = list(_causes(exc))
+    for kind, classes in _FAILURE_KINDS:
+        if any(isinstance(cause, classes) for cause in causes):
+            return kind
+    return None
+
+
+def _causes(exc: BaseException, most: int = 16) -> Iterator[BaseException]:
+    """exc and what lies below it: urllib3's `reason`, wrapped arguments, causes, contexts."""
+    pending: List[BaseException] = [exc]
+    seen: Set[int] = set()
+    while pending and len(seen) < most:
+        cause = pending.pop(0)
+        if id(cause) in seen:
+            continue
+        seen.add(id(cause))
+        yield cause
+        below = [getattr(cause, "reason", None), *cause.args, cause.__cause__, cause.__context__]
+        pending.extend(item for item in below if isinstance(item, BaseException))
+
+
+def _retry_after(value: Optional[str]) -> Optional[float]:
+    """Retry-After as seconds (delta-seconds or HTTP date); unparsable means absent."""
+    if not value:
+        return None
+    value = value.strip()
+    if re.fullmatch(r"[0-9]+", value):
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when is None or when.tzinfo is None:
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+class _Budget:
+    """The failures of one run without progress; it resets whenever progress is made."""
+
+    def __init__(self, policy: RetryPolicy) -> None:
+        self._policy = policy
+        self._failures = 0
+        self._since: Optional[float] = None
+
+    def progress(self) -> None:
+        self._failures = 0
+        self._since = None
+
+    def next_delay(self, retry_after: Optional[float] = None) -> Optional[float]:
+        """Count one failure; the delay before the next attempt, or None when spent."""
+        now = time.monotonic()
+        if self._since is None:
+            self._since = now
+        self._failures += 1
+        left = self._policy.budget - (now - self._since)
+        if self._failures >= self._policy.max_attempts or left <= 0:
+            return None
+        if retry_after is not None:
+            delay = min(retry_after, self._policy.max_retry_after)
+        elif self._failures == 1:
+            # A connection that breaks after progress (a recycled proxy
+            # connection, a reset) is most likely fine at once; back off
+            # only when failures follow each other.
+            delay = 0.0
+        else:
+            ceiling = self._policy.initial_backoff * 2 ** (self._failures - 2)
+            delay = random.uniform(0, min(self._policy.max_backoff, ceiling))
+        return min(delay, left)
+
+    def delay_within(self, retry_after: Optional[float], deadline: _Deadline) -> Optional[float]:
+        """next_delay(), or None too when the deadline would pass before it is over."""
+        delay = self.next_delay(retry_after)
+        left = deadline.remaining()
+        return None if delay is None or (left is not None and left <= delay) else delay
+
+
+# ==========================================================================
+# 10. Deadlines and pacing
+# ==========================================================================
+#
+# One deadline type for every wait: when it ends, which kind of limit it
+# is, and the events that end it sooner (a run's cancel, a cleanup's hurry).
+# The rate limiter is a sliding window per API origin, shared by threads and
+# by this user's processes through one file; below the limit it adds no
+# delay.
+
+
+class _Deadline(NamedTuple):
+    """When waiting must stop, on the monotonic clock (None: never), and which
+    kind of limit that is: the command's `timeout`, a wait's own
+    (`wait(timeout=)`, `iter_output(timeout=)`, `wait_for_port(timeout=)`,
+    `communicate(timeout=)`) or a cleanup's. The one who meets it knows which
+    fired. What may end a wait sooner travels with when it must end: `cancel`,
+    the run's event, stops every wait under it (CancelledError); `hurry`, the
+    event that asked for a cleanup, cuts the cleanup's next wait short, once.
+    A deadline carries one of the two at most. Every wait under a deadline
+    ends at it, or at its event, whichever comes first."""
+
+    at: Optional[float] = None
+    kind: str = "command"
+    seconds: Optional[float] = None  # the timeout it was made from
+    cancel: Optional[threading.Event] = None
+    hurry: Optional[threading.Event] = None
+
+    @classmethod
+    def after(
+        cls,
+        seconds: Optional[float],
+        kind: str,
+        now: float,
+        cancel: Optional[threading.Event] = None,
+        hurry: Optional[threading.Event] = None,
+    ) -> "_Deadline":
+        """`seconds` (None: no deadline) from `now`; a ConfigError for anything but
+        a number >= 0, before anything waits."""
+        if seconds is None:
+            return cls(None, kind, None, cancel, hurry)
+        if not _is_number(seconds) or not seconds >= 0:
+            raise ConfigError(f"The {kind} timeout must be a number of seconds >= 0, or None.")
+        return cls(now + seconds, kind, seconds, cancel, hurry)
+
+    def sooner(self, other: "_Deadline") -> "_Deadline":
+        """Whichever comes first (this one on a tie), with either's events."""
+        first = self if other.at is None or (self.at is not None and self.at <= other.at) else other
+        return first._replace(cancel=self.cancel or other.cancel, hurry=self.hurry or other.hurry)
+
+    def remaining(self) -> Optional[float]:
+        return None if self.at is None else self.at - time.monotonic()
+
+    def within(self, seconds: float) -> float:
+        """`seconds`, cut to what remains; never 0 (urllib3 refuses a zero timeout):
+        an expired deadline is caught by the caller."""
+        if self.at is None:
+            return seconds
+        return max(0.001, min(seconds, self.at - time.monotonic()))
+
+    def expired(self) -> bool:
+        return self.at is not None and time.monotonic() >= self.at
+
+    def cancelled(self) -> bool:
+        return self.cancel is not None and self.cancel.is_set()
+
+    def check(self, process_id: Optional[str] = None) -> None:
+        """CancelledError once the cancel is set; _TimedOut once the deadline has passed."""
+        if self.cancel is not None and self.cancel.is_set():
+            raise CancelledError(process_id=process_id)
+        if self.at is not None and time.monotonic() >= self.at:
+            raise _TimedOut(self)
+
+    def sleep(self, seconds: float) -> bool:
+        """The one place a run sleeps: `seconds`, at most to the deadline, or until
+        the cancel or the hurry is set (then True). Ctrl-C interrupts either
+        (Event.wait is interruptible, as time.sleep is)."""
+        left = self.remaining()
+        seconds = seconds if left is None else max(0.0, min(seconds, left))
+        event = self.cancel or self.hurry
+        if event is None:
+            time.sleep(seconds)
+            return False
+        return event.wait(seconds)
+
+    def pause(self, seconds: float) -> "_Deadline":
+        """Wait `seconds` (at most to the deadline) before the next attempt; the
+        deadline to go on under.
+
+        The cancel ends the wait at once: CancelledError. The hurry cuts it
+        short once instead, and the cleanup goes on at once, then at its own pace.
+        """
+        if not self.sleep(seconds):
+            return self
+        if self.cancelled():
+            raise CancelledError()
+        return self._replace(hurry=None)
+
+
+class _TimedOut(Exception):
+    """A wait's deadline expired; args[0] is that _Deadline."""
+
+
+_ENDLESS = _Deadline()  # no deadline, nothing that interrupts
+
+
+_PACING_POLL = 0.05  # seconds between looks at a full window
+_LONGEST_HOLD = 86_400.0  # seconds a request holds its place at most before it is answered
+_EPOCH_SLACK = 5.0  # seconds the epoch of the monotonic clock may move between two writers
+_WIN_BACK = 16  # periods a narrowed window takes at the fastest to win its whole limit back
+
+
+class _Place(NamedTuple):
+    """A request's place in a window: its token, and when it was let through."""
+
+    token: int
+    let_through: float
+
+
+@dataclasses.dataclass
+class _Window:
+    """One sliding window, on the monotonic clock: the places of requests on
+    their way (token -> the latest they free), the times at which the places
+    of answered requests free (in order), and how many places it allows now
+    (the limit, or fewer since a 429)."""
+
+    allowance: float
+    narrowed_at: float = -math.inf
+    on_the_way: Dict[int, float] = dataclasses.field(default_factory=dict)
+    answered: array.array[float] = dataclasses.field(default_factory=lambda: array.array("d"))
+
+    def expire(self, now: float) -> None:
+        del self.answered[: bisect.bisect_right(self.answered, now)]
+        if self.on_the_way and min(self.on_the_way.values()) <= now:  # its process died
+            self.on_the_way = {t: frees for t, frees in self.on_the_way.items() if frees > now}
+
+    def held(self) -> int:
+        return len(self.on_the_way) + len(self.answered)
+
+    def first_free(self) -> float:
+        return min(itertools.chain(self.answered[:1], self.on_the_way.values()))
+
+    def answer(self, token: int, frees: float) -> None:
+        self.on_the_way.pop(token, None)
+        bisect.insort(self.answered, frees)
+
+
+_WINDOWS_FILE = "windows"  # the one file of every shared window, in the folder of _window_file
+_WINDOW_MAGIC = b"cxpace2\n"
+_FILE_HEAD = struct.Struct("=8sd")
+_WINDOW_HEAD = struct.Struct("=16sddddQQ")
+_WINDOW_PLACE = struct.Struct("=dQ")
+_WINDOW_TIME = struct.Struct("=d")  # array "d", native
+
+
+class _SharedWindow:
+    """The window of one origin and limit, kept with those of every other in
+    the one file that the processes of this user on this machine share (see
+    _window_file).
+
+    The file, in native byte order (it never leaves the machine), is a head
+    (_FILE_HEAD: magic, clock epoch) and then the windows one after the
+    other to its end, each a head (_WINDOW_HEAD: its key, until when it is
+    of use, period, allowance, narrowed at, how many places are on their
+    way, how many are answered), the places on their way
+    (_WINDOW_PLACE: the latest each frees, its token), then the times the
+    answered ones free, ascending (_WINDOW_TIME). The key is the first 16
+    bytes of the SHA-256 of the origin, the limit and the period.
+
+    The file is opened and locked (flock) only while it is read and written,
+    never while a request is on its way. Times are on the monotonic clock,
+    which the processes of one machine share; the head keeps its epoch (wall
+    time minus monotonic time). A file whose epoch differs (another boot, a
+    clock stepped) or that is not whole starts afresh, and so does a window
+    that no process can have written. A place held by a process that died
+    frees when its time is over, like any other.
+
+    Each write leaves out the windows that are of use no more (they hold no
+    place, and no narrowing younger than _WIN_BACK periods), so the file
+    holds the windows in use and no more; those of other origins and limits
+    are copied as they are, read no further than their heads. Being one
+    file for every origin, it is never removed: nothing piles up however
+    many origins come and go (local servers on random ports), and no
+    process can lock a file that another has just removed, with the places
+    it then wrote seen by nobody.
+    """
+
+    def __init__(self, path: str, key: bytes, limit: int, period: float) -> None:
+        self.path = path
+        self._key = key
+        self._limit = limit
+        self._period = period
+
+    def update(self, change: Callable[[_Window, float], _T]) -> _T:
+        """`change` applied to the window, which the file holds before and after."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            result = finish(max(_ENDED_GRACE, deadline.remaining() or 0.0))
-        except CommandError as failed:  # check=True: the result all the same
-            result = failed.result
-        raise ProcessEndedError(self._port, process_id=self._process_id, result=result)
+            fcntl.flock(fd, fcntl.LOCK_EX)  # released when the file is closed
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+                raise PermissionError("the shared window file is not this user's alone")
+            now = time.monotonic()
+            window, others = self._read(os.pread(fd, info.st_size, 0), now)
+            result = change(window, now)
+            epoch = time.time() - now
+            data = b"".join(
+                [_FILE_HEAD.pack(_WINDOW_MAGIC, epoch), *others, self._encoded(window, now)]
+            )
+            os.pwrite(fd, data, 0)
+            os.ftruncate(fd, len(data))
+            return result
+        finally:
+            os.close(fd)
+
+    def _read(self, data: bytes, now: float) -> Tuple[_Window, List[bytes]]:
+        """This window in the file's `data` (a fresh one unless the file holds a
+        sound one), and the records of the other windows still of use."""
+        fresh = _Window(float(self._limit))
+        if len(data) < _FILE_HEAD.size:
+            return fresh, []
+        magic, epoch = _FILE_HEAD.unpack_from(data)
+        if magic != _WINDOW_MAGIC or not abs(epoch - (time.time() - now)) <= _EPOCH_SLACK:
+            return fresh, []
+        window, others, offset = fresh, [], _FILE_HEAD.size
+        while offset < len(data):  # each other window costs a look at its head, no more
+            if len(data) - offset < _WINDOW_HEAD.size:
+                return fresh, []  # torn, or not written by this code
+            head = _WINDOW_HEAD.unpack_from(data, offset)
+            key, until, period, _, _, on_the_way, answered = head
+            start, offset = offset, offset + _WINDOW_HEAD.size
+            offset += on_the_way * _WINDOW_PLACE.size + answered * _WINDOW_TIME.size
+            if offset > len(data):
+                return fresh, []
+            if not now < until < now + _LONGEST_HOLD + _WIN_BACK * period:
+                continue  # of no use any more, or written by no process
+            if key != self._key:
+                others.append(data[start:offset])
+            else:
+                window = self._window(data, start, head, now) or fresh
+        return window, others
+
+    def _window(
+        self, data: bytes, offset: int, head: Tuple[Any, ...], now: float
+    ) -> Optional[_Window]:
+        """The window whose record is at `offset`; None unless some process can have written it."""
+        _, _, _, allowance, narrowed_at, on_the_way, answered = head
+        places = offset + _WINDOW_HEAD.size
+        times = places + on_the_way * _WINDOW_PLACE.size
+        window = _Window(allowance, narrowed_at)
+        for frees, token in _WINDOW_PLACE.iter_unpack(data[places:times]):
+            window.on_the_way[token] = frees
+        window.answered.frombytes(data[times : times + answered * _WINDOW_TIME.size])
+        sound = 1 <= allowance <= self._limit and narrowed_at <= now
+        return window if sound and self._last(window) < now + _LONGEST_HOLD + self._period else None
+
+    def _encoded(self, window: _Window, now: float) -> bytes:
+        """The record of `window`, or nothing once it is of no use: it holds no
+        place, and no narrowing it has not won back."""
+        window.expire(now)
+        until = self._last(window)
+        if window.allowance < self._limit:
+            until = max(until, window.narrowed_at + _WIN_BACK * self._period)
+        if until <= now:
+            return b""
+        head = (self._key, until, self._period, window.allowance, window.narrowed_at)
+        return b"".join(
+            [
+                _WINDOW_HEAD.pack(*head, len(window.on_the_way), len(window.answered)),
+                *(_WINDOW_PLACE.pack(f, t) for t, f in window.on_the_way.items()),
+                window.answered.tobytes(),
+            ]
+        )
+
+    @staticmethod
+    def _last(window: _Window) -> float:
+        """When the last of its places frees: the answered ones free in order."""
+        return max(
+            itertools.chain(window.answered[-1:], window.on_the_way.values()), default=-math.inf
+        )
 
 
-# --------------------------------------------------------------------------
-# The scripts the sandbox runs
-# --------------------------------------------------------------------------
+def _window_file(origin: str, limit: int, period: float) -> Optional[_SharedWindow]:
+    """The shared window of this origin and limit, or None where there is none.
+
+    Its file, the one of every window, is in a folder of this user's alone
+    (mode 0700) under $XDG_RUNTIME_DIR, else the temp directory; without
+    fcntl (Windows), or when that folder is not safely ours, each process
+    paces alone.
+    """
+    if fcntl is None:
+        return None
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    if not (os.path.isabs(runtime) and os.path.isdir(runtime)):
+        runtime = ""
+    try:  # gettempdir() raises when no temp directory is usable
+        folder = os.path.join(runtime or tempfile.gettempdir(), f"createos_exec-{os.getuid()}")
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(folder, 0o700)
+        info = os.lstat(folder)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        logger.debug("Pacing is per process: %s is not this user's alone", folder)
+        return None
+    key = hashlib.sha256(f"{origin} {limit} {period!r}".encode()).digest()[:16]
+    return _SharedWindow(os.path.join(folder, _WINDOWS_FILE), key, limit, period)
+
+
+class _RateLimiter:
+    """Sliding-window pacing of every request sent to one API origin.
+
+    A request holds its place from the moment it is let through until its
+    answer starts (or it fails), and for one period after that: a server that
+    counts arrivals never sees more than `limit` in any window, however long
+    requests queue on the way. The window is shared by the threads of this
+    process and, through a file, by the processes of this user on this
+    machine. After a 429 it allows half as many requests (once per round of
+    requests let through), and wins the rest back as answers come.
+    """
+
+    _shared: Dict[Tuple[str, int, float], "_RateLimiter"] = {}
+    _shared_lock = threading.Lock()
+
+    def __init__(self, limit: int, period: float, file: Optional[_SharedWindow] = None) -> None:
+        self._limit = limit
+        self._period = period
+        self._own = _Window(float(limit))  # the window, unless `file` holds it
+        self._file = file
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_origin(cls, origin: str, limit: int, period: float) -> "_RateLimiter":
+        with cls._shared_lock:
+            key = (origin, limit, period)
+            if key not in cls._shared:
+                cls._shared[key] = cls(limit, period, _window_file(origin, limit, period))
+            return cls._shared[key]
+
+    def acquire(self, hold: float = math.inf, deadline: _Deadline = _ENDLESS) -> Optional[_Place]:
+        """Wait for a place in the window; hand it to release() once answered.
+        None when `deadline` passed first.
+
+        `hold` is the longest the request can take to arrive (its timeouts):
+        should release() never come, the place frees that long plus a period
+        after it was let through. The cancel of `deadline` ends the wait; its
+        hurry lets it through at once, over the limit if need be: the
+        termination a cancel asks for waits for no other request.
+        """
+        hold = min(hold, _LONGEST_HOLD)
+        first = False
+        while True:
+            taken = self._update(functools.partial(self._take, hold, first))
+            if isinstance(taken, _Place):
+                return taken
+            if deadline.expired():
+                return None
+            hurried = deadline.pause(min(taken, _PACING_POLL))
+            first = hurried.hurry is None and deadline.hurry is not None
+            deadline = hurried
+
+    def release(self, place: _Place, status: Optional[int] = None) -> None:
+        """The answer to the request of `place` started (its status), or it failed (None)."""
+        self._update(functools.partial(self._settle, place, status))
+
+    def _update(self, change: Callable[[_Window, float], _T]) -> _T:
+        with self._lock:
+            if self._file is not None:
+                try:
+                    return self._file.update(change)
+                except OSError:
+                    logger.debug("Pacing is per process from now on: the window file failed")
+                    self._file = None
+            return change(self._own, time.monotonic())
+
+    def _take(self, hold: float, first: bool, window: _Window, now: float) -> Union[_Place, float]:
+        """A place (`first`: even in a full window), or the seconds until the first one frees."""
+        window.expire(now)
+        if first or window.held() < int(window.allowance):
+            place = _Place(random.getrandbits(64), now)
+            window.on_the_way[place.token] = now + hold + self._period
+            return place
+        return window.first_free() - now
+
+    def _settle(self, place: _Place, status: Optional[int], window: _Window, now: float) -> None:
+        window.answer(place.token, now + self._period)
+        if status == 429 and place.let_through >= window.narrowed_at:
+            window.allowance = max(1.0, window.allowance / 2)
+            window.narrowed_at = now
+            logger.info(
+                "Answered 429: pacing narrowed to %d requests per %g s",
+                window.allowance,
+                self._period,
+            )
+        elif status is not None and status != 429 and window.allowance < self._limit:
+            # At most a limit's worth in _WIN_BACK periods: a window allows
+            # `allowance` answers a period.
+            gain = self._limit / (_WIN_BACK * window.allowance)
+            window.allowance = min(float(self._limit), window.allowance + gain)
+
+
+# ==========================================================================
+# 11. Configuration checks: the URL, the key, ids, numbers
+# ==========================================================================
+#
+# What a caller gives is checked before anything is sent; a ConfigError
+# names the option, never a value that could be a secret.
+
+
+DEFAULT_API_URL = "https://api.sb.createos.sh"
+_HEADER_SAFE = re.compile(r"[!-~]+\Z")  # printable ASCII, no spaces at all
+_HOST = re.compile(r"[A-Za-z0-9._:-]+\Z")  # a name, IPv4 or (unbracketed) IPv6
+_ID = re.compile(r"[A-Za-z0-9_-]{1,200}\Z")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+def _api_base(url: str) -> str:
+    """Check an API URL and return it as scheme://host[:port][/prefix] without /v1."""
+    if not isinstance(url, str) or not url:
+        raise ConfigError("The API URL must be a non-empty string.")
+    try:
+        parts = urllib.parse.urlsplit(url)
+        hostname = parts.hostname
+        parts.port  # noqa: B018 -- raises ValueError on a malformed port
+    except ValueError:
+        raise ConfigError("The API URL is not a valid URL.") from None
+    if parts.username is not None or parts.password is not None:
+        raise ConfigError("The API URL must not contain user information.")
+    if parts.query or parts.fragment or url.endswith(("?", "#")):
+        raise ConfigError("The API URL must not contain a query or a fragment.")
+    if not hostname or not _HOST.match(hostname):
+        raise ConfigError("The API URL has no valid host.")
+    if parts.scheme == "http":
+        if not _is_loopback(hostname):
+            raise ConfigError("The API URL must use https (plain http only to loopback).")
+    elif parts.scheme != "https":
+        raise ConfigError("The API URL must use https (plain http only to loopback).")
+    path = parts.path.rstrip("/")
+    if path.endswith("/v1"):
+        path = path[: -len("/v1")]
+    return f"{parts.scheme}://{parts.netloc}{path}"
+
+
+def _is_loopback(hostname: str) -> bool:
+    if hostname.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(hostname).is_loopback
+    except ValueError:
+        return False
+
+
+def _api_key(key: Optional[str]) -> str:
+    if key is None:
+        key = _key_from_environment()
+    if not key:
+        raise ConfigError(
+            "No API key: pass api_key= to the Client, or set CREATEOS_API_KEY "
+            "(or CREATEOS_SANDBOX_API_KEY) in the environment."
+        )
+    if not isinstance(key, str) or not _HEADER_SAFE.match(key):
+        raise ConfigError(
+            "The API key contains characters that cannot be sent in a header (a space or a "
+            "newline copied with it?)."
+        )
+    return key
+
+
+def _key_from_environment() -> Optional[str]:
+    return os.environ.get("CREATEOS_API_KEY") or os.environ.get("CREATEOS_SANDBOX_API_KEY") or None
+
+
+def _checked_id(kind: str, value: Any) -> str:
+    if not isinstance(value, str) or not _ID.match(value):
+        raise ConfigError(
+            f"Invalid {kind} id {_shown(value)}: expected 1-200 characters of A-Z a-z 0-9 _ -."
+        )
+    return value
+
+
+def _rate_limit(value: Any) -> Optional[Tuple[int, float]]:
+    if value is None:
+        return None
+    try:
+        limit, period = value
+    except (TypeError, ValueError):
+        raise ConfigError("rate_limit must be (requests, seconds) or None.") from None
+    if not _is_int(limit) or limit < 1 or not _is_number(period) or not period > 0:
+        raise ConfigError("rate_limit must be (requests, seconds) or None.")
+    return limit, float(period)
+
+
+def _positive_seconds(name: str, value: Any) -> float:
+    if not _is_number(value) or not value > 0 or value != value:
+        raise ConfigError(f"{name} must be a positive number of seconds, not {_shown(value)}.")
+    return float(value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# ==========================================================================
+# 12. Sandbox-side scripts
+# ==========================================================================
+
 
 # Every line of bash this module sends lives here. Each string is complete:
 # its functions open and close every parenthesis and quote within it, one
@@ -4600,6 +4672,11 @@ def _call(function: str, *args: str) -> str:
     return " ".join([function, *map(_quote, args)])
 
 
+def _quote(text: str) -> str:
+    """Single-quote for bash: nothing inside is expanded."""
+    return "'" + text.replace("'", "'\\''") + "'"
+
+
 # The port probe of wait_for_port(): bash alone for the connect (/dev/tcp: no
 # curl or nc), one connect a round, each cut after a second (a host that drops
 # packets). A connection accepted is not enough: some other server may hold
@@ -4674,9 +4751,14 @@ _PROBE_SCRIPT = _PROCESSES + "\n" + _PROBE
 _PROBE_OPEN, _PROBE_GONE, _PROBE_LIMIT = _Exit(0, None), _Exit(3, None), _Exit(4, None)
 
 
-# --------------------------------------------------------------------------
-# Command line
-# --------------------------------------------------------------------------
+# ==========================================================================
+# 13. The command line
+# ==========================================================================
+#
+# createos-exec: its messages speak to a shell user (the variable to set, the
+# program typed, never a Python keyword); main() is the one place that prints
+# or exits, and it comes last.
+
 
 _EXAMPLES = """\
 examples:
@@ -4748,6 +4830,106 @@ def _timeout_option(text: str) -> float:
     return seconds
 
 
+def _command_and_env(
+    parser: argparse.ArgumentParser, options: argparse.Namespace
+) -> Tuple[Command, Optional[Dict[str, str]]]:
+    command: List[str] = options.command
+    if not command:
+        parser.error("no command given: put it after --, as in: SANDBOX_ID -- uname -a")
+    if options.shell and len(command) != 1:
+        parser.error("with --shell, give the script as one quoted argument: -- 'cd /app && ls'")
+    env = {}
+    for item in options.env:
+        name, sep, value = item.partition("=")
+        if not sep:
+            parser.error("argument --env: expected K=V, as in --env CI=1")
+        if not _ENV_NAME.match(name):
+            parser.error(
+                f"argument --env: invalid name {_shown(name)}: "
+                "names must match [A-Za-z_][A-Za-z0-9_]*"
+            )
+        env[name] = value
+    return (command[0] if options.shell else command), (env or None)
+
+
+def _read_stdin_option(name: Optional[str]) -> Optional[bytes]:
+    if name is None:
+        return None
+    if name == "-":
+        return sys.stdin.buffer.read()
+    with open(name, "rb") as handle:
+        return handle.read()
+
+
+def _unreadable_stdin(name: str, error: OSError) -> str:
+    why = error.strerror or "it could not be read"
+    if name == "-":
+        return f"cannot read this tool's stdin for --stdin -: {why}."
+    return f"cannot read the --stdin file {name}: {why}."
+
+
+# The command line has no api_key=: only the variables can give it a key.
+_NO_KEY_HERE = "no API key: set CREATEOS_API_KEY (or CREATEOS_SANDBOX_API_KEY) in the environment."
+
+
+def _run_command(
+    options: argparse.Namespace,
+    command: Command,
+    env: Optional[Dict[str, str]],
+    stdin: Optional[bytes],
+    started: List[RemoteProcess],
+) -> ExecResult:
+    """Run the command; `started` gets its process once created (Ctrl-C names it)."""
+    with Client(api_url=options.api_url) as client:
+        process = client.start(
+            options.sandbox_id,
+            command,
+            shell=options.shell,
+            cwd=options.cwd,
+            env=env,
+            stdin=stdin,
+            timeout=options.timeout,
+            on_output=None if options.json else _print_live,
+            # Live output passes through byte-exact; JSON needs valid text.
+            errors="replace" if options.json else "surrogateescape",
+        )
+        started.append(process)
+        return process.wait()
+
+
+@contextlib.contextmanager
+def _counted_interrupts(interrupts: List[int]) -> Iterator[None]:
+    """Ctrl-C raises KeyboardInterrupt as usual, and is counted in `interrupts`: the
+    second one cuts the termination of the remote tree short. Left alone where SIGINT
+    is handled otherwise (ignored in a background job) or cannot be (not the main thread)."""
+
+    def interrupted(number: int, frame: Any) -> None:
+        interrupts.append(number)
+        raise KeyboardInterrupt
+
+    ours = threading.current_thread() is threading.main_thread()
+    if not ours or _signal.getsignal(_signal.SIGINT) is not _signal.default_int_handler:
+        yield
+        return
+    _signal.signal(_signal.SIGINT, interrupted)
+    try:
+        yield
+    finally:
+        _signal.signal(_signal.SIGINT, _signal.default_int_handler)
+
+
+def _cleanup_cut_short(started: List[RemoteProcess]) -> str:
+    if not started:
+        return (
+            "interrupted again during the cleanup: a process may have been created "
+            "and may still run."
+        )
+    return (
+        f"interrupted again before the termination of process {started[0].process_id} "
+        "was confirmed: its remote tree may still run."
+    )
+
+
 def _print_live(stream: str, text: str) -> None:
     """Write output through as the bytes it was (decoded with surrogateescape)."""
     out = sys.stdout if stream == "stdout" else sys.stderr
@@ -4769,8 +4951,32 @@ def _cli_exit_code(result: ExecResult) -> int:
     return int(result.exit_code if result.exit_code is not None else 125)
 
 
-# The command line has no api_key=: only the variables can give it a key.
-_NO_KEY_HERE = "no API key: set CREATEOS_API_KEY (or CREATEOS_SANDBOX_API_KEY) in the environment."
+class _Report:
+    """The command line's own lines on stderr, each after the program name as typed."""
+
+    def __init__(self, prog: str, as_json: bool) -> None:
+        self._prog = prog
+        self._as_json = as_json
+
+    def line(self, message: str) -> None:
+        print(f"{self._prog}: {message}", file=sys.stderr)
+
+    def failure(self, kind: str, message: str, error: Optional[BaseException] = None) -> int:
+        """An error of this tool, the API or the connection: one line, or with --json
+        one object a script can branch on (`status`, `operation`, where there are)."""
+        if not self._as_json:
+            self.line(message)
+            return 125
+        fields = {
+            "type": kind,
+            "message": message,
+            "process_id": getattr(error, "process_id", None),
+        }
+        for name in ("status", "operation"):
+            if hasattr(error, name):
+                fields[name] = getattr(error, name)
+        print(json.dumps({"error": fields}))
+        return 125
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -4809,130 +5015,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         derived = {"output_truncated": result.output_truncated, "returncode": result.returncode}
         print(json.dumps(dict(dataclasses.asdict(result), **derived)))
     return _cli_exit_code(result)
-
-
-@contextlib.contextmanager
-def _counted_interrupts(interrupts: List[int]) -> Iterator[None]:
-    """Ctrl-C raises KeyboardInterrupt as usual, and is counted in `interrupts`: the
-    second one cuts the termination of the remote tree short. Left alone where SIGINT
-    is handled otherwise (ignored in a background job) or cannot be (not the main thread)."""
-
-    def interrupted(number: int, frame: Any) -> None:
-        interrupts.append(number)
-        raise KeyboardInterrupt
-
-    ours = threading.current_thread() is threading.main_thread()
-    if not ours or _signal.getsignal(_signal.SIGINT) is not _signal.default_int_handler:
-        yield
-        return
-    _signal.signal(_signal.SIGINT, interrupted)
-    try:
-        yield
-    finally:
-        _signal.signal(_signal.SIGINT, _signal.default_int_handler)
-
-
-def _cleanup_cut_short(started: List[RemoteProcess]) -> str:
-    if not started:
-        return (
-            "interrupted again during the cleanup: a process may have been created "
-            "and may still run."
-        )
-    return (
-        f"interrupted again before the termination of process {started[0].process_id} "
-        "was confirmed: its remote tree may still run."
-    )
-
-
-def _run_command(
-    options: argparse.Namespace,
-    command: Command,
-    env: Optional[Dict[str, str]],
-    stdin: Optional[bytes],
-    started: List[RemoteProcess],
-) -> ExecResult:
-    """Run the command; `started` gets its process once created (Ctrl-C names it)."""
-    with Client(api_url=options.api_url) as client:
-        process = client.start(
-            options.sandbox_id,
-            command,
-            shell=options.shell,
-            cwd=options.cwd,
-            env=env,
-            stdin=stdin,
-            timeout=options.timeout,
-            on_output=None if options.json else _print_live,
-            # Live output passes through byte-exact; JSON needs valid text.
-            errors="replace" if options.json else "surrogateescape",
-        )
-        started.append(process)
-        return process.wait()
-
-
-class _Report:
-    """The command line's own lines on stderr, each after the program name as typed."""
-
-    def __init__(self, prog: str, as_json: bool) -> None:
-        self._prog = prog
-        self._as_json = as_json
-
-    def line(self, message: str) -> None:
-        print(f"{self._prog}: {message}", file=sys.stderr)
-
-    def failure(self, kind: str, message: str, error: Optional[BaseException] = None) -> int:
-        """An error of this tool, the API or the connection: one line, or with --json
-        one object a script can branch on (`status`, `operation`, where there are)."""
-        if not self._as_json:
-            self.line(message)
-            return 125
-        fields = {
-            "type": kind,
-            "message": message,
-            "process_id": getattr(error, "process_id", None),
-        }
-        for name in ("status", "operation"):
-            if hasattr(error, name):
-                fields[name] = getattr(error, name)
-        print(json.dumps({"error": fields}))
-        return 125
-
-
-def _unreadable_stdin(name: str, error: OSError) -> str:
-    why = error.strerror or "it could not be read"
-    if name == "-":
-        return f"cannot read this tool's stdin for --stdin -: {why}."
-    return f"cannot read the --stdin file {name}: {why}."
-
-
-def _command_and_env(
-    parser: argparse.ArgumentParser, options: argparse.Namespace
-) -> Tuple[Command, Optional[Dict[str, str]]]:
-    command: List[str] = options.command
-    if not command:
-        parser.error("no command given: put it after --, as in: SANDBOX_ID -- uname -a")
-    if options.shell and len(command) != 1:
-        parser.error("with --shell, give the script as one quoted argument: -- 'cd /app && ls'")
-    env = {}
-    for item in options.env:
-        name, sep, value = item.partition("=")
-        if not sep:
-            parser.error("argument --env: expected K=V, as in --env CI=1")
-        if not _ENV_NAME.match(name):
-            parser.error(
-                f"argument --env: invalid name {_shown(name)}: "
-                "names must match [A-Za-z_][A-Za-z0-9_]*"
-            )
-        env[name] = value
-    return (command[0] if options.shell else command), (env or None)
-
-
-def _read_stdin_option(name: Optional[str]) -> Optional[bytes]:
-    if name is None:
-        return None
-    if name == "-":
-        return sys.stdin.buffer.read()
-    with open(name, "rb") as handle:
-        return handle.read()
 
 
 if __name__ == "__main__":

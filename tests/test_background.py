@@ -396,7 +396,7 @@ def test_help_shows_each_keyword_with_the_options_own_default(function, own, key
     assert set(parameters) - own == keywords
     for name in keywords:
         assert parameters[name].kind is inspect.Parameter.KEYWORD_ONLY, name
-        assert parameters[name].default == getattr(cx._DEFAULT, name), name
+        assert parameters[name].default == getattr(cx._Options(), name), name
 
 
 @pytest.mark.parametrize("method", ["execute", "start", "process", "attach"])

@@ -118,7 +118,7 @@ def test_client_url_from_environment_and_default(monkeypatch: pytest.MonkeyPatch
 def test_api_key_sources(monkeypatch: pytest.MonkeyPatch, rsps: responses.RequestsMock) -> None:
     def sent_key(client: cx.Client) -> str:
         rsps.add(responses.GET, f"{BASE}/probe", json=ok({}))
-        client._transport.send("GET", "/probe", operation="probe").close()
+        client._transport.send("GET", "/probe", operation="probe", deadline=cx._ENDLESS).close()
         return str(rsps.calls[-1].request.headers["X-Api-Key"])
 
     with pytest.raises(cx.ConfigError):
@@ -232,7 +232,7 @@ def test_callers_session_is_used_and_not_closed(rsps: responses.RequestsMock) ->
     session = CountingSession()
     rsps.add(responses.GET, f"{BASE}/probe", json=ok({}))
     with cx.Client(BASE, KEY, rate_limit=None, session=session) as client:
-        client._transport.send("GET", "/probe", operation="probe")
+        client._transport.send("GET", "/probe", operation="probe", deadline=cx._ENDLESS)
     assert CountingSession.requests_sent == 1
     assert CountingSession.closed == 0
 

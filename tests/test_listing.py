@@ -127,9 +127,9 @@ def test_a_process_this_origin_never_had_is_the_404_itself_with_nothing_to_destr
 
 def test_the_sandbox_answers_its_view_and_404_for_one_this_origin_does_not_have(server):
     with make_client(server) as client:
-        view = cx._Sandbox(client._transport, SANDBOX).view()
+        view = cx._Sandbox(client._transport, SANDBOX).view(cx._ENDLESS)
         with pytest.raises(cx.APIError, match="no sandbox with this id here") as caught:
-            cx._Sandbox(client._transport, "sb_nowhere").view()
+            cx._Sandbox(client._transport, "sb_nowhere").view(cx._ENDLESS)
     assert (view["id"], view["status"]) == (SANDBOX, "running")
     assert (caught.value.status, caught.value.operation) == (404, "sandbox lookup")
 
