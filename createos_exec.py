@@ -2573,7 +2573,7 @@ class _Endpoints:
 
 
 # Raw bytes per input request: base64 makes 4 of every 3, and with the JSON
-# around them a request body stays under 256 KiB (protocol.md 5.5), whether
+# around them a request body stays under 256 KiB (docs/protocol.md 5.5), whether
 # the service counts raw or encoded bytes.
 _INPUT_PIECE = 3 * 65_520
 
@@ -3036,7 +3036,7 @@ def _within_limit(block: bytes, limit: int) -> Iterator[bytes]:
 
 _STREAMS = ("stdout", "stderr")
 
-# A line in the form the service writes (protocol.md 5.4): a data frame or a
+# A line in the form the service writes (docs/protocol.md 5.4): a data frame or a
 # heartbeat. Such a line is a JSON object whose fields the groups give (a
 # heartbeat has empty groups): digits and one of two words need no unescaping,
 # and base64 text needs none when the block holds no backslash. The base64 is
@@ -3609,7 +3609,7 @@ class _OnlyTheKey(requests.auth.AuthBase):
         return "_OnlyTheKey(<key>)"
 
 
-# Headers the service reads before X-Api-Key (protocol.md 1): sent by
+# Headers the service reads before X-Api-Key (docs/protocol.md 1): sent by
 # accident, one of them decides whose call it is.
 _OTHER_CREDENTIALS = ("Authorization", "X-Auth-Token", "X-Access-Token")
 
