@@ -93,6 +93,7 @@ def test_a_loop_left_with_its_iterator_kept_gives_way_to_wait(client):
     assert list(loop) == []  # that loop was closed
 
 
+@pytest.mark.both_readings
 def test_a_loop_survives_broken_connections(client, server):
     server.drop_stream(after_frames=2)
     server.drop_stream(after_frames=3, mid_frame=True)
@@ -137,6 +138,7 @@ def test_on_output_sees_the_pieces_the_loop_sees(client):
     assert list(proc.iter_output()) == called
 
 
+@pytest.mark.both_readings
 def test_the_command_timeout_contains_the_tree_during_a_loop(client, server):
     proc = client.start(SANDBOX, WAITS, timeout=1.0)
     pieces = list(proc.iter_output())  # ends with the run
@@ -145,6 +147,7 @@ def test_the_command_timeout_contains_the_tree_during_a_loop(client, server):
     assert server.wait_tree_gone(proc.process_id)
 
 
+@pytest.mark.both_readings
 def test_eviction_during_a_loop_raises_with_what_was_read(client, server):
     server.drop_stream(after_frames=1)  # the connection breaks after "one"
     code = (
@@ -190,6 +193,7 @@ def test_bad_loop_timeouts_are_refused_before_anything_is_read(client):
 # -- returncode ------------------------------------------------------------------
 
 
+@pytest.mark.both_readings
 def test_returncode_is_none_until_the_status_is_learned(client):
     proc = client.start(SANDBOX, ["sh", "-c", "exit 5"])
     assert proc.returncode is None
@@ -205,6 +209,7 @@ def test_returncode_is_none_until_the_status_is_learned(client):
 # -- process() and processes() ----------------------------------------------------
 
 
+@pytest.mark.both_readings
 def test_a_process_started_earlier_is_taken_up_as_a_handle(client, server):
     started = client.start(SANDBOX, LOG)
     with make_client(server) as later:  # a restarted kernel: another client, the id kept
@@ -216,6 +221,7 @@ def test_a_process_started_earlier_is_taken_up_as_a_handle(client, server):
     started.wait()
 
 
+@pytest.mark.both_readings
 def test_a_handle_taken_up_later_terminates_and_signals(client, server):
     first = client.start(SANDBOX, WAITS)
     proc = client.process(SANDBOX, first.process_id, after=0)
@@ -233,6 +239,7 @@ def test_a_wrong_process_id_is_the_404_itself(client, server, caplog):
     assert server.requests_to("delete") == [] and caplog.records == []
 
 
+@pytest.mark.both_readings
 def test_processes_lists_what_createos_exec_started_as_it_was_given(client, server):
     argv = ["printf", "%s|", "two words", "it's"]
     script = "echo 'a b' | wc -w"
@@ -288,6 +295,7 @@ def small_journal(server_reading):
         yield local
 
 
+@pytest.mark.both_readings
 def test_evicted_output_nobody_read_is_the_head_of_the_result(small_journal):
     with make_client(small_journal) as client:
         proc = client.start(SANDBOX, FLOOD)

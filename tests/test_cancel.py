@@ -40,6 +40,7 @@ def assert_nothing_runs(server):
 # -- 3. no process left behind by a 429 ----------------------------------------------
 
 
+@pytest.mark.both_readings
 def test_429_on_the_last_attempt_behind_a_created_process_is_terminated_first(server):
     server.fail("create", 429, retry_after="0")  # a plain refusal: nothing created
     server.refuse_created(retry_after="0")  # the last attempt: created, then 429
@@ -53,6 +54,7 @@ def test_429_on_the_last_attempt_behind_a_created_process_is_terminated_first(se
     assert not server.tree_alive(created["process_id"])
 
 
+@pytest.mark.both_readings
 def test_429_when_the_deadline_allows_no_other_attempt_terminates_what_it_created(server):
     server.refuse_created(retry_after=LONG)
     with make_client(server) as client:
@@ -67,6 +69,7 @@ def test_429_when_the_deadline_allows_no_other_attempt_terminates_what_it_create
     assert len(server.requests_to("exec")) == 1  # the staged file removed
 
 
+@pytest.mark.both_readings
 def test_429_whose_process_cannot_be_looked_up_is_unconfirmed(server):
     server.refuse_created(retry_after="0")
     server.fail("list", 500, count=10)
@@ -80,6 +83,7 @@ def test_429_whose_process_cannot_be_looked_up_is_unconfirmed(server):
     assert server.tree_alive(created["process_id"])
 
 
+@pytest.mark.both_readings
 @pytest.mark.parametrize("schedule", list(itertools.product("pf", repeat=3)), ids="".join)
 def test_429s_answered_to_forwarded_creations_at_every_attempt(server, schedule, figures):
     """Every schedule of plain (p) and forwarded (f) 429s over the three attempts

@@ -54,6 +54,7 @@ def deletes(server, process_id):
 # -- start(): created once, returned at once ------------------------------------
 
 
+@pytest.mark.both_readings
 def test_start_returns_once_the_process_is_created(client, server):
     began = time.monotonic()
     proc = client.start(SANDBOX, ["sleep", "30"])
@@ -100,6 +101,7 @@ def test_module_level_start_builds_a_client_from_the_environment(server, monkeyp
 # -- poll() ------------------------------------------------------------------------
 
 
+@pytest.mark.both_readings
 def test_poll_is_none_while_it_runs_then_its_returncode_one_request_at_most(client, server):
     proc = client.start(SANDBOX, "sleep 0.5; exit 3", shell=True)
     before = len(server.requests)
@@ -120,6 +122,7 @@ def test_poll_is_none_while_it_runs_then_its_returncode_one_request_at_most(clie
     assert len(server.requests) == before  # known: no request at all
 
 
+@pytest.mark.both_readings
 def test_poll_gives_minus_the_signal_number(client):
     proc = client.start(SANDBOX, "kill -KILL $$", shell=True)
     assert proc.wait().signal == "SIGKILL"
@@ -129,6 +132,7 @@ def test_poll_gives_minus_the_signal_number(client):
 # -- wait(): every guarantee of execute() ------------------------------------------
 
 
+@pytest.mark.both_readings
 def test_wait_resumes_a_broken_stream(client, server):
     server.drop_stream(after_frames=2)
     proc = client.start(SANDBOX, "for i in 1 2 3 4 5; do echo $i; sleep 0.05; done", shell=True)
@@ -174,6 +178,7 @@ def test_check_true_raises_command_error_from_wait(client):
 # -- wait(timeout=): only stops waiting ------------------------------------------
 
 
+@pytest.mark.both_readings
 def test_wait_timeout_only_stops_waiting(client, server):
     proc = client.start(SANDBOX, "echo one; sleep 0.6; echo two; exit 4", shell=True)
     began = time.monotonic()
@@ -213,6 +218,7 @@ def test_a_later_wait_resumes_at_the_cursor_nothing_lost_or_repeated(client, ser
     assert len(afters) == stops + 1  # each wait resumed once, where the last one stopped
 
 
+@pytest.mark.both_readings
 def test_a_wait_timeout_of_zero_does_not_block(client):
     proc = client.start(SANDBOX, ["sleep", "30"])
     try:
@@ -229,6 +235,7 @@ def test_a_wait_timeout_of_zero_does_not_block(client):
 # -- terminate(), kill(), send_signal() ------------------------------------------
 
 
+@pytest.mark.both_readings
 def test_terminate_ends_the_tree_with_its_grace_period_confirmed(client, server):
     seen, on_output = collector()
     proc = client.start(SANDBOX, TRAPS_TERM, on_output=on_output)
@@ -243,6 +250,7 @@ def test_terminate_ends_the_tree_with_its_grace_period_confirmed(client, server)
     assert proc.poll() == 7
 
 
+@pytest.mark.both_readings
 def test_kill_has_no_grace_period(client, server):
     seen, on_output = collector()
     proc = client.start(SANDBOX, IGNORES_TERM, on_output=on_output)
@@ -255,6 +263,7 @@ def test_kill_has_no_grace_period(client, server):
     assert proc.poll() == -signal.SIGKILL
 
 
+@pytest.mark.both_readings
 def test_send_signal_reaches_the_process(client, server):
     seen, on_output = collector()
     handler = python(
@@ -301,6 +310,7 @@ def test_terminate_from_another_thread_ends_a_wait_in_progress(client, server):
 # -- the `with` block ------------------------------------------------------------
 
 
+@pytest.mark.both_readings
 def test_leaving_the_block_terminates_a_tree_that_still_runs(client, server):
     with client.start(SANDBOX, ["sleep", "30"]) as proc:
         assert proc.poll() is None
@@ -317,12 +327,14 @@ def test_leaving_the_block_by_an_error_terminates_and_raises_it(client, server):
     assert not server.tree_alive(proc.process_id)
 
 
+@pytest.mark.both_readings
 def test_leaving_the_block_after_the_process_ended_sends_nothing(client, server):
     with client.start(SANDBOX, ["true"]) as proc:
         assert proc.wait().exit_code == 0
     assert deletes(server, proc.process_id) == []
 
 
+@pytest.mark.both_readings
 def test_leaving_the_block_with_termination_unconfirmed_raises_cleanup_error(server):
     with make_client(server, retry=NO_RETRY, cleanup_timeout=0.5) as client:
         with pytest.raises(cx.CleanupError) as caught:

@@ -101,6 +101,7 @@ def no_requests_during(server, action):
 # -- writing ---------------------------------------------------------------------------
 
 
+@pytest.mark.both_readings
 def test_a_repl_exchange_chooses_each_line_from_the_last_answer(client, server):
     answers = queue.Queue()
     proc = client.start(
@@ -257,6 +258,7 @@ def test_writes_under_random_faults_arrive_once_or_are_reported(server, figures)
 # -- a closed or ended stdin is a broken pipe ------------------------------------------
 
 
+@pytest.mark.both_readings
 def test_write_after_close_is_a_broken_pipe_and_close_is_idempotent(client, server):
     proc = client.start(SANDBOX, ["cat"], stdin=cx.PIPE)
     proc.write("x")
@@ -272,6 +274,7 @@ def test_write_after_close_is_a_broken_pipe_and_close_is_idempotent(client, serv
     proc.close_stdin()  # after the end: nothing to do
 
 
+@pytest.mark.both_readings
 def test_write_after_the_process_ended_is_a_broken_pipe(client, server):
     proc = client.start(SANDBOX, ["true"], stdin=cx.PIPE)
     assert server.wait_tree_gone(proc.process_id)
@@ -287,6 +290,7 @@ def test_write_after_the_process_ended_is_a_broken_pipe(client, server):
     assert len(server.requests_to("input")) == 1
 
 
+@pytest.mark.both_readings
 def test_communicate_writes_closes_and_waits(client):
     proc = client.start(SANDBOX, ["sh", "-c", "tr a-z A-Z; exit 3"], stdin=cx.PIPE)
     result = proc.communicate("hello\n")
@@ -392,6 +396,7 @@ def test_wait_for_port_returns_once_the_server_listens(client, server):
     proc.terminate()
 
 
+@pytest.mark.both_readings
 def test_wait_for_port_raises_at_once_when_the_process_ends_first(client, server):
     port = closed_port()
     proc = client.start(SANDBOX, "sleep 0.5; echo port in use >&2; exit 7", shell=True)
