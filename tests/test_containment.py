@@ -53,6 +53,7 @@ from support import (
     assert_deleted_once,
     body_of,
     calls,
+    chain,
     cli_argv,
     cli_env,
     data,
@@ -493,3 +494,104 @@ def test_failure_after_creation_removes_staged_file(rsps: responses.RequestsMock
         make_client().execute(SB, ["true"], stdin=b"data")
     staged = query(calls(rsps, "PUT", FILES)[0])["path"]
     assert [body_of(c)["args"][-1] for c in calls(rsps, "POST", EXEC)] == [staged]
+
+
+# -- against the local server: a timeout whose termination is unconfirmed, and one
+# interrupted during its grace period -----------------------------------------------
+
+
+def private_classes(error: BaseException) -> List[str]:
+    return [
+        type(e).__name__
+        for e in chain(error)
+        if type(e).__module__ == cx.__name__ and type(e).__name__.startswith("_")
+    ]
+
+
+def test_unconfirmed_termination_after_a_timeout_keeps_the_partial_result(server):
+    # Promises 5 and 6: the timeout's termination cannot be confirmed, so
+    # CleanupError is raised; it carries the timed-out partial result with the
+    # output read so far, and no private exception of the module is in its chain.
+    server.fail("delete", 500, count=100)
+    with make_client(server, cleanup_timeout=2.0) as client:
+        with pytest.raises(cx.CleanupError) as caught:
+            client.execute(SANDBOX, "echo started; sleep 30", shell=True, timeout=1.0)
+    error = caught.value
+    process_id = only_process(server)
+    assert error.process_id == process_id and not error.creation_unconfirmed
+    lost, private = error.result is None, private_classes(error)
+    assert not lost and not private, (
+        f"partial result lost: {lost}; private exceptions in the chain: {private}"
+    )
+    assert error.result.timed_out is True and error.result.exit_code is None
+    assert error.result.stdout == "started\n"
+    # The client could not confirm the termination, and said so; the sandbox
+    # keeps the deadline itself (the wrapper's watchdog), so the tree goes
+    # all the same, at the deadline and its grace period.
+    assert server.wait_tree_gone(process_id)
+    server.stop()  # the server's stop kills what the client could not
+    assert not server.tree_alive(process_id)
+
+
+# The leader prints during its grace period and takes 0.5 s more to exit, so
+# the DELETE (grace 1 s with cleanup_timeout=5) is answered about 0.5 s after
+# "bye" reached the client.
+GRACEFUL = "trap 'echo bye; sleep 0.5; exit 0' TERM\necho started\nsleep 30 &\nwait\n"
+
+
+def settle(server: Any) -> None:
+    """Let a DELETE still in flight finish, so that nothing outlives the test."""
+    deadline = time.monotonic() + 15
+    while not server.requests_to("delete") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.wait_tree_gone(only_process(server))
+
+
+class CallbackFailed(Exception):
+    """Raised by the test's on_output."""
+
+
+@pytest.mark.parametrize("interruption", ["callback-raises", "ctrl-c", "cancel"])
+def test_an_interruption_during_the_grace_period_returns_after_the_delete_answered(
+    server, interruption
+):
+    # Promise 5: after a callback that raises, Ctrl-C or cancel, the tree is
+    # terminated, confirmed, before the error reaches the caller; here each
+    # comes while the timeout's DELETE is waiting out the grace period.
+    cancel = threading.Event()
+    raised = CallbackFailed("from on_output")
+
+    def on_output(stream: str, text: str) -> None:
+        if "bye" not in text:
+            return
+        if interruption == "callback-raises":
+            raise raised
+        if interruption == "ctrl-c":
+            raise KeyboardInterrupt
+        cancel.set()
+
+    caught: Optional[BaseException] = None
+    with make_client(server, cleanup_timeout=5.0) as client:
+        try:
+            client.execute(
+                SANDBOX, GRACEFUL, shell=True, timeout=1.0, on_output=on_output, cancel=cancel
+            )
+        except BaseException as exc:
+            # At once, before anything else can happen: was the DELETE answered?
+            answered = [r.status for r in server.requests_to("delete")]
+            alive = server.tree_alive(only_process(server))
+            caught = exc
+    settle(server)
+    assert caught is not None, "execute() returned instead of raising"
+    assert answered == [200] and not alive, (
+        f"{type(caught).__name__} reached the caller before the DELETE was answered "
+        f"(DELETE answers {answered}, tree alive: {alive})"
+    )
+    if interruption == "callback-raises":
+        assert caught is raised or (
+            isinstance(caught, cx.CreateOSError) and any(e is raised for e in chain(caught))
+        ), repr(caught)
+    elif interruption == "ctrl-c":
+        assert type(caught) is KeyboardInterrupt
+    else:
+        assert isinstance(caught, cx.CancelledError), repr(caught)

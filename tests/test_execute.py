@@ -33,12 +33,14 @@ def test_a_string_without_shell_is_one_program_name(client):
     assert missing.stdout == ""
 
 
+@pytest.mark.both_readings
 def test_shell_script_exit_code_and_both_streams(client):
     result = client.execute(SANDBOX, "echo out; echo err >&2; exit 7", shell=True)
     assert (result.exit_code, result.stdout, result.stderr) == (7, "out\n", "err\n")
     assert result.returncode == 7 and not result.ok
 
 
+@pytest.mark.both_readings
 def test_death_by_signal(client):
     result = client.execute(SANDBOX, "kill -KILL $$", shell=True)
     assert result.exit_code is None
@@ -58,6 +60,7 @@ def test_cwd_env_and_stdin(client, server):
     assert result.stdout == "/usr\nit's $(not run) `x`|line1\nline2\nfrom stdin\x00binary\n"
 
 
+@pytest.mark.both_readings
 def test_stdin_none_is_eof(client):
     result = client.execute(SANDBOX, ["cat"], timeout=20)
     assert result.exit_code == 0 and result.stdout == ""
@@ -102,6 +105,7 @@ def test_an_unreadable_staged_file_is_125_never_the_marker(client, server):
     assert marker_of(server, result.process_id) not in result.stderr
 
 
+@pytest.mark.both_readings
 def test_on_output_live_in_order_never_twice(client, server):
     seen = []
     server.drop_stream(after_frames=2)
@@ -131,6 +135,7 @@ def test_on_output_is_live_not_buffered(client):
     assert arrivals[1] - arrivals[0] > 0.5  # the first line came before the sleep ended
 
 
+@pytest.mark.both_readings
 def test_multibyte_text_split_across_frames_and_a_reconnect(client, server):
     # Each printf is its own frame: the euro sign's three bytes arrive in three frames.
     script = "printf '\\342'; sleep 0.1; printf '\\202'; sleep 0.1; printf '\\254'; echo"
@@ -166,6 +171,7 @@ def test_large_output_is_exact():
     assert result.stdout == "".join(f"{i}\n" for i in range(1, 300001))
 
 
+@pytest.mark.both_readings
 def test_timeout_returns_with_output_of_the_grace_period(client, server):
     script = "trap 'echo got TERM; exit 0' TERM; echo started; while :; do sleep 0.05; done"
     result = client.execute(SANDBOX, script, shell=True, timeout=1.0)
@@ -197,6 +203,7 @@ def test_check_raises_command_error_on_failure(client):
     assert client.execute(SANDBOX, "exit 0", shell=True, check=True).exit_code == 0
 
 
+@pytest.mark.both_readings
 def test_cancel_from_another_thread_terminates_the_tree(client, server):
     cancel = threading.Event()
     threading.Timer(0.5, cancel.set).start()
@@ -230,6 +237,7 @@ def test_keyboard_interrupt_is_contained_then_reraised(client, server):
     assert server.wait_tree_gone(record["process_id"])
 
 
+@pytest.mark.both_readings
 def test_attach_follows_a_process_started_elsewhere(client, server):
     result = client.execute(SANDBOX, "echo one; sleep 0.1; echo two", shell=True)
     again = client.attach(SANDBOX, result.process_id)
@@ -262,6 +270,7 @@ def test_unknown_sandbox_is_an_api_error(client):
     assert caught.value.status == 404
 
 
+@pytest.mark.both_readings
 def test_env_values_and_stdin_never_reach_the_process_record(client, server):
     result = client.execute(
         SANDBOX,
@@ -321,6 +330,7 @@ def test_logging_reconnects_at_info_requests_at_debug_without_secrets(client, se
     assert all("?" not in m for m in debug)  # method + path only
 
 
+@pytest.mark.both_readings
 def test_combined_output_interleaves_in_write_order_across_a_reconnect(client, server):
     server.drop_stream(after_frames=3)
     script = "for i in 1 2 3 4; do echo o$i; sleep 0.05; echo e$i >&2; sleep 0.05; done"
@@ -397,3 +407,23 @@ def test_a_stream_without_chunking_is_still_delivered_as_it_arrives(tmp_path):
     assert result.exit_code == 0 and result.stdout == "first\nsecond\n"
     assert delivered[0] == "first\n"
     assert result.reconnects == 0 and len(connects) == 1
+
+
+# -- the open questions of protocol.md §11 that change what a run sees ------------
+
+
+@pytest.mark.both_readings
+def test_the_exit_frame_may_wait_for_the_whole_tree(client, server):
+    script = "sleep 0.6 >/dev/null 2>&1 & echo leader done"
+    result = client.execute(SANDBOX, script, shell=True)
+    assert (result.stdout, result.exit_code) == ("leader done\n", 0)
+    if server.reading.exit_after == "tree":  # not before the background sleep ended
+        assert result.duration >= 0.5
+        assert server.process(result.process_id)["tree_exited"] is True
+
+
+@pytest.mark.both_readings
+@pytest.mark.parametrize("name", ["SIGKILL", "SIGTERM", "SIGPIPE", "SIGPROF", "SIGVTALRM"])
+def test_the_client_names_a_killing_signal_in_either_spelling(client, server, name):
+    result = client.execute(SANDBOX, f"kill -{name[3:]} $$", shell=True)
+    assert (result.exit_code, result.signal) == (None, name)
