@@ -158,6 +158,7 @@ PROTOCOL_ERRORS = {
     "seq 0": nd({**data(1, "stdout", b"a"), "seq": 0}, EXIT0),
     "seq -1": nd({**data(1, "stdout", b"a"), "seq": -1}, EXIT0),
     "seq 1.0": nd({**data(1, "stdout", b"a"), "seq": 1.0}, EXIT0),
+    "seq null": nd({**data(1, "stdout", b"a"), "seq": None}, EXIT0),
     "seq missing": nd({"type": "data", "stream": "stdout", "data_base64": "YQ=="}, EXIT0),
     "stream pty": nd(data(1, "pty", b"a"), EXIT0),
     "stream missing": nd({"type": "data", "seq": 1, "data_base64": "YQ=="}, EXIT0),
