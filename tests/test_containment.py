@@ -35,6 +35,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import pytest
 import requests
 import responses
+from local_server import LocalServer
 from support import (
     CANNED_RETRY,
     CONNECT,
@@ -275,6 +276,7 @@ def test_a_second_sigint_aborts_a_slow_cleanup_at_once(server):
 # -- the library: cancel, a raising callback, Ctrl-C, timeout ----------------------------
 
 
+@pytest.mark.both_readings
 @posix_only
 def test_cancel_from_another_thread_raises_cancelled_after_termination(server):
     cancel = threading.Event()
@@ -354,6 +356,7 @@ def test_timeout_returns_timed_out_after_termination(server):
 GRACE = "trap 'echo grace-output; exit 0' TERM\necho ready\nsleep 60 & wait\n"
 
 
+@pytest.mark.both_readings
 @posix_only
 def test_timeout_keeps_what_the_grace_period_printed(server):
     with make_client(server, cleanup_timeout=CLEANUP) as client:
@@ -595,3 +598,20 @@ def test_an_interruption_during_the_grace_period_returns_after_the_delete_answer
         assert type(caught) is KeyboardInterrupt
     else:
         assert isinstance(caught, cx.CancelledError), repr(caught)
+
+
+def test_cancel_is_prompt_even_without_heartbeats():
+    # No byte for a minute and a long idle timeout: the cancel must not wait
+    # for the next byte (or for the idle timeout) to be seen.
+    with LocalServer(heartbeat_interval=60) as server, make_client(
+        server, stream_idle_timeout=30
+    ) as client:
+        cancel = threading.Event()
+        threading.Timer(0.5, cancel.set).start()
+        started = time.monotonic()
+        with pytest.raises(cx.CancelledError) as caught:
+            client.execute(SANDBOX, "echo go; sleep 30", shell=True, cancel=cancel)
+        assert time.monotonic() - started < 3
+        assert server.wait_tree_gone(caught.value.process_id)
+    time.sleep(0.5)  # the watcher ends within one poll of the cancel event
+    assert not [t for t in threading.enumerate() if t.name == "createos_exec-cancel"]

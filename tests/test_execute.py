@@ -171,26 +171,6 @@ def test_large_output_is_exact():
     assert result.stdout == "".join(f"{i}\n" for i in range(1, 300001))
 
 
-@pytest.mark.both_readings
-def test_timeout_returns_with_output_of_the_grace_period(client, server):
-    script = "trap 'echo got TERM; exit 0' TERM; echo started; while :; do sleep 0.05; done"
-    result = client.execute(SANDBOX, script, shell=True, timeout=1.0)
-    assert result.timed_out
-    assert result.exit_code is None
-    assert result.stdout == "started\ngot TERM\n"
-    assert server.wait_tree_gone(result.process_id)
-    assert 1.0 <= result.duration < 8
-
-
-def test_timeout_with_check_raises_command_error(client, server):
-    with pytest.raises(cx.CommandError) as caught:
-        client.execute(SANDBOX, "echo x; sleep 30", shell=True, timeout=0.5, check=True)
-    error = caught.value
-    assert error.result.timed_out and error.result.stdout == "x\n"
-    assert error.returncode is None or error.returncode < 0
-    assert server.wait_tree_gone(error.process_id)
-
-
 def test_check_raises_command_error_on_failure(client):
     with pytest.raises(cx.CommandError) as caught:
         # The message names the script, so the output is one the script does not spell.
@@ -201,40 +181,6 @@ def test_check_raises_command_error_on_failure(client):
     assert "partial" not in str(error)
     assert pickle.loads(pickle.dumps(error)).returncode == 3
     assert client.execute(SANDBOX, "exit 0", shell=True, check=True).exit_code == 0
-
-
-@pytest.mark.both_readings
-def test_cancel_from_another_thread_terminates_the_tree(client, server):
-    cancel = threading.Event()
-    threading.Timer(0.5, cancel.set).start()
-    with pytest.raises(cx.CancelledError) as caught:
-        client.execute(SANDBOX, "echo go; sleep 30", shell=True, cancel=cancel)
-    error = caught.value
-    assert error.result is not None and error.result.stdout == "go\n"
-    assert server.wait_tree_gone(error.process_id)
-
-
-def test_raising_callback_terminates_the_tree_and_propagates(client, server):
-    class Stop(Exception):
-        pass
-
-    def explode(stream, text):
-        raise Stop()
-
-    with pytest.raises(Stop):
-        client.execute(SANDBOX, "echo boom; sleep 30 & sleep 30", shell=True, on_output=explode)
-    (record,) = [p for p in server.processes() if "sleep 30 &" in p["args"][-1]]
-    assert server.wait_tree_gone(record["process_id"])
-
-
-def test_keyboard_interrupt_is_contained_then_reraised(client, server):
-    def interrupt(stream, text):
-        raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        client.execute(SANDBOX, "echo hi; sleep 30", shell=True, on_output=interrupt)
-    (record,) = [p for p in server.processes() if "sleep 30" in p["args"][-1]]
-    assert server.wait_tree_gone(record["process_id"])
 
 
 @pytest.mark.both_readings
@@ -357,23 +303,6 @@ def test_echo_prints_live_output_to_the_matching_stream(client, capsys):
 def test_a_client_refuses_to_be_pickled(client):
     with pytest.raises(TypeError, match="cannot be pickled"):
         pickle.dumps(client)
-
-
-def test_cancel_is_prompt_even_without_heartbeats():
-    # No byte for a minute and a long idle timeout: the cancel must not wait
-    # for the next byte (or for the idle timeout) to be seen.
-    with LocalServer(heartbeat_interval=60) as server, make_client(
-        server, stream_idle_timeout=30
-    ) as client:
-        cancel = threading.Event()
-        threading.Timer(0.5, cancel.set).start()
-        started = time.monotonic()
-        with pytest.raises(cx.CancelledError) as caught:
-            client.execute(SANDBOX, "echo go; sleep 30", shell=True, cancel=cancel)
-        assert time.monotonic() - started < 3
-        assert server.wait_tree_gone(caught.value.process_id)
-    time.sleep(0.5)  # the watcher ends within one poll of the cancel event
-    assert not [t for t in threading.enumerate() if t.name == "createos_exec-cancel"]
 
 
 def test_arguments_larger_than_one_exec_string_limit(client):
