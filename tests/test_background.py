@@ -1,8 +1,9 @@
 """A background process one can live with: iter_output(), returncode,
 client.process() and client.processes(), a log nobody reads, a dropped handle.
 
-From the user's side: a real local server, real sockets, real processes,
-under both readings of the local server (see conftest.BOTH_READINGS).
+From the user's side: a real local server, real sockets, real processes;
+under both readings of the local server where an open question changes the
+outcome (marked both_readings).
 """
 
 from __future__ import annotations

@@ -242,6 +242,7 @@ def test_cancel_ends_every_wait_at_once(server, wait):
     assert cancelled_run(server, wait) < BOUND
 
 
+@pytest.mark.both_readings
 @pytest.mark.parametrize("wait", list(WAITS))
 def test_cancel_at_random_moments_of_every_wait(server, wait, figures):
     rng = random.Random(f"{SEED} {wait} {server.reading.name}")

@@ -1,8 +1,8 @@
 """start() and RemoteProcess, the counterpart of subprocess.Popen.
 
 From the user's side: a real local server, real sockets, real processes. Each
-promise of start() has a test here; the module runs under both readings of
-the local server (see conftest.BOTH_READINGS).
+promise of start() has a test here; those an open question of the protocol
+changes run under both readings of the local server (marked both_readings).
 """
 
 from __future__ import annotations

@@ -223,6 +223,7 @@ INPUT_RUNS = campaign_size("CREATEOS_INPUT_RUNS", 30, 100)
 INPUT_FAULTS = (None, None, "refused", 429, "lost", 503)
 
 
+@pytest.mark.both_readings
 def test_writes_under_random_faults_arrive_once_or_are_reported(server, figures):
     rng = random.Random(20261201)
     tally = collections.Counter()
