@@ -27,9 +27,13 @@ def pytest_generate_tests(metafunc):
     """A test marked `both_readings` (its outcome depends on an open question of
     protocol.md §11, see Reading) runs twice, with ids [conservative] and
     [alternative]; every other test plays the conservative reading only."""
-    marked = metafunc.definition.get_closest_marker("both_readings") is not None
-    if marked and "server_reading" in metafunc.fixturenames:
-        metafunc.parametrize("server_reading", READINGS, indirect=True)
+    if metafunc.definition.get_closest_marker("both_readings") is None:
+        return
+    if "server_reading" not in metafunc.fixturenames:
+        raise pytest.UsageError(
+            "%s is marked both_readings but takes no server" % metafunc.definition.nodeid
+        )
+    metafunc.parametrize("server_reading", READINGS, indirect=True)
 
 
 @pytest.fixture
