@@ -14,18 +14,16 @@ from __future__ import annotations
 
 import dataclasses
 import email.utils
-import http.client
 import json
 import os
 import threading
 import time
-import urllib.parse
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, List, Tuple
 
 import pytest
 import requests
 import responses
+from local_server import CONSERVATIVE, LocalServer
 from support import (
     CANNED_RETRY,
     CONNECT,
@@ -304,8 +302,7 @@ def test_retry_after_unicode_digits_are_garbage(value: str) -> None:
 
 
 # --------------------------------------------------------------------------
-# Against the local server: failures it injects, and a proxy that rewrites the
-# stream where its fault injection cannot play the misbehaviour
+# Against the local server: the failures it injects
 # --------------------------------------------------------------------------
 
 SLOW_LINES = "for i in 1 2 3 4 5 6; do echo line $i; sleep 0.05; done"
@@ -452,126 +449,6 @@ def test_stream_ended_error_keeps_its_message_when_wait_cannot_tell_the_status(s
     assert server.wait_tree_gone(error.process_id)
 
 
-class MisbehavingProxy:
-    """An HTTP/1.1 reverse proxy on loopback in front of a LocalServer.
-
-    Every request is forwarded on a fresh upstream connection. A 200 answer
-    to `connect` is relayed line by line through `rewrite(line)`, which
-    returns the lines to send instead and whether to end the body after them
-    (cleanly: the terminating chunk, then the connection closes). Everything
-    else is relayed as it came.
-    """
-
-    UPSTREAM_TIMEOUT = 60.0  # longer than a `wait` long-poll (30 s)
-    HOP_BY_HOP = {
-        "connection",
-        "keep-alive",
-        "transfer-encoding",
-        "content-length",
-        "te",
-        "trailer",
-        "upgrade",
-        "host",
-        "proxy-connection",
-    }
-
-    def __init__(self, upstream: str, rewrite: Callable[[bytes], Tuple[List[bytes], bool]]):
-        parts = urllib.parse.urlsplit(upstream)
-        self._upstream = (parts.hostname, parts.port)
-        self._rewrite = rewrite
-        proxy = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def do_GET(self) -> None:
-                proxy._forward(self)
-
-            do_POST = do_PUT = do_DELETE = do_GET
-
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._httpd.daemon_threads = True
-        self.url = "http://127.0.0.1:%d" % self._httpd.server_address[1]
-        self._thread = threading.Thread(
-            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
-        )
-
-    def __enter__(self) -> MisbehavingProxy:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(5)
-
-    def _forward(self, req: BaseHTTPRequestHandler) -> None:
-        length = int(req.headers.get("Content-Length") or 0)
-        body = req.rfile.read(length) if length else None
-        headers = {k: v for k, v in req.headers.items() if k.lower() not in self.HOP_BY_HOP}
-        host, port = self._upstream
-        upstream = http.client.HTTPConnection(host, port, timeout=self.UPSTREAM_TIMEOUT)
-        try:
-            upstream.request(req.command, req.path, body=body, headers=headers)
-            answer = upstream.getresponse()
-            path = urllib.parse.urlsplit(req.path).path
-            if req.command == "GET" and path.endswith("/connect") and answer.status == 200:
-                self._relay_stream(req, answer)
-            else:
-                self._relay_whole(req, answer)
-        except OSError:  # either side went away: drop this connection
-            req.close_connection = True
-        finally:
-            upstream.close()
-
-    def _relay_headers(self, req: BaseHTTPRequestHandler, answer: Any) -> None:
-        req.send_response(answer.status)
-        for name, value in answer.getheaders():
-            if name.lower() not in self.HOP_BY_HOP:
-                req.send_header(name, value)
-
-    def _relay_whole(self, req: BaseHTTPRequestHandler, answer: Any) -> None:
-        data = answer.read()
-        self._relay_headers(req, answer)
-        req.send_header("Content-Length", str(len(data)))
-        req.end_headers()
-        req.wfile.write(data)
-
-    def _relay_stream(self, req: BaseHTTPRequestHandler, answer: Any) -> None:
-        self._relay_headers(req, answer)
-        req.send_header("Transfer-Encoding", "chunked")
-        req.send_header("Connection", "close")
-        req.close_connection = True
-        req.end_headers()
-        while True:
-            line = answer.readline(2 * 1024 * 1024)
-            if not line:
-                break  # the upstream body ended
-            lines, end = self._rewrite(line)
-            for out in lines:
-                req.wfile.write(b"%X\r\n%s\r\n" % (len(out), out))
-            req.wfile.flush()
-            if end:
-                break
-        req.wfile.write(b"0\r\n\r\n")
-        req.wfile.flush()
-
-
-def heartbeat_instead_of_exit(line: bytes) -> Tuple[List[bytes], bool]:
-    """Relay data; in place of the exit frame send a heartbeat and end the body."""
-    if line.startswith(b'{"type":"exit"'):
-        return [HEARTBEAT], True
-    return [line], False
-
-
-def end_after_a_heartbeat(line: bytes) -> Tuple[List[bytes], bool]:
-    """Relay everything, but end the body right after the first heartbeat."""
-    return [line], line.startswith(b'{"type":"heartbeat"')
-
-
 def run_bounded(call: Callable[[threading.Event], Any], seconds: float) -> Tuple[bool, Any]:
     """Run call(cancel) in a thread; (finished in time, its result or exception).
 
@@ -603,15 +480,17 @@ def test_a_stream_that_only_sends_heartbeats_still_ends_with_the_status_recovere
     # Promise 3: progress is a new frame, heartbeats only prove the stream alive,
     # so connections that bring nothing but a heartbeat spend the budget and the
     # exit status is recovered out of band (promise 4), even without a timeout.
+    # In place of the exit frame, each connect sends a heartbeat and ends.
+    server.corrupt_stream(HEARTBEAT, after_frames=1, last=True)
+    server.corrupt_stream(HEARTBEAT, last=True, count=1000)
     seen = Recorder()
-    with MisbehavingProxy(server.url, heartbeat_instead_of_exit) as proxy:
-        with make_client(server, api_url=proxy.url, retry=THREE_TRIES) as client:
-            finished, outcome = run_bounded(
-                lambda cancel: client.execute(
-                    SANDBOX, "echo done; exit 4", shell=True, on_output=seen, cancel=cancel
-                ),
-                10.0,
-            )
+    with make_client(server, retry=THREE_TRIES) as client:
+        finished, outcome = run_bounded(
+            lambda cancel: client.execute(
+                SANDBOX, "echo done; exit 4", shell=True, on_output=seen, cancel=cancel
+            ),
+            10.0,
+        )
     assert finished, (
         f"execute() was still reconnecting after 10 s ({connects(server)} connects), "
         f"counting heartbeats as progress"
@@ -619,26 +498,29 @@ def test_a_stream_that_only_sends_heartbeats_still_ends_with_the_status_recovere
     assert isinstance(outcome, cx.ExecResult), repr(outcome)
     assert outcome.exit_code == 4 and outcome.exit_recovered is True
     assert outcome.stdout == "done\n" and seen.text() == "done\n"
+    assert connects(server) == THREE_TRIES.max_attempts  # each brought a heartbeat alone
 
 
 QUIET_SECONDS = float(os.environ.get("CREATEOS_QUIET_JOB_SECONDS", "12"))
 
 
 @pytest.mark.timeout(QUIET_SECONDS + 90)
-def test_a_quiet_job_behind_a_proxy_that_closes_after_each_heartbeat_completes_live(server):
+def test_a_quiet_job_whose_streams_end_after_each_heartbeat_completes_live():
     # Promise 3: when the budget is spent, a short `wait` poll tells a quiet live
     # job from an exited one and the live one keeps being followed with a fresh
     # budget: silent for several whole budgets, it still completes exactly, with
     # its output live. ($CREATEOS_QUIET_JOB_SECONDS sets how long it is quiet.)
+    # Each connect starts with a heartbeat and, with nothing more to send, ends
+    # 0.3 s later: as behind a proxy that closes every connection after one.
+    recycled = dataclasses.replace(CONSERVATIVE, heartbeat_first=True, stream_lifetime=0.3)
     script = f"echo first; sleep {QUIET_SECONDS}; echo second"
     seen = Recorder()
-    with MisbehavingProxy(server.url, end_after_a_heartbeat) as proxy:
-        # A budget of 2 s, so that the quiet job is silent for several whole budgets.
-        quiet = dataclasses.replace(THREE_TRIES, budget=2.0)
-        with make_client(server, api_url=proxy.url, retry=quiet) as client:
-            started = time.monotonic()
-            result = client.execute(SANDBOX, script, shell=True, on_output=seen)
-            returned = time.monotonic()
+    # A budget of 2 s, so that the quiet job is silent for several whole budgets.
+    quiet = dataclasses.replace(THREE_TRIES, budget=2.0)
+    with LocalServer(reading=recycled) as server, make_client(server, retry=quiet) as client:
+        started = time.monotonic()
+        result = client.execute(SANDBOX, script, shell=True, on_output=seen)
+        returned = time.monotonic()
     assert result.exit_code == 0 and result.signal is None and not result.timed_out
     assert result.stdout == "first\nsecond\n" and result.stderr == ""
     assert seen.deliveries == [("stdout", "first\n"), ("stdout", "second\n")]
@@ -646,4 +528,4 @@ def test_a_quiet_job_behind_a_proxy_that_closes_after_each_heartbeat_completes_l
     assert first - started < QUIET_SECONDS / 2, "the first line was not delivered live"
     assert second - first >= QUIET_SECONDS * 0.8
     assert returned - second < QUIET_SECONDS / 2
-    assert result.reconnects >= 3  # the proxy did cut the quiet stream, more than a budget
+    assert result.reconnects >= 3  # the quiet stream was cut, more than a budget
