@@ -271,8 +271,8 @@ def _debug_logs(caplog):
     caplog.set_level(logging.DEBUG, logger="createos_exec")
 
 
-def run_and_scan(server, caplog, command, *, client_options, **options):
-    """Run the command with env and stdin; scan everything.
+def run_and_scan(server, caplog, run, command, *, client_options, **options):
+    """Run the command with env and stdin, the way `run` does; scan everything.
 
     Returns (result, error, the server's request log as the client left it,
     the staged files left behind).
@@ -280,7 +280,7 @@ def run_and_scan(server, caplog, command, *, client_options, **options):
     result = error = None
     with make_client(server, **client_options) as client:
         try:
-            result = client.execute(SANDBOX, command, env=ENV, stdin=STDIN, **options)
+            result = run(client, command, **options)
         except (Exception, KeyboardInterrupt) as exc:  # KeyboardInterrupt: a path under test
             error = exc
         scan = Scan()
@@ -426,6 +426,18 @@ def _options(**options):
     return lambda server: options
 
 
+def execute(client, command, **options):
+    """The run of most routes: execute() with env and stdin."""
+    return client.execute(SANDBOX, command, env=ENV, stdin=STDIN, **options)
+
+
+def write_to_a_pipe(client, command, **options):
+    """A handle's run: env, then stdin written through write(), then communicate()."""
+    with client.start(SANDBOX, command, env=ENV, stdin=cx.PIPE, **options) as process:
+        process.write(STDIN)
+        return process.communicate()
+
+
 class Route(NamedTuple):
     """How a run reaches its end, and which end it must reach."""
 
@@ -434,6 +446,7 @@ class Route(NamedTuple):
     ends: Any  # OK, "timed_out", an exception class, or None: any (an echoing answer)
     client: Callable[[], Dict[str, Any]] = dict  # extra Client keywords
     echoed: Tuple[str, int] = ("", 0)  # the endpoint that echoes the request, its status
+    run: Callable[..., Any] = execute
 
 
 def session_with(**settings):
@@ -617,6 +630,13 @@ ROUTES = {
         cx.CleanupError,
         client=lambda: {"cleanup_timeout": 2.0},
     ),
+    "stdin-written-to-a-pipe": Route(_faults(), program(0), OK, run=write_to_a_pipe),
+    "stdin-written-to-a-pipe-answer-lost": Route(
+        _faults(_f("lose_input_response")),
+        program(0),
+        cx.InputUnconfirmedError,
+        run=write_to_a_pipe,
+    ),
     "check-nonzero-exit": Route(_options(check=True), program(1, code=3), cx.CommandError),
     "wrong-key-401": Route(
         _faults(), program(), cx.APIError, client=lambda: {"api_key": KEY + "-wrong"}
@@ -665,7 +685,7 @@ def test_no_secret_leaks_through(server, caplog, stolen, name):
     options = route.arrange(server) or {}
     before = len(stolen.requests) if stolen else 0
     result, error, sent, left = run_and_scan(
-        server, caplog, route.command, client_options=route.client(), **options
+        server, caplog, route.run, route.command, client_options=route.client(), **options
     )
     if route.ends == OK:
         assert error is None, repr(error)
