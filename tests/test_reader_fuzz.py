@@ -734,49 +734,6 @@ def test_a_block_of_one_data_line_is_read_exactly_as_json(line, data, cursor):
         assert took, "the service's own form of the next frame is taken"
 
 
-class Endless:
-    """An unterminated line that never ends, pulled in `size`-byte chunks."""
-
-    def __init__(self, prefix: bytes, size: int, fill: bytes = b"x") -> None:
-        self.prefix = prefix
-        self.size = size
-        self.fill = fill
-        self.pulled = 0
-        self.consumed = 0
-
-    def __iter__(self) -> Iterator[bytes]:
-        pieces = itertools.chain(
-            split(self.prefix, [self.size]), itertools.repeat((self.fill * self.size)[: self.size])
-        )
-        for chunk in pieces:
-            self.pulled += 1
-            self.consumed += len(chunk)
-            yield chunk
-
-
-@pytest.mark.timeout(60)
-@settings(FUZZ, max_examples=12, deadline=timedelta(seconds=10))
-@given(
-    size=st.integers(1024, 70_000),
-    before=st.lists(st.sampled_from([b'{"type":"heartbeat"}', b"not json", b""]), max_size=3),
-    fill=st.sampled_from([b"x", "€".encode(), b" "]),
-)
-def test_an_endless_line_fails_before_more_than_the_limit_is_buffered(size, before, fill):
-    STATS["examples"] += 1
-    prefix = b"".join(line + b"\n" for line in before) + b'{"type":"data","pad":"'
-    stream = Endless(prefix, size, fill)
-    seen = []
-    with pytest.raises(cx.ProtocolError):
-        for block in blocks(stream):
-            seen.extend(block.split(b"\n")[:-1])
-    assert seen == before
-    # Everything pulled beyond the good lines is the bad line: at most the
-    # limit plus the one chunk that pushed it over.
-    held = stream.consumed - sum(len(line) + 1 for line in before)
-    assert LIMIT < held <= LIMIT + size
-    assert stream.pulled <= (len(prefix) + LIMIT) // size + 2
-
-
 # --------------------------------------------------------------------------
 # (b) the public path: Client.execute() against canned answers
 # --------------------------------------------------------------------------
