@@ -312,7 +312,7 @@ def run_and_scan(server, caplog, run, command, *, client_options, **options):
 
 
 # --------------------------------------------------------------------------
-# Every failure path, with env and stdin
+# Every route a run can take, with env and stdin
 # --------------------------------------------------------------------------
 
 GAP = b'{"type":"data","seq":9,"stream":"stdout","data_base64":"eA=="}'
