@@ -177,20 +177,6 @@ def test_attach_follows_a_process_started_elsewhere(client, server):
     assert tail.stdout == "two\n"
 
 
-def test_module_level_execute_reads_the_environment(server, monkeypatch):
-    monkeypatch.setenv("CREATEOS_API_URL", server.url)
-    monkeypatch.setenv("CREATEOS_API_KEY", server.api_key)
-    assert cx.execute(SANDBOX, ["echo", "env"]).stdout == "env\n"
-    with make_client(server) as client:
-        assert cx.execute(SANDBOX, ["echo", "given"], client=client).stdout == "given\n"
-
-
-def test_unknown_sandbox_is_an_api_error(client):
-    with pytest.raises(cx.APIError) as caught:
-        client.execute("sb_missing", ["true"])
-    assert caught.value.status == 404
-
-
 def test_staged_file_is_private_and_removed(client, server, tmp_path):
     result = client.execute(
         SANDBOX,
