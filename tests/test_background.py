@@ -232,14 +232,6 @@ def test_a_handle_taken_up_later_terminates_and_signals(client, server):
     first.wait()
 
 
-def test_a_wrong_process_id_is_the_404_itself(client, server, caplog):
-    caplog.set_level("WARNING", logger="createos_exec")
-    with pytest.raises(cx.APIError) as caught:
-        client.process(SANDBOX, "proc_" + "w" * 22)
-    assert caught.value.status == 404 and not isinstance(caught.value, cx.CleanupError)
-    assert server.requests_to("delete") == [] and caplog.records == []
-
-
 @pytest.mark.both_readings
 def test_processes_lists_what_createos_exec_started_as_it_was_given(client, server):
     argv = ["printf", "%s|", "two words", "it's"]
