@@ -44,6 +44,27 @@ ONE_PROCESS_WINDOW = (
     "test_rate_limiter_holds_a_place_until_the_answer_starts",
     "test_rate_limiter_shared_per_origin",
 )
+# Likewise the sections of test_recovery.py and test_frames.py against the local
+# server: they play rows their canned tests hold, with real processes.
+LIVE_SECTIONS = {
+    "tests/test_recovery.py": (
+        "test_transport_failures_resume_the_same_process",
+        "test_resume_asks_for_frames_after_the_last_accepted_seq",
+        "test_stall_is_detected_by_the_idle_timeout",
+        "test_recycled_streams_are_resumed_exactly",
+        "test_exit_status_from_wait_is_the_result_once_the_replay_brings_the_output",
+        "test_output_that_cannot_be_replayed_is_output_incomplete_with_the_known_status",
+        "test_stream_ended_error_keeps_its_message_when_wait_cannot_tell_the_status",
+        "test_a_stream_that_only_sends_heartbeats_still_ends_with_the_status_recovered",
+        "test_a_quiet_job_whose_streams_end_after_each_heartbeat_completes_live",
+    ),
+    "tests/test_frames.py": (
+        "test_protocol_violation_fails_closed_and_terminates_the_tree",
+        "test_eviction_frame_is_its_own_error",
+        "test_410_on_reconnect_is_eviction",
+        "test_a_reader_left_behind_by_the_journal_gets_output_evicted",
+    ),
+}
 CORE_TESTS = (
     "tests/test_creation.py",
     "tests/test_frames.py",
@@ -135,5 +156,6 @@ def compat(session: nox.Session) -> None:
     # The alternative reading of the local server is covered by `tests` already.
     session.run(
         "python", "-m", "pytest", "-q", *WORKERS, "-k", "not alternative", *CORE_TESTS,
+        *(f"--deselect={path}::{name}" for path, names in LIVE_SECTIONS.items() for name in names),
         *session.posargs,
     )  # fmt: skip

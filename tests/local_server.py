@@ -4,7 +4,7 @@ WARNING: this server RUNS COMMANDS ON THIS MACHINE, as the user who started
 it, for anyone who knows its API key. It binds loopback addresses only.
 
 It speaks the managed-process, files and exec endpoints of the CreateOS
-Sandbox REST API (see ``protocol.md``), and the GET of a sandbox that SDKs
+Sandbox REST API (see ``docs/protocol.md``), and the GET of a sandbox that SDKs
 use to get a handle on one: JSend envelopes, ``X-Api-Key`` auth,
 NDJSON output streams over chunked HTTP/1.1 with heartbeats, a bounded
 replay journal with whole-frame eviction, ``wait`` long-polls and
@@ -14,7 +14,7 @@ lost create response, a lost answer to a delivered input), and turn on strict
 POST framing and a per-address rate limit
 (``LocalServer(strict=True, rate_limit=(N, seconds))``).
 
-Where protocol.md §11 leaves the service open, ``LocalServer(reading=...)``
+Where docs/protocol.md §11 leaves the service open, ``LocalServer(reading=...)``
 answers as one frozen ``Reading`` says, one field per question: the
 conservative way (the default), the alternative way, or any mix of the two
 (see ``LocalServer``), so that a client can be tested against each.
@@ -76,7 +76,7 @@ DEFAULT_API_KEY = "local-dev-key"
 DEFAULT_SANDBOX = "sb_local"
 
 FRAME_LIMIT = 64 * 1024  # raw bytes per data frame (one os.read)
-JSON_BODY_LIMIT = 256 * 1024  # the API's request limit (protocol §5.5, §8)
+JSON_BODY_LIMIT = 256 * 1024  # the API's request limit (docs/protocol.md §5.5, §8)
 FILE_BODY_LIMIT = 64 * 1024 * 1024
 POLL_INTERVAL = 0.02  # seconds between /proc scans while waiting for a tree
 KILL_TIMEOUT = 10.0  # seconds a SIGKILLed group gets to disappear
@@ -184,7 +184,7 @@ ROUTES = tuple(
 STREAM_FAULTS = ("drop", "end", "stall", "corrupt")
 
 
-# How the server answers each open question of protocol §11: one field per
+# How the server answers each open question of docs/protocol.md §11: one field per
 # question it branches on, described in LocalServer's docstring. Values that
 # are words are checked against READING_CHOICES.
 @dataclasses.dataclass(frozen=True)
@@ -242,8 +242,8 @@ READING_CHOICES = {
     "listing": ("unpaginated", "paginated"),
 }
 
-# The two readings of protocol §11 (see LocalServer's docstring): the
-# conservative one is protocol §9; the alternative one flips every unknown
+# The two readings of docs/protocol.md §11 (see LocalServer's docstring): the
+# conservative one is docs/protocol.md §9; the alternative one flips every unknown
 # whose other answer is plausible and that a client must survive.
 CONSERVATIVE = Reading()
 ALTERNATIVE = Reading(
@@ -781,7 +781,7 @@ class Process:
 
     def settled(self) -> bool:
         """The tree gone and both pipes read to their end: the journal is complete,
-        as protocol §5.6 has a client assume when `wait?scope=tree` answers."""
+        as docs/protocol.md §5.6 has a client assume when `wait?scope=tree` answers."""
         if not self.tree_exited():
             return False
         with self.cond:
@@ -843,7 +843,7 @@ class Process:
     # -- record --------------------------------------------------------------
 
     def record(self, groups: set[int] | None = None) -> dict[str, Any]:
-        """The ManagedProcess object of protocol §5.2."""
+        """The ManagedProcess object of docs/protocol.md §5.2."""
         tree_exited = self.tree_exited(groups)
         with self.cond:
             code = self.returncode
@@ -1241,7 +1241,7 @@ def command_of(spec: dict[str, Any]) -> tuple[str, list[str]]:
 
 
 def environment_of(spec: dict[str, Any], sandbox: Sandbox) -> dict[str, str]:
-    """os.environ + sandbox envs + request env (declared keys only, protocol §4)."""
+    """os.environ + sandbox envs + request env (declared keys only, docs/protocol.md §4)."""
     env = spec.get("env") or {}
     if not isinstance(env, dict) or not all(
         isinstance(key, str) and isinstance(value, str) for key, value in env.items()
@@ -1405,8 +1405,8 @@ class LocalServer:
     """A CreateOS-compatible server on loopback that RUNS COMMANDS ON THIS MACHINE.
 
     ``reading`` (a ``Reading``, or the name of one of ``READINGS``) says how
-    it answers where protocol.md (§11) leaves the real service open, one
-    field per question. ``CONSERVATIVE`` (the default, protocol §9) and
+    it answers where docs/protocol.md (§11) leaves the real service open, one
+    field per question. ``CONSERVATIVE`` (the default, docs/protocol.md §9) and
     ``ALTERNATIVE`` (which flips every unknown whose other answer is
     plausible and that a client must survive) are two values of it; any
     field can be set alone (``dataclasses.replace``, ``--set FIELD=VALUE``).
@@ -1491,7 +1491,7 @@ class LocalServer:
     ``server_cgroup``; ``containment`` says which it got): the tree that
     ``tree_exited`` and ``wait?scope=tree`` wait for and that DELETE and
     ``stop()`` end is then every process of that cgroup, as on the service
-    (protocol §5.2), a double-forked daemon included: DELETE sends SIGTERM to
+    (docs/protocol.md §5.2), a double-forked daemon included: DELETE sends SIGTERM to
     each, waits the grace period, then ``cgroup.kill``. Elsewhere, or with
     ``cgroups=False``, it is the leader's process group, which a descendant
     leaves with ``setsid``. A ``signal`` reaches the process group either way.
@@ -1504,7 +1504,7 @@ class LocalServer:
 
     ``rate_limit=(N, seconds)`` admits at most N requests from one client
     address (the peer IP) in any sliding window of that many seconds, as the
-    service's per-IP limit does (protocol §3). Every request counts at its
+    service's per-IP limit does (docs/protocol.md §3). Every request counts at its
     arrival, whatever its path (a connect stream once); only admitted ones
     count (see ``SlidingWindow``). Others get **429** with ``Retry-After``
     (whole seconds until a place frees, at least 1) and a JSend fail, before
@@ -1651,7 +1651,7 @@ class LocalServer:
 
     def add_sandbox(self, sandbox_id: str, *, envs: dict[str, str] | None = None) -> None:
         """Create a sandbox; `envs` are exported into its commands and are the only
-        keys a request's `env` may override (protocol §4)."""
+        keys a request's `env` may override (docs/protocol.md §4)."""
         envs = dict(envs or {})
         if not SANDBOX_ID.match(sandbox_id):
             raise ValueError("invalid sandbox id %r" % sandbox_id)
@@ -1840,7 +1840,7 @@ class LocalServer:
         )
 
     def _authenticate(self, req: _Handler) -> None:
-        # The service reads these before X-Api-Key (protocol §1): whichever
+        # The service reads these before X-Api-Key (docs/protocol.md §1): whichever
         # comes first decides the caller, so a stray one is another identity.
         if any(name in req.headers for name in CREDENTIAL_HEADERS[1:]):
             raise ApiError(401, {"auth": "credentials other than X-Api-Key"})
@@ -2047,7 +2047,7 @@ class LocalServer:
 
     def _ep_sandbox(self, req: _Handler, sandbox_id: str) -> dict[str, Any]:
         sandbox = self._sandbox(sandbox_id)
-        # Only the names of the declared variables, as the real GET (protocol §4).
+        # Only the names of the declared variables, as the real GET (docs/protocol.md §4).
         return {"id": sandbox.id, "status": "running", "envs": sorted(sandbox.envs)}
 
     # -- endpoints: files and exec -------------------------------------------------
@@ -2181,7 +2181,7 @@ def main(argv: list[str] | None = None) -> int:
         "--reading",
         choices=list(READINGS_BY_NAME),
         default=CONSERVATIVE.name,
-        help="how to answer where protocol.md §11 leaves the service open (default %s)"
+        help="how to answer where docs/protocol.md §11 leaves the service open (default %s)"
         % CONSERVATIVE.name,
     )
     parser.add_argument(

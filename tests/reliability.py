@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CAMPAIGN = [
     "tests/test_fault_matrix.py",
     "tests/test_chaos.py",
-    "tests/test_resilience.py",
+    "tests/test_frames.py",
     "tests/test_containment.py",
     "tests/test_secrets.py",
     "tests/test_hostile_input.py",

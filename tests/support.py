@@ -123,7 +123,7 @@ def ok(data: Any) -> Dict[str, Any]:
 
 
 def process_record(process_id: str = PID, *, newest: int = 0, **fields: Any) -> Dict[str, Any]:
-    """A running ManagedProcess record (protocol.md 5.2), with `fields` overriding."""
+    """A running ManagedProcess record (docs/protocol.md 5.2), with `fields` overriding."""
     record = {
         "process_id": process_id,
         "kind": "process",

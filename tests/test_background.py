@@ -1,8 +1,9 @@
 """A background process one can live with: iter_output(), returncode,
 client.process() and client.processes(), a log nobody reads, a dropped handle.
 
-From the user's side: a real local server, real sockets, real processes,
-under both readings of the local server (see conftest.BOTH_READINGS).
+From the user's side: a real local server, real sockets, real processes;
+under both readings of the local server where an open question changes the
+outcome (marked both_readings).
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ def test_a_loop_left_with_its_iterator_kept_gives_way_to_wait(client):
     assert list(loop) == []  # that loop was closed
 
 
+@pytest.mark.both_readings
 def test_a_loop_survives_broken_connections(client, server):
     server.drop_stream(after_frames=2)
     server.drop_stream(after_frames=3, mid_frame=True)
@@ -136,6 +138,7 @@ PIECEMEAL_ERR = "".join(f"err {i} end\n" for i in range(4))
 
 
 @pytest.mark.parametrize("lines", [True, False], ids=["lines", "pieces"])
+@pytest.mark.both_readings
 def test_loops_left_after_each_piece_hand_out_everything_once(client, server, lines):
     server.drop_stream(after_frames=3)  # broken connections on the way, besides the loops'
     server.drop_stream(after_frames=5, mid_frame=True)
@@ -175,6 +178,7 @@ def test_on_output_sees_the_pieces_the_loop_sees(client):
     assert list(proc.iter_output()) == called
 
 
+@pytest.mark.both_readings
 def test_the_command_timeout_contains_the_tree_during_a_loop(client, server):
     proc = client.start(SANDBOX, WAITS, timeout=1.0)
     pieces = list(proc.iter_output())  # ends with the run
@@ -183,6 +187,7 @@ def test_the_command_timeout_contains_the_tree_during_a_loop(client, server):
     assert server.wait_tree_gone(proc.process_id)
 
 
+@pytest.mark.both_readings
 def test_eviction_during_a_loop_raises_with_what_was_read(client, server):
     server.drop_stream(after_frames=1)  # the connection breaks after "one"
     code = (
@@ -228,6 +233,7 @@ def test_bad_loop_timeouts_are_refused_before_anything_is_read(client):
 # -- returncode ------------------------------------------------------------------
 
 
+@pytest.mark.both_readings
 def test_returncode_is_none_until_the_status_is_learned(client):
     proc = client.start(SANDBOX, ["sh", "-c", "exit 5"])
     assert proc.returncode is None
@@ -243,6 +249,7 @@ def test_returncode_is_none_until_the_status_is_learned(client):
 # -- process() and processes() ----------------------------------------------------
 
 
+@pytest.mark.both_readings
 def test_a_process_started_earlier_is_taken_up_as_a_handle(client, server):
     started = client.start(SANDBOX, LOG)
     with make_client(server) as later:  # a restarted kernel: another client, the id kept
@@ -254,6 +261,7 @@ def test_a_process_started_earlier_is_taken_up_as_a_handle(client, server):
     started.wait()
 
 
+@pytest.mark.both_readings
 def test_a_handle_taken_up_later_terminates_and_signals(client, server):
     first = client.start(SANDBOX, WAITS)
     proc = client.process(SANDBOX, first.process_id, after=0)
@@ -263,14 +271,7 @@ def test_a_handle_taken_up_later_terminates_and_signals(client, server):
     first.wait()
 
 
-def test_a_wrong_process_id_is_the_404_itself(client, server, caplog):
-    caplog.set_level("WARNING", logger="createos_exec")
-    with pytest.raises(cx.APIError) as caught:
-        client.process(SANDBOX, "proc_" + "w" * 22)
-    assert caught.value.status == 404 and not isinstance(caught.value, cx.CleanupError)
-    assert server.requests_to("delete") == [] and caplog.records == []
-
-
+@pytest.mark.both_readings
 def test_processes_lists_what_createos_exec_started_as_it_was_given(client, server):
     argv = ["printf", "%s|", "two words", "it's"]
     script = "echo 'a b' | wc -w"
@@ -329,6 +330,7 @@ def small_journal(server_reading):
         yield local
 
 
+@pytest.mark.both_readings
 def test_evicted_output_nobody_read_is_the_head_of_the_result(small_journal):
     with make_client(small_journal) as client:
         proc = client.start(SANDBOX, FLOOD)
@@ -505,6 +507,7 @@ PORTED = [value for name, value in list(globals().items()) if name.startswith("p
 
 
 @pytest.mark.parametrize("snippet", PORTED, ids=lambda snippet: snippet.__name__[7:])
+@pytest.mark.both_readings
 def test_ported_lines_do_what_subprocess_does(client, snippet):
     remote = snippet(
         functools.partial(client.execute, SANDBOX), functools.partial(client.start, SANDBOX)
@@ -512,6 +515,7 @@ def test_ported_lines_do_what_subprocess_does(client, snippet):
     assert remote == snippet(subprocess.run, subprocess.Popen)
 
 
+@pytest.mark.both_readings
 def test_stderr_into_stdout_is_merged_in_order_wherever_output_goes(client):
     recorder = Recorder()
     script = "echo o1; sleep 0.1; echo e1 >&2; sleep 0.1; echo o2; read _; exit 1"

@@ -1,5 +1,5 @@
 """No process left behind by a 429, a cancel noticed at once in every wait of a
-run, and one deadline for every request of it (design.md rules 1, 5 and 6).
+run, and one deadline for every request of it (docs/design.md rules 1, 5 and 6).
 
 Against the real local server: a proxy that forwards a creation and answers
 429 is its `refuse_created` fault; the waits are long `Retry-After`s (5 s)
@@ -40,6 +40,7 @@ def assert_nothing_runs(server):
 # -- 3. no process left behind by a 429 ----------------------------------------------
 
 
+@pytest.mark.both_readings
 def test_429_on_the_last_attempt_behind_a_created_process_is_terminated_first(server):
     server.fail("create", 429, retry_after="0")  # a plain refusal: nothing created
     server.refuse_created(retry_after="0")  # the last attempt: created, then 429
@@ -53,6 +54,7 @@ def test_429_on_the_last_attempt_behind_a_created_process_is_terminated_first(se
     assert not server.tree_alive(created["process_id"])
 
 
+@pytest.mark.both_readings
 def test_429_when_the_deadline_allows_no_other_attempt_terminates_what_it_created(server):
     server.refuse_created(retry_after=LONG)
     with make_client(server) as client:
@@ -67,6 +69,7 @@ def test_429_when_the_deadline_allows_no_other_attempt_terminates_what_it_create
     assert len(server.requests_to("exec")) == 1  # the staged file removed
 
 
+@pytest.mark.both_readings
 def test_429_whose_process_cannot_be_looked_up_is_unconfirmed(server):
     server.refuse_created(retry_after="0")
     server.fail("list", 500, count=10)
@@ -80,6 +83,7 @@ def test_429_whose_process_cannot_be_looked_up_is_unconfirmed(server):
     assert server.tree_alive(created["process_id"])
 
 
+@pytest.mark.both_readings
 @pytest.mark.parametrize("schedule", list(itertools.product("pf", repeat=3)), ids="".join)
 def test_429s_answered_to_forwarded_creations_at_every_attempt(server, schedule, figures):
     """Every schedule of plain (p) and forwarded (f) 429s over the three attempts
@@ -235,6 +239,7 @@ def cancelled_run(server, wait, delay=0.2):
 
 
 @pytest.mark.parametrize("run", [dict(), dict(env={"SECRET": "s"}, stdin="staged")])
+@pytest.mark.both_readings
 def test_a_cancel_set_before_the_call_creates_nothing(server, run):
     cancel = threading.Event()
     cancel.set()
@@ -252,6 +257,7 @@ def test_cancel_ends_every_wait_at_once(server, wait):
     assert cancelled_run(server, wait) < BOUND
 
 
+@pytest.mark.both_readings
 @pytest.mark.parametrize("wait", list(WAITS))
 def test_cancel_at_random_moments_of_every_wait(server, wait, figures):
     rng = random.Random(f"{SEED} {wait} {server.reading.name}")

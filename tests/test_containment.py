@@ -1,4 +1,4 @@
-"""Containment (design.md rules 5 and 6): the README's failure-table rows
+"""Containment (docs/design.md rules 5 and 6): the README's failure-table rows
 "`timeout` expires", "`cancel` is set", "`on_output` raises", "Ctrl-C" and
 "termination not confirmed".
 
@@ -8,7 +8,7 @@ python child with SIG_IGN), so only the SIGKILL after the grace period of
 `DELETE …?grace_ms=` removes them. For each interruption — a real SIGINT to
 the command line, `cancel` set from another thread, an `on_output` that
 raises, Ctrl-C inside the library, and `timeout` — the call must end the way
-design.md says, within the client's `cleanup_timeout` (plus a little slack)
+docs/design.md says, within the client's `cleanup_timeout` (plus a little slack)
 of the interruption, and the whole tree must already be gone when it does:
 the DELETE confirmed it, so nothing is awaited before looking. A second
 Ctrl-C during a slow cleanup must end the command line at once.
@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import pytest
 import requests
 import responses
-from local_server import READINGS
+from local_server import READINGS, LocalServer
 from support import (
     CANNED_RETRY,
     CONNECT,
@@ -55,6 +55,7 @@ from support import (
     assert_deleted_once,
     body_of,
     calls,
+    chain,
     cli_argv,
     cli_env,
     daemon_pid,
@@ -235,6 +236,7 @@ def test_sigint_to_the_cli_terminates_the_tree_then_exits_130(server):
 
 @posix_only
 @pytest.mark.parametrize("server_reading", READINGS, indirect=True)
+@pytest.mark.both_readings
 def test_a_second_sigint_aborts_a_slow_cleanup_at_once(server):
     # Cleanup made slow: the first DELETE is answered 503 with Retry-After: 20,
     # which the default policy honours (cleanup deadline 30 s), so without a
@@ -282,6 +284,7 @@ def test_a_second_sigint_aborts_a_slow_cleanup_at_once(server):
 # -- the library: cancel, a raising callback, Ctrl-C, timeout ----------------------------
 
 
+@pytest.mark.both_readings
 @posix_only
 def test_cancel_from_another_thread_raises_cancelled_after_termination(server):
     cancel = threading.Event()
@@ -361,6 +364,7 @@ def test_timeout_returns_timed_out_after_termination(server):
 GRACE = "trap 'echo grace-output; exit 0' TERM\necho ready\nsleep 60 & wait\n"
 
 
+@pytest.mark.both_readings
 @posix_only
 def test_timeout_keeps_what_the_grace_period_printed(server):
     with make_client(server, cleanup_timeout=CLEANUP) as client:
@@ -371,6 +375,7 @@ def test_timeout_keeps_what_the_grace_period_printed(server):
 
 
 @posix_only
+@pytest.mark.both_readings
 def test_terminate_ends_a_double_forked_daemon_of_the_tree(server, tmp_path):
     require_cgroup(server)  # a daemon leaves the process group: only its cgroup holds it
     with make_client(server, cleanup_timeout=CLEANUP) as client:
@@ -513,3 +518,121 @@ def test_failure_after_creation_removes_staged_file(rsps: responses.RequestsMock
         make_client().execute(SB, ["true"], stdin=b"data")
     staged = query(calls(rsps, "PUT", FILES)[0])["path"]
     assert [body_of(c)["args"][-1] for c in calls(rsps, "POST", EXEC)] == [staged]
+
+
+# -- against the local server: a timeout whose termination is unconfirmed, and one
+# interrupted during its grace period -----------------------------------------------
+
+
+def private_classes(error: BaseException) -> List[str]:
+    return [
+        type(e).__name__
+        for e in chain(error)
+        if type(e).__module__ == cx.__name__ and type(e).__name__.startswith("_")
+    ]
+
+
+def test_unconfirmed_termination_after_a_timeout_keeps_the_partial_result(server):
+    # Promises 5 and 6: the timeout's termination cannot be confirmed, so
+    # CleanupError is raised; it carries the timed-out partial result with the
+    # output read so far, and no private exception of the module is in its chain.
+    server.fail("delete", 500, count=100)
+    with make_client(server, cleanup_timeout=2.0) as client:
+        with pytest.raises(cx.CleanupError) as caught:
+            client.execute(SANDBOX, "echo started; sleep 30", shell=True, timeout=1.0)
+    error = caught.value
+    process_id = only_process(server)
+    assert error.process_id == process_id and not error.creation_unconfirmed
+    lost, private = error.result is None, private_classes(error)
+    assert not lost and not private, (
+        f"partial result lost: {lost}; private exceptions in the chain: {private}"
+    )
+    assert error.result.timed_out is True and error.result.exit_code is None
+    assert error.result.stdout == "started\n"
+    # The client could not confirm the termination, and said so; the sandbox
+    # keeps the deadline itself (the wrapper's watchdog), so the tree goes
+    # all the same, at the deadline and its grace period.
+    assert server.wait_tree_gone(process_id)
+    server.stop()  # the server's stop kills what the client could not
+    assert not server.tree_alive(process_id)
+
+
+# The leader prints during its grace period and takes 0.5 s more to exit, so
+# the DELETE (grace 1 s with cleanup_timeout=5) is answered about 0.5 s after
+# "bye" reached the client.
+GRACEFUL = "trap 'echo bye; sleep 0.5; exit 0' TERM\necho started\nsleep 30 &\nwait\n"
+
+
+def settle(server: Any) -> None:
+    """Let a DELETE still in flight finish, so that nothing outlives the test."""
+    deadline = time.monotonic() + 15
+    while not server.requests_to("delete") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.wait_tree_gone(only_process(server))
+
+
+class CallbackFailed(Exception):
+    """Raised by the test's on_output."""
+
+
+@pytest.mark.parametrize("interruption", ["callback-raises", "ctrl-c", "cancel"])
+def test_an_interruption_during_the_grace_period_returns_after_the_delete_answered(
+    server, interruption
+):
+    # Promise 5: after a callback that raises, Ctrl-C or cancel, the tree is
+    # terminated, confirmed, before the error reaches the caller; here each
+    # comes while the timeout's DELETE is waiting out the grace period.
+    cancel = threading.Event()
+    raised = CallbackFailed("from on_output")
+
+    def on_output(stream: str, text: str) -> None:
+        if "bye" not in text:
+            return
+        if interruption == "callback-raises":
+            raise raised
+        if interruption == "ctrl-c":
+            raise KeyboardInterrupt
+        cancel.set()
+
+    caught: Optional[BaseException] = None
+    with make_client(server, cleanup_timeout=5.0) as client:
+        try:
+            client.execute(
+                SANDBOX, GRACEFUL, shell=True, timeout=1.0, on_output=on_output, cancel=cancel
+            )
+        except BaseException as exc:
+            # At once, before anything else can happen: was the DELETE answered?
+            answered = [r.status for r in server.requests_to("delete")]
+            alive = server.tree_alive(only_process(server))
+            caught = exc
+    settle(server)
+    assert caught is not None, "execute() returned instead of raising"
+    assert answered == [200] and not alive, (
+        f"{type(caught).__name__} reached the caller before the DELETE was answered "
+        f"(DELETE answers {answered}, tree alive: {alive})"
+    )
+    if interruption == "callback-raises":
+        assert caught is raised or (
+            isinstance(caught, cx.CreateOSError) and any(e is raised for e in chain(caught))
+        ), repr(caught)
+    elif interruption == "ctrl-c":
+        assert type(caught) is KeyboardInterrupt
+    else:
+        assert isinstance(caught, cx.CancelledError), repr(caught)
+
+
+def test_cancel_is_prompt_even_without_heartbeats():
+    # No byte for a minute and a long idle timeout: the cancel must not wait
+    # for the next byte (or for the idle timeout) to be seen.
+    with LocalServer(heartbeat_interval=60) as server, make_client(
+        server, stream_idle_timeout=30
+    ) as client:
+        cancel = threading.Event()
+        threading.Timer(0.5, cancel.set).start()
+        started = time.monotonic()
+        with pytest.raises(cx.CancelledError) as caught:
+            client.execute(SANDBOX, "echo go; sleep 30", shell=True, cancel=cancel)
+        assert time.monotonic() - started < 3
+        assert server.wait_tree_gone(caught.value.process_id)
+    time.sleep(0.5)  # the watcher ends within one poll of the cancel event
+    assert not [t for t in threading.enumerate() if t.name == "createos_exec-cancel"]

@@ -1,4 +1,4 @@
-"""The deadline holds when nobody waits (design.md rule 12), with real processes.
+"""The deadline holds when nobody waits (docs/design.md rule 12), with real processes.
 
 With `timeout=T` the wrapper's watchdog terminates the tree in the sandbox at
 T (SIGTERM, the grace period, SIGKILL) even when the client is gone: here a
@@ -133,6 +133,7 @@ def killed_client_run(
 # -- 1. the sandbox keeps the deadline -----------------------------------------
 
 
+@pytest.mark.both_readings
 @pytest.mark.parametrize(
     "script", [IGNORES_TERM, WITH_GRANDCHILD], ids=["ignores-term", "grandchild"]
 )
@@ -176,6 +177,7 @@ def killed_at_random(server: LocalServer) -> None:
     assert max(results.values()) <= GRACE + SLACK, sorted(results.values())
 
 
+@pytest.mark.both_readings
 def test_the_watchdog_ends_a_tree_that_obeys_sigterm_at_once(client, server):
     proc = client.start(SANDBOX, "sleep 60 & sleep 60", shell=True, timeout=1.0)
     created = time.monotonic()
@@ -185,6 +187,7 @@ def test_the_watchdog_ends_a_tree_that_obeys_sigterm_at_once(client, server):
     assert result.timed_out and result.exit_code is None and result.signal == "SIGTERM"
 
 
+@pytest.mark.both_readings
 def test_a_run_that_timed_out_leaves_no_double_forked_daemon(client, server, tmp_path):
     require_cgroup(server)  # a daemon leaves the process group: only its cgroup holds it
     result = client.execute(SANDBOX, DAEMON, shell=True, cwd=str(tmp_path), timeout=1.0)
@@ -192,6 +195,7 @@ def test_a_run_that_timed_out_leaves_no_double_forked_daemon(client, server, tmp
     assert not alive(daemon_pid(str(tmp_path))) and not server.tree_alive(result.process_id)
 
 
+@pytest.mark.both_readings
 def test_a_result_waited_for_after_the_watchdog_fired_is_timed_out_with_grace_output(client):
     script = (
         "trap 'echo in-grace; sleep 0.2; echo grace-done; exit 7' TERM; "
@@ -207,6 +211,7 @@ def test_a_result_waited_for_after_the_watchdog_fired_is_timed_out_with_grace_ou
 # -- 2. nothing else changes ---------------------------------------------------
 
 
+@pytest.mark.both_readings
 @pytest.mark.parametrize(
     "script, exit_code, signal",
     [("exit 3", 3, None), ("kill -SEGV $$", None, "SIGSEGV"), ("echo out; exit 0", 0, None)],
@@ -219,6 +224,7 @@ def test_a_program_that_ends_before_its_deadline_reports_its_own_status(
     assert (result.exit_code, result.signal, result.timed_out) == (exit_code, signal, False)
 
 
+@pytest.mark.both_readings
 @pytest.mark.parametrize(
     "script, exit_code, signal",
     [("echo out; exit 3", 3, None), ("echo out; kill -SEGV $$", None, "SIGSEGV")],
@@ -269,6 +275,7 @@ def test_argv_cwd_env_stdin_and_output_are_those_of_a_run_without_timeout(client
     assert record["args"][2].startswith("createos_exec-")  # the marker
 
 
+@pytest.mark.both_readings
 def test_what_the_program_left_in_the_background_is_left_alone(client, server, tmp_path):
     pid_file = tmp_path / "background"
     script = f"sleep 3 </dev/null >/dev/null 2>&1 & echo $! >{pid_file}; echo out"

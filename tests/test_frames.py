@@ -1,7 +1,7 @@
 """The stream's frames, and the output they carry: the README's "Malformed input
 from the service" table (every row but the last, which tests/test_recovery.py
 holds) and the rows "invalid frame", "HTTP 410 or an output_offset_expired
-frame" and "exit frame without a status" of the failure table (design.md
+frame" and "exit frame without a status" of the failure table (docs/design.md
 rules 2 and 5: drop a replay, fail closed on a gap or a bad frame; 7 and 8:
 exact text, bounded memory).
 
@@ -16,16 +16,19 @@ import itertools
 import json
 import random
 import string
+import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 import responses
+from local_server import READINGS, LocalServer
 from support import (
     CONNECT,
     EXIT0,
     PID,
     PROC,
     PROCS,
+    SANDBOX,
     SB,
     WAIT,
     add_connect,
@@ -155,6 +158,7 @@ PROTOCOL_ERRORS = {
     "seq 0": nd({**data(1, "stdout", b"a"), "seq": 0}, EXIT0),
     "seq -1": nd({**data(1, "stdout", b"a"), "seq": -1}, EXIT0),
     "seq 1.0": nd({**data(1, "stdout", b"a"), "seq": 1.0}, EXIT0),
+    "seq null": nd({**data(1, "stdout", b"a"), "seq": None}, EXIT0),
     "seq missing": nd({"type": "data", "stream": "stdout", "data_base64": "YQ=="}, EXIT0),
     "stream pty": nd(data(1, "pty", b"a"), EXIT0),
     "stream missing": nd({"type": "data", "seq": 1, "data_base64": "YQ=="}, EXIT0),
@@ -788,3 +792,115 @@ def test_capture_other_encoding_and_strict_errors() -> None:
     strict = cx._Output("utf-8", "strict", 10, None)
     with pytest.raises(UnicodeDecodeError):
         strict.feed("stdout", b"\xff")
+
+
+# --------------------------------------------------------------------------
+# Against the local server: every malformed input fails closed and the remote
+# tree is gone (item 3 of RELIABILITY.md); eviction on the stream and on a
+# reconnect
+# --------------------------------------------------------------------------
+
+
+def connects(server: Any) -> int:
+    return len(server.requests_to("connect"))
+
+
+VIOLATIONS = {
+    "gap": b'{"type":"data","seq":9,"stream":"stdout","data_base64":"eA=="}',
+    "seq-true": b'{"type":"data","seq":true,"stream":"stdout","data_base64":"eA=="}',
+    "seq-string": b'{"type":"data","seq":"2","stream":"stdout","data_base64":"eA=="}',
+    "seq-float": b'{"type":"data","seq":2.0,"stream":"stdout","data_base64":"eA=="}',
+    "bad-stream": b'{"type":"data","seq":2,"stream":"pty","data_base64":"eA=="}',
+    "non-canonical-base64": b'{"type":"data","seq":2,"stream":"stdout","data_base64":"eR=="}',
+    "bad-base64": b'{"type":"data","seq":2,"stream":"stdout","data_base64":"e*=="}',
+    "invalid-json": b'{"type":"data",',
+    "not-an-object": b'["data"]',
+    "unknown-type": b'{"type":"progress"}',
+    "error-frame": b'{"type":"error","error":"internal"}',
+    "bad-signal": b'{"type":"exit","signal":"SIG kill"}',
+    "oversized": b'{"type":"heartbeat","pad":"' + b"x" * (1024 * 1024) + b'"}',
+}
+
+
+@pytest.mark.both_readings
+@pytest.mark.parametrize("name", sorted(VIOLATIONS))
+def test_protocol_violation_fails_closed_and_terminates_the_tree(client, server, name, figures):
+    server.corrupt_stream(VIOLATIONS[name], after_frames=1)
+    with pytest.raises(cx.ProtocolError) as caught:
+        client.execute(
+            SANDBOX, "echo first; sleep 0.2; echo second; sleep 30 & sleep 30", shell=True
+        )
+    error = caught.value
+    assert type(error) is cx.ProtocolError
+    assert connects(server) == 1  # never a reconnect after a bad frame
+    assert error.process_id is not None
+    assert error.result is not None and error.result.stdout == "first\n"
+    assert server.wait_tree_gone(error.process_id)
+    assert server.requests_to("delete")
+    figures.record("3. protocol violations", runs=1, failed_closed=1, reconnects_after=0)
+
+
+@pytest.mark.both_readings
+def test_eviction_frame_is_its_own_error(client, server):
+    server.corrupt_stream(
+        b'{"type":"error","error":"output_offset_expired","oldest_available_seq":5}',
+        after_frames=1,
+    )
+    # A live reader (on_output) is never handed output after a gap.
+    seen = []
+    with pytest.raises(cx.OutputEvictedError) as caught:
+        client.execute(
+            SANDBOX,
+            "echo a; sleep 0.2; echo b; sleep 30",
+            shell=True,
+            on_output=lambda stream, text: seen.append(text),
+        )
+    assert seen == ["a\n"] and caught.value.oldest_available_seq == 5
+    assert connects(server) == 1
+    assert server.wait_tree_gone(caught.value.process_id)
+
+
+@pytest.mark.both_readings
+def test_410_on_reconnect_is_eviction(client, server):
+    def evict_then_break(stream, text):
+        if text == "1\n":
+            time.sleep(0.4)  # let the process print more, then lose it
+            (record,) = [p for p in server.processes() if "seq 2 4" in p["args"][-1]]
+            server.evict(record["process_id"])
+
+    server.drop_stream(after_frames=1)
+    with pytest.raises(cx.OutputEvictedError) as caught:
+        client.execute(
+            SANDBOX, "seq 1 1; sleep 0.1; seq 2 4; sleep 30", shell=True, on_output=evict_then_break
+        )
+    assert connects(server) == 2
+    assert caught.value.result.stdout == "1\n"
+    assert server.wait_tree_gone(caught.value.process_id)
+
+
+@pytest.mark.parametrize("reading", READINGS)
+def test_a_reader_left_behind_by_the_journal_gets_output_evicted(reading):
+    with LocalServer(journal_limit=64 * 1024, heartbeat_interval=0.5, reading=reading) as server:
+        seen = []
+
+        def fall_behind(stream, text):
+            if not seen:  # meanwhile the flood outruns the socket buffers and the journal
+                seen.append(text)
+                time.sleep(1.3)
+                (process_id,) = [p["process_id"] for p in server.processes()]
+                assert server.wait_tree_gone(process_id)  # and the output is final
+
+        script = "echo first; sleep 0.3; head -c 30000000 /dev/zero"
+        with make_client(server) as client, pytest.raises(cx.OutputEvictedError) as caught:
+            client.execute(SANDBOX, script, shell=True, on_output=fall_behind)
+        connects = [r.status for r in server.requests_to("connect")]
+    assert seen == ["first\n"] and caught.value.result.stdout.startswith("first\n")
+    # Conservative: an error frame on the live stream, naming the restart point.
+    # Alternative: the stream is cut, and the reconnect meets a 410 whose plain
+    # string names no seq (the output is final by then).
+    if reading.live_eviction == "error_frame":
+        assert connects == [200] and caught.value.oldest_available_seq > 2
+    else:
+        assert connects == [200, 410]
+        oldest = caught.value.oldest_available_seq
+        assert oldest is None or oldest > 2

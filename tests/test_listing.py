@@ -3,8 +3,8 @@
 A process whose creation answer was lost is found again by its marker in
 `GET …/processes`: `{"processes": [...]}`, or the paginated form of the
 vendor's other lists, `{"data": [...], "pagination": {...}}`, page after page
-(protocol.md §5.3). Anything else fails closed. A 404 on DELETE means the
-process is gone only from the origin that held it (protocol.md §1, regions).
+(docs/protocol.md §5.3). Anything else fails closed. A 404 on DELETE means the
+process is gone only from the origin that held it (docs/protocol.md §1, regions).
 """
 
 from __future__ import annotations

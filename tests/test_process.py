@@ -1,8 +1,8 @@
 """start() and RemoteProcess, the counterpart of subprocess.Popen.
 
 From the user's side: a real local server, real sockets, real processes. Each
-promise of start() has a test here; the module runs under both readings of
-the local server (see conftest.BOTH_READINGS).
+promise of start() has a test here; those an open question of the protocol
+changes run under both readings of the local server (marked both_readings).
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ def deletes(server, process_id):
 # -- start(): created once, returned at once ------------------------------------
 
 
+@pytest.mark.both_readings
 def test_start_returns_once_the_process_is_created(client, server):
     began = time.monotonic()
     proc = client.start(SANDBOX, ["sleep", "30"])
@@ -96,6 +97,7 @@ def test_module_level_start_builds_a_client_from_the_environment(server, monkeyp
 # -- poll() ------------------------------------------------------------------------
 
 
+@pytest.mark.both_readings
 def test_pid_is_the_leaders_on_every_handle_and_in_the_listing(client, server):
     proc = client.start(SANDBOX, ["true"])
     again = client.process(SANDBOX, proc.process_id)
@@ -105,6 +107,7 @@ def test_pid_is_the_leaders_on_every_handle_and_in_the_listing(client, server):
     assert proc.wait().ok and again.wait().ok
 
 
+@pytest.mark.both_readings
 def test_poll_is_none_while_it_runs_then_its_returncode_one_request_at_most(client, server):
     proc = client.start(SANDBOX, "sleep 0.5; exit 3", shell=True)
     before = len(server.requests)
@@ -125,6 +128,7 @@ def test_poll_is_none_while_it_runs_then_its_returncode_one_request_at_most(clie
     assert len(server.requests) == before  # known: no request at all
 
 
+@pytest.mark.both_readings
 def test_poll_gives_minus_the_signal_number(client):
     proc = client.start(SANDBOX, "kill -KILL $$", shell=True)
     assert proc.wait().signal == "SIGKILL"
@@ -134,6 +138,7 @@ def test_poll_gives_minus_the_signal_number(client):
 # -- wait(): every guarantee of execute() ------------------------------------------
 
 
+@pytest.mark.both_readings
 def test_wait_resumes_a_broken_stream(client, server):
     server.drop_stream(after_frames=2)
     proc = client.start(SANDBOX, "for i in 1 2 3 4 5; do echo $i; sleep 0.05; done", shell=True)
@@ -179,6 +184,7 @@ def test_check_true_raises_command_error_from_wait(client):
 # -- wait(timeout=): only stops waiting ------------------------------------------
 
 
+@pytest.mark.both_readings
 def test_wait_timeout_only_stops_waiting(client, server):
     proc = client.start(SANDBOX, "echo one; sleep 0.6; echo two; exit 4", shell=True)
     began = time.monotonic()
@@ -218,6 +224,7 @@ def test_a_later_wait_resumes_at_the_cursor_nothing_lost_or_repeated(client, ser
     assert len(afters) == stops + 1  # each wait resumed once, where the last one stopped
 
 
+@pytest.mark.both_readings
 def test_a_wait_timeout_of_zero_does_not_block(client):
     proc = client.start(SANDBOX, ["sleep", "30"])
     try:
@@ -237,6 +244,7 @@ def iterate(proc, timeout):
 
 
 @pytest.mark.parametrize("wait", [cx.RemoteProcess.wait, iterate], ids=["wait", "iter_output"])
+@pytest.mark.both_readings
 def test_a_wait_timeout_holds_between_heartbeats_far_apart(server_reading, wait):
     # Each heartbeat starts the read timeout again: a deadline checked only
     # between blocks would end this wait at the second heartbeat, at 4 s.
@@ -254,6 +262,7 @@ def test_a_wait_timeout_holds_between_heartbeats_far_apart(server_reading, wait)
 # -- terminate(), kill(), send_signal() ------------------------------------------
 
 
+@pytest.mark.both_readings
 def test_terminate_ends_the_tree_with_its_grace_period_confirmed(client, server):
     seen, on_output = collector()
     proc = client.start(SANDBOX, TRAPS_TERM, on_output=on_output)
@@ -268,6 +277,7 @@ def test_terminate_ends_the_tree_with_its_grace_period_confirmed(client, server)
     assert proc.poll() == 7
 
 
+@pytest.mark.both_readings
 def test_kill_sends_sigkill_first_then_confirms_the_tree_gone(client, server):
     seen, on_output = collector()
     proc = client.start(SANDBOX, TRAPS_TERM, on_output=on_output)  # SIGTERM would say bye
@@ -283,6 +293,7 @@ def test_kill_sends_sigkill_first_then_confirms_the_tree_gone(client, server):
     assert proc.poll() == -signal.SIGKILL
 
 
+@pytest.mark.both_readings
 def test_send_signal_reaches_the_process(client, server):
     seen, on_output = collector()
     handler = python(
@@ -329,6 +340,7 @@ def test_terminate_from_another_thread_ends_a_wait_in_progress(client, server):
 # -- the `with` block ------------------------------------------------------------
 
 
+@pytest.mark.both_readings
 def test_leaving_the_block_terminates_a_tree_that_still_runs(client, server):
     with client.start(SANDBOX, ["sleep", "30"]) as proc:
         assert proc.poll() is None
@@ -345,12 +357,14 @@ def test_leaving_the_block_by_an_error_terminates_and_raises_it(client, server):
     assert not server.tree_alive(proc.process_id)
 
 
+@pytest.mark.both_readings
 def test_leaving_the_block_after_the_process_ended_sends_nothing(client, server):
     with client.start(SANDBOX, ["true"]) as proc:
         assert proc.wait().exit_code == 0
     assert deletes(server, proc.process_id) == []
 
 
+@pytest.mark.both_readings
 def test_leaving_the_block_with_termination_unconfirmed_raises_cleanup_error(server):
     with make_client(server, retry=NO_RETRY, cleanup_timeout=0.5) as client:
         with pytest.raises(cx.CleanupError) as caught:

@@ -2,7 +2,7 @@
 chunk, clean EOF before the exit frame, 5xx/429 on connect" and "failures
 without progress exhaust the retry policy", and the last row of "Malformed
 input from the service" (an unterminated last line is a broken connection)
-(design.md rules 2, 3 and 4): the run reconnects to the same process after its
+(docs/design.md rules 2, 3 and 4): the run reconnects to the same process after its
 cursor, under a retry budget that progress resets, and recovers the exit
 status out of band when the budget is spent.
 
@@ -12,14 +12,18 @@ called directly.
 
 from __future__ import annotations
 
+import dataclasses
 import email.utils
 import json
+import os
+import threading
 import time
-from typing import Any
+from typing import Any, Callable, List, Tuple
 
 import pytest
 import requests
 import responses
+from local_server import CONSERVATIVE, LocalServer
 from support import (
     CANNED_RETRY,
     CONNECT,
@@ -27,8 +31,11 @@ from support import (
     PID,
     PROC,
     PROCS,
+    SANDBOX,
     SB,
+    THREE_TRIES,
     WAIT,
+    Recorder,
     add_connect,
     add_created,
     add_deleted,
@@ -292,3 +299,233 @@ def test_retry_after_values() -> None:
 @pytest.mark.parametrize("value", ["\xb2", "\xb9", "1\xb3"])
 def test_retry_after_unicode_digits_are_garbage(value: str) -> None:
     assert cx._retry_after(value) is None
+
+
+# --------------------------------------------------------------------------
+# Against the local server: the failures it injects
+# --------------------------------------------------------------------------
+
+SLOW_LINES = "for i in 1 2 3 4 5 6; do echo line $i; sleep 0.05; done"
+SLOW_OUTPUT = "".join(f"line {i}\n" for i in range(1, 7))
+# Three lines in three frames (the pauses keep the writes apart), then status 3.
+THREE_LINES = "echo one; sleep 0.05; echo two; sleep 0.05; echo six; exit 3"
+THREE_LINES_OUTPUT = "one\ntwo\nsix\n"
+HEARTBEAT = b'{"type":"heartbeat"}\n'
+NO_STATUS = "CreateOS process stream ended without an exit status."
+
+
+def connects(server: Any) -> int:
+    return len(server.requests_to("connect"))
+
+
+def only_process(server: Any) -> str:
+    (record,) = server.processes()
+    return str(record["process_id"])
+
+
+@pytest.mark.both_readings
+@pytest.mark.parametrize(
+    "inject",
+    [
+        pytest.param(lambda s: s.drop_stream(after_frames=2), id="reset"),
+        pytest.param(lambda s: s.drop_stream(after_frames=2, mid_frame=True), id="mid-frame"),
+        pytest.param(lambda s: s.end_stream(after_frames=2), id="clean-eof"),
+        pytest.param(lambda s: s.fail("connect", 503, count=2), id="503-on-connect"),
+        pytest.param(lambda s: s.fail("connect", 502), id="502-on-connect"),
+        pytest.param(lambda s: s.drop_stream(after_frames=6), id="reset-before-exit-frame"),
+        pytest.param(
+            lambda s: s.replay_ignoring_after(count=2) or s.drop_stream(after_frames=3),
+            id="replay-ignores-after",
+        ),
+    ],
+)
+def test_transport_failures_resume_the_same_process(client, server, inject):
+    inject(server)
+    result = client.execute(SANDBOX, SLOW_LINES, shell=True)
+    assert result.stdout == SLOW_OUTPUT
+    assert result.exit_code == 0
+    assert result.reconnects >= 1
+    assert len(server.requests_to("create")) == 1
+    after = [r.query.get("after") for r in server.requests_to("connect")]
+    assert after[0] in ("0", ["0"])
+
+
+@pytest.mark.both_readings
+def test_resume_asks_for_frames_after_the_last_accepted_seq(client, server):
+    server.drop_stream(after_frames=3)
+    client.execute(SANDBOX, SLOW_LINES, shell=True)
+    queries = [str(r.query) for r in server.requests_to("connect")]
+    assert len(queries) == 2
+    assert "3" in queries[1]
+
+
+def test_stall_is_detected_by_the_idle_timeout(server):
+    server.stall_stream(after_frames=1, seconds=5)
+    with make_client(server, stream_idle_timeout=0.5) as client:
+        started = time.monotonic()
+        result = client.execute(SANDBOX, SLOW_LINES, shell=True)
+    assert result.stdout == SLOW_OUTPUT and result.reconnects == 1
+    assert time.monotonic() - started < 4
+
+
+@pytest.mark.both_readings
+def test_recycled_streams_are_resumed_exactly(client, server):
+    if server.reading.stream_lifetime is not None:  # streams made from now on
+        server.reading = dataclasses.replace(server.reading, stream_lifetime=0.3)
+    result = client.execute(SANDBOX, "for i in 1 2 3 4 5; do echo $i; sleep 0.2; done", shell=True)
+    assert (result.stdout, result.exit_code) == ("1\n2\n3\n4\n5\n", 0)
+    if server.reading.stream_lifetime:  # each stream ends, without exit, after 0.3 s
+        assert result.reconnects >= 2 and not result.exit_recovered
+    else:
+        assert result.reconnects == 0
+
+
+def exit_status_known_later(server: Any) -> None:
+    """The stream fails while `wait` already knows the status and output is unread.
+
+    The first connect waits out a Retry-After of 1 s, so the command (0.1 s)
+    has exited long before the budget is spent; the second brings the first
+    line and breaks; two more break at once: three failures without progress.
+    """
+    server.fail("connect", 503, retry_after="1")
+    server.drop_stream(after_frames=1)
+    server.drop_stream(after_frames=0, count=2)
+
+
+def test_exit_status_from_wait_is_the_result_once_the_replay_brings_the_output(server):
+    # Promise 4: once the replayed output reaches the `wait` record's newest seq,
+    # that record's status is the result, exit frame or not.
+    exit_status_known_later(server)
+    server.end_stream(after_frames=2)  # the replay brings two and six, then no exit frame
+    server.end_stream(after_frames=0, count=50)  # and no later connect brings one either
+    seen = Recorder()
+    with make_client(server, retry=THREE_TRIES) as client:
+        result = client.execute(SANDBOX, THREE_LINES, shell=True, on_output=seen)
+    assert result.exit_code == 3 and result.signal is None
+    assert result.exit_recovered is True
+    assert result.stdout == THREE_LINES_OUTPUT and result.stderr == ""
+    assert seen.text() == THREE_LINES_OUTPUT  # each line delivered exactly once
+    assert len(server.requests_to("wait")) >= 1
+    assert len(server.requests_to("create")) == 1
+
+
+def test_output_that_cannot_be_replayed_is_output_incomplete_with_the_known_status(server):
+    # Promise 4: output that cannot be replayed raises OutputIncompleteError (a
+    # StreamEndedError) carrying the status learned from `wait` and the output
+    # received; it does not claim that the status is missing.
+    exit_status_known_later(server)
+    server.fail("connect", 503, count=100)  # no connection brings the missing output
+    with make_client(server, retry=THREE_TRIES) as client:
+        with pytest.raises(cx.StreamEndedError) as caught:
+            client.execute(SANDBOX, THREE_LINES, shell=True)
+    error = caught.value
+    assert type(error).__name__ == "OutputIncompleteError", (
+        f"{type(error).__name__}: {error}; the exit status was known from wait"
+    )
+    assert isinstance(error, cx.OutputIncompleteError)
+    assert isinstance(error, cx.StreamEndedError) and isinstance(error, cx.TransportError)
+    assert "without an exit status" not in str(error)
+    assert error.process_id == only_process(server)
+    assert error.result is not None
+    assert error.result.exit_code == 3 and error.result.exit_recovered is True
+    assert error.result.stdout == "one\n"  # what arrived before the stream gave out
+    assert THREE_LINES_OUTPUT.startswith(error.result.stdout)
+
+
+def test_stream_ended_error_keeps_its_message_when_wait_cannot_tell_the_status(server):
+    # Promise 4 (guard): StreamEndedError, with its fixed message, only when no
+    # status could be learned at all.
+    server.drop_stream(after_frames=1)
+    server.fail("connect", 503, count=100)
+    server.fail("wait", 503, count=100)
+    with make_client(server, retry=THREE_TRIES) as client:
+        with pytest.raises(cx.StreamEndedError) as caught:
+            client.execute(SANDBOX, THREE_LINES, shell=True)
+    error = caught.value
+    assert type(error) is cx.StreamEndedError
+    assert str(error) == NO_STATUS
+    assert error.result is not None and error.result.stdout == "one\n"
+    assert error.result.exit_code is None
+    assert server.wait_tree_gone(error.process_id)
+
+
+def run_bounded(call: Callable[[threading.Event], Any], seconds: float) -> Tuple[bool, Any]:
+    """Run call(cancel) in a thread; (finished in time, its result or exception).
+
+    A call still running after `seconds` is stopped through its cancel event
+    and joined, so that nothing keeps running after the test.
+    """
+    cancel = threading.Event()
+    outcome: List[Any] = []
+
+    def target() -> None:
+        try:
+            outcome.append(call(cancel))
+        except BaseException as exc:  # handed to the test
+            outcome.append(exc)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    finished = not thread.is_alive()
+    if not finished:
+        cancel.set()
+        thread.join(30)
+        assert not thread.is_alive(), "execute() ignored its cancel event"
+    return finished, outcome[0] if outcome else None
+
+
+@pytest.mark.timeout(90)
+def test_a_stream_that_only_sends_heartbeats_still_ends_with_the_status_recovered(server):
+    # Promise 3: progress is a new frame, heartbeats only prove the stream alive,
+    # so connections that bring nothing but a heartbeat spend the budget and the
+    # exit status is recovered out of band (promise 4), even without a timeout.
+    # In place of the exit frame, each connect sends a heartbeat and ends.
+    server.corrupt_stream(HEARTBEAT, after_frames=1, last=True)
+    server.corrupt_stream(HEARTBEAT, last=True, count=1000)
+    seen = Recorder()
+    with make_client(server, retry=THREE_TRIES) as client:
+        finished, outcome = run_bounded(
+            lambda cancel: client.execute(
+                SANDBOX, "echo done; exit 4", shell=True, on_output=seen, cancel=cancel
+            ),
+            10.0,
+        )
+    assert finished, (
+        f"execute() was still reconnecting after 10 s ({connects(server)} connects), "
+        f"counting heartbeats as progress"
+    )
+    assert isinstance(outcome, cx.ExecResult), repr(outcome)
+    assert outcome.exit_code == 4 and outcome.exit_recovered is True
+    assert outcome.stdout == "done\n" and seen.text() == "done\n"
+    assert connects(server) == THREE_TRIES.max_attempts  # each brought a heartbeat alone
+
+
+QUIET_SECONDS = float(os.environ.get("CREATEOS_QUIET_JOB_SECONDS", "12"))
+
+
+@pytest.mark.timeout(QUIET_SECONDS + 90)
+def test_a_quiet_job_whose_streams_end_after_each_heartbeat_completes_live():
+    # Promise 3: when the budget is spent, a short `wait` poll tells a quiet live
+    # job from an exited one and the live one keeps being followed with a fresh
+    # budget: silent for several whole budgets, it still completes exactly, with
+    # its output live. ($CREATEOS_QUIET_JOB_SECONDS sets how long it is quiet.)
+    # Each connect starts with a heartbeat and, with nothing more to send, ends
+    # 0.3 s later: as behind a proxy that closes every connection after one.
+    recycled = dataclasses.replace(CONSERVATIVE, heartbeat_first=True, stream_lifetime=0.3)
+    script = f"echo first; sleep {QUIET_SECONDS}; echo second"
+    seen = Recorder()
+    # A budget of 2 s, so that the quiet job is silent for several whole budgets.
+    quiet = dataclasses.replace(THREE_TRIES, budget=2.0)
+    with LocalServer(reading=recycled) as server, make_client(server, retry=quiet) as client:
+        started = time.monotonic()
+        result = client.execute(SANDBOX, script, shell=True, on_output=seen)
+        returned = time.monotonic()
+    assert result.exit_code == 0 and result.signal is None and not result.timed_out
+    assert result.stdout == "first\nsecond\n" and result.stderr == ""
+    assert seen.deliveries == [("stdout", "first\n"), ("stdout", "second\n")]
+    first, second = seen.times
+    assert first - started < QUIET_SECONDS / 2, "the first line was not delivered live"
+    assert second - first >= QUIET_SECONDS * 0.8
+    assert returned - second < QUIET_SECONDS / 2
+    assert result.reconnects >= 3  # the quiet stream was cut, more than a budget

@@ -1,22 +1,30 @@
-"""Secrets: the API key, env values and stdin never leak, whatever fails.
+"""The leak check: the API key, env values and stdin never leak, whatever
+route a run takes, and no credential but X-Api-Key is ever sent.
 
-Every failure path (stream faults and resume, chaos, protocol
-violations, creation trouble, containment: Ctrl-C, cancel, a raising
-on_output, timeout) and HTTP errors whose bodies echo the request back are
-run with distinctive secrets. Then the secrets must appear in no exception
-(message, repr, args, any link of its __cause__ / __context__ graph, its
-formatted traceback, its attributes and pickle), no log record (DEBUG and
-up: message, args, exception text), no repr of the client or result, no
-process record of the sandbox (what anyone listing its processes reads), no
-request line the server logged, and on no stream of the command line.
-Redirects are never followed: the key never reaches the Location host.
+Every route (stream faults and resume, chaos, protocol violations, creation
+trouble, containment: Ctrl-C, cancel, a raising on_output, timeout; HTTP
+errors whose bodies echo the request back on every endpoint; a caller's
+session or a ~/.netrc carrying other credentials; refused arguments; the
+command line) is run with distinctive secrets. Then the secrets must appear
+in no exception (message, repr, args, any link of its __cause__ /
+__context__ graph, its formatted traceback, its attributes and pickle), no
+log record (DEBUG and up: message, args, exception text), no repr of the
+client or result, no process record of the sandbox (what anyone listing its
+processes reads), no request line the server logged, and on no stream of the
+command line. Redirects are never followed: the key never reaches the
+Location host.
+
+docs/protocol.md §1: the service reads Authorization, X-Auth-Token and
+X-Access-Token before X-Api-Key, so one sent by accident decides whose call
+it is; the local server answers such a request 401. `requests` adds
+Authorization: Basic on its own from a ~/.netrc entry, and a caller's
+session may carry any of them: every route here runs with such an entry.
 """
 
 from __future__ import annotations
 
 import base64
 import glob
-import http.server
 import json
 import logging
 import os
@@ -25,41 +33,21 @@ import random
 import re
 import select
 import signal
+import socket
 import stat
 import subprocess
 import sys
 import threading
 import time
 import traceback
-import types
 from hashlib import sha256
 from secrets import token_hex
+from typing import Any, Callable, Dict, List, NamedTuple, Tuple
 
 import pytest
 import requests
-import responses
 from local_server import STOLEN_LOCATION, LocalServer, endpoint_of
-from support import (
-    BASE,
-    CONNECT,
-    EXEC,
-    FILES,
-    PROC,
-    PROCS,
-    SANDBOX,
-    SB,
-    WAIT,
-    add_created,
-    chain,
-    cli_argv,
-    cli_env,
-    data,
-    exited,
-    figures_at_end,
-    make_client,
-    nd,
-    ok,
-)
+from support import SANDBOX, chain, cli_argv, cli_env, figures_at_end, make_client
 
 import createos_exec as cx
 
@@ -213,10 +201,13 @@ class Scan:
         self.text("caplog.text", caplog.text)
 
     def server(self, server):
-        """What anyone listing the sandbox's processes reads, and the request log."""
+        """What anyone listing the sandbox's processes or reading one reads, and
+        the request log."""
         self.text("server.processes()", repr(server.processes()))
         self.text("server request log", repr(server.requests))
-        self.text("GET …/processes", listing(server))
+        self.text("GET …/processes", get(server))
+        for record in server.processes():
+            self.text("GET …/processes/ID", get(server, "/" + record["process_id"]))
 
     def staged_files(self):
         """Staged env/stdin files left behind: private (0600), then removed by us."""
@@ -241,18 +232,19 @@ class Scan:
         assert self.found == [], self.found
 
 
-def listing(server):
-    """The raw JSON of GET …/processes, past any faults still queued for it."""
+def get(server, below=""):
+    """The raw JSON of GET …/processes`below`, past any faults still queued for it."""
     for _ in range(100):
         response = requests.get(
-            server.url + f"/v1/sandboxes/{SANDBOX}/processes",
+            server.url + f"/v1/sandboxes/{SANDBOX}/processes" + below,
             headers={"X-Api-Key": KEY},
             timeout=10,
             allow_redirects=False,  # the key must not go to a queued redirect's Location
+            auth=lambda request: request,  # not the ~/.netrc entry requests would add
         )
         if response.status_code == 200 and response.json().get("status") == "success":
             return response.text
-    raise AssertionError("GET …/processes kept failing")
+    raise AssertionError("GET …/processes%s kept failing" % below)
 
 
 @pytest.fixture
@@ -262,20 +254,33 @@ def server():
 
 
 @pytest.fixture(autouse=True)
+def _netrc_everywhere(tmp_path, monkeypatch):
+    """A real .netrc with a `default` entry, which applies to every host."""
+    netrc = tmp_path / ".netrc"
+    netrc.write_text("default login someone password netrc-password-never-sent\n")
+    netrc.chmod(0o600)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("NETRC", str(netrc))
+    # The premise: requests itself would send the entry to the API.
+    assert requests.utils.get_netrc_auth("http://127.0.0.1:1/v1")[0] == "someone"
+
+
+@pytest.fixture(autouse=True)
 def _debug_logs(caplog):
     caplog.set_level(logging.DEBUG)  # every logger, createos_exec and urllib3 included
     caplog.set_level(logging.DEBUG, logger="createos_exec")
 
 
-def run_and_scan(server, caplog, command, *, client_options=None, **options):
-    """Run the command with env and stdin; scan everything.
+def run_and_scan(server, caplog, run, command, *, client_options, **options):
+    """Run the command with env and stdin, the way `run` does; scan everything.
 
-    Returns (result, error, the server's request log as the client left it).
+    Returns (result, error, the server's request log as the client left it,
+    the staged files left behind).
     """
     result = error = None
-    with make_client(server, **(client_options or {})) as client:
+    with make_client(server, **client_options) as client:
         try:
-            result = client.execute(SANDBOX, command, env=ENV, stdin=STDIN, **options)
+            result = run(client, command, **options)
         except (Exception, KeyboardInterrupt) as exc:  # KeyboardInterrupt: a path under test
             error = exc
         scan = Scan()
@@ -292,6 +297,7 @@ def run_and_scan(server, caplog, command, *, client_options=None, **options):
     for record in server.processes():
         server.wait_tree_gone(record["process_id"], timeout=15)
     sent = list(server.requests)  # before our own look at the listing adds to it
+    assert {r.credentials for r in sent} <= {("X-Api-Key",)}  # one credential, ever
     scan.logs(caplog)
     scan.server(server)
     left = scan.staged_files()
@@ -306,7 +312,7 @@ def run_and_scan(server, caplog, command, *, client_options=None, **options):
 
 
 # --------------------------------------------------------------------------
-# Every failure path, with env and stdin
+# Every route a run can take, with env and stdin
 # --------------------------------------------------------------------------
 
 GAP = b'{"type":"data","seq":9,"stream":"stdout","data_base64":"eA=="}'
@@ -413,191 +419,53 @@ def _echo_fail(endpoint, status, count=50):
 LONG = program(lines=1, delay=0.2, tail=30)
 SHORT = program(lines=1, delay=0.2, tail=3)  # outlives a cleanup that fails, briefly
 OK = "ok"
-# name: (arrange(server) -> extra execute options, command, client options, expected)
-PATHS = {
-    # 2./3. resume, don't restart; the retry policy
-    "plain-success": (_faults(), program(), {}, OK),
-    "drop": (_faults(_f("drop_stream", after_frames=2)), program(), {}, OK),
-    "drop-mid-frame": (
-        _faults(_f("drop_stream", after_frames=2, mid_frame=True)),
-        program(),
-        {},
-        OK,
-    ),
-    "clean-eof": (_faults(_f("end_stream", after_frames=2)), program(), {}, OK),
-    "stall": (
-        _faults(_f("stall_stream", after_frames=1, seconds=5)),
-        program(),
-        {"stream_idle_timeout": 0.5},
-        OK,
-    ),
-    "connect-503-retry-after": (
-        _faults(_f("fail", "connect", 503, count=2, retry_after="0", body=echo_body(503))),
-        program(),
-        {},
-        OK,
-    ),
-    "connect-429": (
-        _faults(_f("fail", "connect", 429, retry_after="0", body=echo_body(429))),
-        program(),
-        {},
-        OK,
-    ),
-    "replay-ignoring-after": (
-        _faults(_f("replay_ignoring_after", count=2), _f("drop_stream", after_frames=3)),
-        program(),
-        {},
-        OK,
-    ),
-    "separated-blips": (
-        _faults(*[_f("drop_stream", after_frames=1)] * 4),
-        program(lines=6),
-        {},
-        OK,
-    ),
-    # chaos: seeded mixes of stream faults
-    "chaos-1": (_chaos(1), program(lines=6), {}, OK),
-    "chaos-2": (_chaos(2), program(lines=6), {}, OK),
-    "chaos-3": (_chaos(3), program(lines=6), {}, OK),
-    # 4. the exit status out of band
-    "exit-recovered-by-wait": (
-        _faults(_f("drop_stream", after_frames=1), _echo_fail("connect", 503)),
-        program(lines=0),
-        {},
-        OK,
-    ),
-    "replay-window": (
-        _faults(_f("drop_stream", after_frames=1), _echo_fail("connect", 503, count=5)),
-        program(lines=1, delay=0.2),
-        {},
-        OK,
-    ),
-    "stream-ended": (
-        _faults(
-            _f("drop_stream", after_frames=1),
-            _echo_fail("connect", 503),
-            _echo_fail("wait", 503),
-        ),
-        LONG,
-        {},
-        cx.StreamEndedError,
-    ),
-    "exit-without-status-recovered": (
-        _faults(_f("corrupt_stream", b'{"type":"exit"}', after_frames=1)),
-        program(lines=0),
-        {},
-        OK,
-    ),
-    "exit-without-status-unanswered": (
-        _faults(
-            # The body ends after it, as after the service's exit frame.
-            _f("corrupt_stream", b'{"type":"exit","exit_code":null}', after_frames=1, last=True),
-            _echo_fail("wait", 500),
-        ),
-        LONG,
-        {},
-        cx.ProtocolError,
-    ),
-    # protocol violations fail closed
-    **{
-        f"violation-{name}": (
-            _read_live(_faults(_f("corrupt_stream", line, after_frames=1))),
-            LONG,
-            {},
-            cx.OutputEvictedError if name == "eviction-frame" else cx.ProtocolError,
-        )
-        for name, line in VIOLATIONS.items()
-    },
-    "410-on-reconnect": (
-        _evict_then_break,
-        program(lines=3, delay=0.1, tail=30),
-        {},
-        cx.OutputEvictedError,
-    ),
-    # 1. one creation, ever
-    "lost-create-answer-adopted": (_faults(_f("lose_create_response")), program(), {}, OK),
-    "lost-create-answer-listing-fails": (
-        _faults(_f("lose_create_response"), _echo_fail("list", 503)),
-        program(lines=0),
-        {},
-        cx.CleanupError,
-    ),
-    "create-500-not-found": (
-        _faults(_echo_fail("create", 500, count=1)),
-        program(),
-        {},
-        cx.CleanupError,
-    ),
-    # 5. containment
-    "timeout": (_faults(), LONG, {}, "timed_out"),
-    "timeout-check": (_faults(), LONG, {}, cx.CommandError),
-    "cancel-at-output": (_cancel_at_first_output, LONG, {}, cx.CancelledError),
-    "cancel-while-silent": (_cancel_while_silent, program(lines=0, tail=30), {}, cx.CancelledError),
-    "raising-on-output": (
-        lambda server: {"on_output": _raise(CallbackBoom("callback failed"))},
-        LONG,
-        {},
-        CallbackBoom,
-    ),
-    "ctrl-c-in-on-output": (
-        lambda server: {"on_output": _raise(KeyboardInterrupt())},
-        LONG,
-        {},
-        KeyboardInterrupt,
-    ),
-    "ctrl-c-cleanup-fails": (
-        lambda server: (
-            server.fail("delete", 503, count=100, body=echo_body(503))
-            or {"on_output": _raise(KeyboardInterrupt())}
-        ),
-        SHORT,
-        {"cleanup_timeout": 2.0},
-        KeyboardInterrupt,
-    ),
-    "cleanup-unconfirmed": (
-        _faults(_f("corrupt_stream", GAP, after_frames=1), _echo_fail("delete", 503, count=100)),
-        SHORT,
-        {"cleanup_timeout": 2.0},
-        cx.CleanupError,
-    ),
-    "check-nonzero-exit": (_faults(), program(lines=1, code=3), {}, cx.CommandError),
-    "wrong-key-401": (_faults(), program(), {"api_key": KEY + "-wrong"}, cx.APIError),
+
+
+def _options(**options):
+    """An arrange step that injects nothing and gives execute() these options."""
+    return lambda server: options
+
+
+def execute(client, command, **options):
+    """The run of most routes: execute() with env and stdin."""
+    return client.execute(SANDBOX, command, env=ENV, stdin=STDIN, **options)
+
+
+def write_to_a_pipe(client, command, **options):
+    """A handle's run: env, then stdin written through write(), then communicate()."""
+    with client.start(SANDBOX, command, env=ENV, stdin=cx.PIPE, **options) as process:
+        process.write(STDIN)
+        return process.communicate()
+
+
+class Route(NamedTuple):
+    """How a run reaches its end, and which end it must reach."""
+
+    arrange: Callable[[LocalServer], Any]  # fault injection; returns extra execute options
+    command: List[str]
+    ends: Any  # OK, "timed_out", an exception class, or None: any (an echoing answer)
+    client: Callable[[], Dict[str, Any]] = dict  # extra Client keywords
+    echoed: Tuple[str, int] = ("", 0)  # the endpoint that echoes the request, its status
+    run: Callable[..., Any] = execute
+
+
+def session_with(**settings):
+    """Client keywords: a caller's session that carries other credentials."""
+
+    def client():
+        session = requests.Session()
+        session.headers.update(settings.get("headers", {}))
+        session.auth = settings.get("auth")
+        return {"session": session}
+
+    return client
+
+
+OTHER_CREDENTIALS = {
+    "Authorization": "Bearer someone-else",
+    "X-Auth-Token": "session-of-someone-else",
+    "X-Access-Token": "oauth-of-someone-else",
 }
-
-
-@pytest.mark.parametrize("name", list(PATHS))
-def test_failure_paths_leak_no_secret(server, caplog, name):
-    arrange, command, client_options, expected = PATHS[name]
-    options = arrange(server) or {}
-    if name.startswith("timeout"):
-        options.update(timeout=1.5, check=name == "timeout-check")
-    if name == "check-nonzero-exit":
-        options.update(check=True)
-    result, error, _, left = run_and_scan(
-        server, caplog, command, client_options=client_options, **options
-    )
-    if expected == OK:
-        assert error is None, repr(error)
-        assert result.exit_code == 0
-        # Not vacuous: env and stdin did reach the process.
-        assert result.stdout.startswith(DIGEST + "\n")
-        assert result.stdout == printed(int(command[3]))
-    elif expected == "timed_out":
-        assert error is None and result.timed_out
-        assert result.stdout.startswith(DIGEST + "\n")
-    else:
-        assert type(error) is expected, repr(error)
-    assert left == 0  # the wrapper or the client removed the staged file
-    if name == "ctrl-c-cleanup-fails":
-        assert any(r.levelno == logging.WARNING for r in caplog.records)
-
-
-# --------------------------------------------------------------------------
-# HTTP errors whose bodies echo the request, on every endpoint the client uses
-# --------------------------------------------------------------------------
-
-ENDPOINTS = ("create", "connect", "wait", "delete", "list", "files_put", "exec")
-STATUSES = (200, 301, 302, 307, 308, 400, 401, 404, 409, 429, 500, 503)
 
 
 def arrange_echo(server, endpoint, status):
@@ -621,47 +489,25 @@ def arrange_echo(server, endpoint, status):
         server.fail("exec", status, count=50, body=echo_body(status))
 
 
-class Background:
-    """A threaded http.server on a loopback port, serving until close()."""
+class Capture:
+    """Listens where a redirect points and keeps what reaches it (nothing must)."""
 
-    def serve(self, host, port, handler):
-        self._httpd = http.server.ThreadingHTTPServer((host, port), handler)
-        self._httpd.daemon_threads = True
-        self.host, self.port = self._httpd.server_address[:2]
-        self.url = f"http://{self.host}:{self.port}"
-        self._thread = threading.Thread(
-            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
-        )
-        self._thread.start()
+    def __init__(self, host, port):
+        self.requests = []
+        self._socket = socket.create_server((host, port))
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                connection, _ = self._socket.accept()
+            except OSError:  # closed
+                return
+            with connection:
+                self.requests.append(connection.recv(65536))
 
     def close(self):
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(5)
-
-
-class Capture(Background):
-    """A plain HTTP server that records every request it is sent (it must get none)."""
-
-    def __init__(self, host, port=0):
-        self.requests = []
-        capture = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def _any(self):
-                length = int(self.headers.get("Content-Length") or 0)
-                body = self.rfile.read(length) if length else b""
-                capture.requests.append((self.command, self.path, dict(self.headers), body))
-                self.send_response(200)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            do_GET = do_POST = do_PUT = do_DELETE = _any
-
-            def log_message(self, *args):
-                pass
-
-        self.serve(host, port, Handler)
+        self._socket.close()
 
 
 @pytest.fixture(scope="module")
@@ -678,72 +524,193 @@ def stolen():
     capture.close()
 
 
-@pytest.mark.parametrize("status", STATUSES)
-@pytest.mark.parametrize("endpoint", ENDPOINTS)
-def test_echoing_error_bodies_leak_no_secret(server, caplog, stolen, endpoint, status):
-    arrange_echo(server, endpoint, status)
+ROUTES = {
+    # 2./3. resume, don't restart; the retry policy
+    "plain-success": Route(_faults(), program(), OK),
+    "drop": Route(_faults(_f("drop_stream", after_frames=2)), program(), OK),
+    "drop-mid-frame": Route(
+        _faults(_f("drop_stream", after_frames=2, mid_frame=True)), program(), OK
+    ),
+    "clean-eof": Route(_faults(_f("end_stream", after_frames=2)), program(), OK),
+    "stall": Route(
+        _faults(_f("stall_stream", after_frames=1, seconds=5)),
+        program(),
+        OK,
+        client=lambda: {"stream_idle_timeout": 0.5},
+    ),
+    "connect-503-retry-after": Route(
+        _faults(_f("fail", "connect", 503, count=2, retry_after="0", body=echo_body(503))),
+        program(),
+        OK,
+    ),
+    "connect-429": Route(
+        _faults(_f("fail", "connect", 429, retry_after="0", body=echo_body(429))), program(), OK
+    ),
+    "replay-ignoring-after": Route(
+        _faults(_f("replay_ignoring_after", count=2), _f("drop_stream", after_frames=3)),
+        program(),
+        OK,
+    ),
+    "separated-blips": Route(_faults(*[_f("drop_stream", after_frames=1)] * 4), program(6), OK),
+    # chaos: seeded mixes of stream faults
+    **{f"chaos-{seed}": Route(_chaos(seed), program(lines=6), OK) for seed in (1, 2, 3)},
+    # 4. the exit status out of band
+    "exit-recovered-by-wait": Route(
+        _faults(_f("drop_stream", after_frames=1), _echo_fail("connect", 503)), program(0), OK
+    ),
+    "replay-window": Route(
+        _faults(_f("drop_stream", after_frames=1), _echo_fail("connect", 503, count=5)),
+        program(lines=1, delay=0.2),
+        OK,
+    ),
+    "stream-ended": Route(
+        _faults(
+            _f("drop_stream", after_frames=1),
+            _echo_fail("connect", 503),
+            _echo_fail("wait", 503),
+        ),
+        LONG,
+        cx.StreamEndedError,
+    ),
+    "exit-without-status-recovered": Route(
+        _faults(_f("corrupt_stream", b'{"type":"exit"}', after_frames=1)), program(0), OK
+    ),
+    "exit-without-status-unanswered": Route(
+        _faults(
+            # The body ends after it, as after the service's exit frame.
+            _f("corrupt_stream", b'{"type":"exit","exit_code":null}', after_frames=1, last=True),
+            _echo_fail("wait", 500),
+        ),
+        LONG,
+        cx.ProtocolError,
+    ),
+    # protocol violations fail closed
+    **{
+        f"violation-{name}": Route(
+            _read_live(_faults(_f("corrupt_stream", line, after_frames=1))),
+            LONG,
+            cx.OutputEvictedError if name == "eviction-frame" else cx.ProtocolError,
+        )
+        for name, line in VIOLATIONS.items()
+    },
+    "410-on-reconnect": Route(
+        _evict_then_break, program(lines=3, delay=0.1, tail=30), cx.OutputEvictedError
+    ),
+    # 1. one creation, ever
+    "lost-create-answer-adopted": Route(_faults(_f("lose_create_response")), program(), OK),
+    "lost-create-answer-listing-fails": Route(
+        _faults(_f("lose_create_response"), _echo_fail("list", 503)), program(0), cx.CleanupError
+    ),
+    "create-500-not-found": Route(
+        _faults(_echo_fail("create", 500, count=1)), program(), cx.CleanupError
+    ),
+    # 5. containment
+    "timeout": Route(_options(timeout=1.5), LONG, "timed_out"),
+    "timeout-check": Route(_options(timeout=1.5, check=True), LONG, cx.CommandError),
+    "cancel-at-output": Route(_cancel_at_first_output, LONG, cx.CancelledError),
+    "cancel-while-silent": Route(_cancel_while_silent, program(0, tail=30), cx.CancelledError),
+    "raising-on-output": Route(
+        _options(on_output=_raise(CallbackBoom("callback failed"))), LONG, CallbackBoom
+    ),
+    "ctrl-c-in-on-output": Route(
+        _options(on_output=_raise(KeyboardInterrupt())), LONG, KeyboardInterrupt
+    ),
+    "ctrl-c-cleanup-fails": Route(
+        lambda server: (
+            server.fail("delete", 503, count=100, body=echo_body(503))
+            or {"on_output": _raise(KeyboardInterrupt())}
+        ),
+        SHORT,
+        KeyboardInterrupt,
+        client=lambda: {"cleanup_timeout": 2.0},
+    ),
+    "cleanup-unconfirmed": Route(
+        _faults(_f("corrupt_stream", GAP, after_frames=1), _echo_fail("delete", 503, count=100)),
+        SHORT,
+        cx.CleanupError,
+        client=lambda: {"cleanup_timeout": 2.0},
+    ),
+    "stdin-written-to-a-pipe": Route(_faults(), program(0), OK, run=write_to_a_pipe),
+    "stdin-written-to-a-pipe-answer-lost": Route(
+        _faults(_f("lose_input_response")),
+        program(0),
+        cx.InputUnconfirmedError,
+        run=write_to_a_pipe,
+    ),
+    "check-nonzero-exit": Route(_options(check=True), program(1, code=3), cx.CommandError),
+    "wrong-key-401": Route(
+        _faults(), program(), cx.APIError, client=lambda: {"api_key": KEY + "-wrong"}
+    ),
+    # a caller's session carrying other credentials: X-Api-Key alone is sent
+    **{
+        f"session-with-{header}": Route(
+            _faults(), program(), OK, client=session_with(headers={header: value})
+        )
+        for header, value in OTHER_CREDENTIALS.items()
+    },
+    "session-with-auth": Route(
+        _faults(), program(), OK, client=session_with(auth=("someone", "else"))
+    ),
+    "session-with-every-header-and-a-stale-key": Route(
+        _faults(),
+        program(),
+        OK,
+        client=session_with(headers={**OTHER_CREDENTIALS, "X-Api-Key": "a-stale-key"}),
+    ),
+    # HTTP answers that echo the request back, on every endpoint the client uses
+    **{
+        f"{endpoint}-answers-{status}": Route(
+            lambda server, endpoint=endpoint, status=status: arrange_echo(server, endpoint, status),
+            program(lines=0, tail=0.5 if endpoint == "delete" else 0),
+            None,
+            echoed=(endpoint, status),
+        )
+        for endpoint in ("create", "connect", "wait", "delete", "list", "files_put", "exec")
+        for status in (200, 301, 302, 303, 307, 308, 400, 401, 404, 409, 429, 500, 503)
+    },
+    # requests' own redirect handling is never asked, whoever made the session
+    "create-answers-307-through-a-callers-session": Route(
+        lambda server: arrange_echo(server, "create", 307),
+        program(lines=0),
+        cx.APIError,
+        client=session_with(),
+        echoed=("create", 307),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(ROUTES))
+def test_no_secret_leaks_through(server, caplog, stolen, name):
+    route = ROUTES[name]
+    options = route.arrange(server) or {}
     before = len(stolen.requests) if stolen else 0
-    _, _, sent, left = run_and_scan(
-        server, caplog, program(lines=0, tail=0.5 if endpoint == "delete" else 0)
+    result, error, sent, left = run_and_scan(
+        server, caplog, route.run, route.command, client_options=route.client(), **options
     )
-    answered = [r.status for r in sent if endpoint_of(r.method, r.path) == endpoint]
-    assert status in answered, (endpoint, answered)  # the path was really taken
-    if 300 <= status < 400:  # never followed: one request, and none at the Location
-        assert answered.count(status) == 1
-        if stolen:
-            assert stolen.requests[before:] == []
+    if route.ends == OK:
+        assert error is None, repr(error)
+        assert result.exit_code == 0
+        # Not vacuous: env and stdin did reach the process.
+        assert result.stdout == printed(int(route.command[3]))
+    elif route.ends == "timed_out":
+        assert error is None and result.timed_out
+        assert result.stdout.startswith(DIGEST + "\n")
+    elif route.ends is not None:
+        assert type(error) is route.ends, repr(error)
+    endpoint, status = route.echoed
+    if endpoint:
+        answered = [r.status for r in sent if endpoint_of(r.method, r.path) == endpoint]
+        assert status in answered, (endpoint, answered)  # the route was really taken
+        if 300 <= status < 400:  # never followed: asked once
+            assert answered.count(status) == 1
+    if stolen:  # nothing at the Location of a redirect
+        assert stolen.requests[before:] == []
     # Only a failed removal leaves the staged file behind (private, see Scan).
     assert left == (1 if endpoint == "exec" else 0)
     if endpoint == "exec" and status != 200:
         assert "Could not remove the staged env/stdin file" in caplog.text
-
-
-# --------------------------------------------------------------------------
-# The process record and the request log, after successful and failing runs
-# --------------------------------------------------------------------------
-
-
-def test_process_records_never_hold_env_or_stdin(server, caplog):
-    runs = (
-        (None, program(), {}),
-        (lambda: server.drop_stream(after_frames=1), program(), {}),
-        (lambda: server.corrupt_stream(GAP, after_frames=1), LONG, {}),
-        (None, LONG, {"timeout": 1.0}),
-        (None, LONG, {"on_output": _raise(CallbackBoom("callback failed"))}),
-        (None, program(code=5), {"check": True}),
-    )
-    printed_digest = 0
-    with make_client(server) as client:
-        for arrange, command, options in runs:
-            if arrange is not None:
-                arrange()
-            try:
-                result = client.execute(SANDBOX, command, env=ENV, stdin=STDIN, **options)
-            except (cx.CreateOSError, CallbackBoom) as exc:
-                result = getattr(exc, "result", None)
-            printed_digest += bool(result and result.stdout.startswith(DIGEST + "\n"))
-    assert printed_digest >= 4  # not vacuous: the secrets did reach the processes
-    records = server.processes()
-    assert len(records) == len(runs)
-    for record in records:
-        assert server.wait_tree_gone(record["process_id"])
-    scan = Scan()
-    scan.server(server)
-    for record in json.loads(listing(server))["data"]["processes"]:
-        scan.text("cmd", record["cmd"])
-        scan.text("args", json.dumps(record["args"]))
-        scan.text("cwd", record["cwd"])
-        one = requests.get(
-            server.url + f"/v1/sandboxes/{SANDBOX}/processes/{record['process_id']}",
-            headers={"X-Api-Key": KEY},
-            timeout=10,
-            allow_redirects=False,
-        )
-        assert one.status_code == 200
-        scan.text("GET …/processes/ID", one.text)
-    scan.logs(caplog)
-    scan.staged_files()
-    scan.assert_clean()
+    if name == "ctrl-c-cleanup-fails":
+        assert any(r.levelno == logging.WARNING for r in caplog.records)
 
 
 # --------------------------------------------------------------------------
@@ -877,6 +844,15 @@ def refusal(build_and_run):
         ("key with CR LF", lambda c: cx.Client(c.api_url, KEY + "\r\nX-Evil: 1")),
         ("key with spaces", lambda c: cx.Client(c.api_url, " " + KEY)),
         ("key in the URL", lambda c: cx.Client(c.api_url.replace("//", f"//u:{KEY}@"), KEY)),
+        # A pasted ellipsis: not Latin-1, not sendable in a header.
+        ("key not Latin-1", lambda c: cx.Client(c.api_url, KEY + "\u2026")),
+        # os.environ values on POSIX, and text read with errors="surrogateescape",
+        # carry lone surrogates for undecodable bytes.
+        (
+            "env value not Unicode",
+            lambda c: c.execute(SANDBOX, ["true"], env={"A": ENV_A + "\udcff"}),
+        ),
+        ("stdin not Unicode", lambda c: c.execute(SANDBOX, ["cat"], stdin=STDIN + "\udcff")),
     ],
 )
 def test_refused_arguments_do_not_echo_secrets(server, caplog, name, call):
@@ -886,235 +862,5 @@ def test_refused_arguments_do_not_echo_secrets(server, caplog, name, call):
     assert server.requests == []  # refused before anything was sent
     scan = Scan()
     scan.error(error)
-    scan.logs(caplog)
-    scan.assert_clean()
-
-
-def test_unencodable_api_key_is_refused_without_echoing_it(server, caplog):
-    key = KEY + "\u2026"  # a pasted ellipsis: not Latin-1, not sendable in a header
-
-    def build_and_run():
-        with make_client(server, api_key=key) as client:
-            client.execute(SANDBOX, ["true"])
-
-    error = refusal(build_and_run)
-    scan = Scan()
-    scan.error(error)
-    scan.logs(caplog)
-    assert isinstance(error, cx.ConfigError), repr(error)
-    scan.assert_clean()
-
-
-def test_env_value_not_unicode_is_refused_without_echoing_it(server, caplog):
-    # os.environ values on POSIX carry lone surrogates for undecodable bytes.
-    with make_client(server) as client:
-        error = refusal(lambda: client.execute(SANDBOX, ["true"], env={"A": ENV_A + "\udcff"}))
-    scan = Scan()
-    scan.error(error)
-    assert isinstance(error, cx.ConfigError), repr(error)
-    scan.assert_clean()
-
-
-def test_stdin_not_unicode_is_refused_without_echoing_it(server, caplog):
-    # Text read with errors="surrogateescape" carries lone surrogates.
-    with make_client(server) as client:
-        error = refusal(lambda: client.execute(SANDBOX, ["cat"], stdin=STDIN + "\udcff"))
-    scan = Scan()
-    scan.error(error)
-    assert isinstance(error, cx.ConfigError), repr(error)
-    scan.assert_clean()
-
-
-# --------------------------------------------------------------------------
-# Redirects are never followed: the key never reaches the Location host
-# --------------------------------------------------------------------------
-
-REDIRECTS = (301, 302, 303, 307, 308)
-
-
-class Redirector(Background):
-    """A real HTTP server that answers every request with `status` and a Location."""
-
-    def __init__(self, status, target):
-        self.requests = []
-        redirector = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def _any(self):
-                length = int(self.headers.get("Content-Length") or 0)
-                if length:
-                    self.rfile.read(length)
-                redirector.requests.append((self.command, self.path))
-                location = target if target.startswith("http") else redirector.url + target
-                body = json.dumps(echo_body(status)).encode()
-                self.send_response(status)
-                self.send_header("Location", location)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            do_GET = do_POST = do_PUT = do_DELETE = _any
-
-            def log_message(self, *args):
-                pass
-
-        self.serve("127.0.0.1", 0, Handler)
-
-
-@pytest.fixture(scope="module")
-def capture():
-    """The cross-origin Location host: 127.0.0.2 when bindable, else another port."""
-    try:
-        server = Capture("127.0.0.2")
-    except OSError:
-        server = Capture("127.0.0.1")
-    yield server
-    server.close()
-
-
-def _redirect_runs(client):
-    """Each kind of request the client sends, as (first request, call)."""
-    return [
-        (
-            "PUT /v1/sandboxes/sb_local/files",
-            lambda: client.execute(SANDBOX, ["true"], env=ENV, stdin=STDIN),
-        ),
-        ("POST /v1/sandboxes/sb_local/processes", lambda: client.execute(SANDBOX, ["true"])),
-        (
-            "GET /v1/sandboxes/sb_local/processes/proc_1",
-            lambda: client.attach(SANDBOX, "proc_1"),
-        ),
-    ]
-
-
-@pytest.mark.parametrize("own_session", [True, False], ids=["own-session", "caller-session"])
-@pytest.mark.parametrize("origin", ["same", "cross"])
-@pytest.mark.parametrize("status", REDIRECTS)
-def test_real_redirects_are_not_followed(capture, caplog, status, origin, own_session):
-    target = "/v1/sandboxes/sb_local/moved" if origin == "same" else capture.url + "/stolen"
-    redirector = Redirector(status, target)
-    session = None if own_session else requests.Session()
-    before = len(capture.requests)
-    try:
-        # The canned service's settings (CANNED_RETRY), at a real redirector.
-        client = make_client(
-            api_url=redirector.url, api_key=KEY, cleanup_timeout=2.0, session=session
-        )
-        with client:
-            for first, call in _redirect_runs(client):
-                sent = len(redirector.requests)
-                with pytest.raises(cx.CreateOSError) as caught:
-                    call()
-                scan = Scan(" " + first)
-                scan.error(caught.value)
-                scan.text("repr(client)", repr(client))
-                scan.assert_clean()
-                error = caught.value
-                assert isinstance(error, cx.APIError) and error.status == status
-                seen = [f"{m} {p.split('?')[0]}" for m, p in redirector.requests[sent:]]
-                assert seen[0] == first
-                assert not any("moved" in line for line in seen)  # same origin: not followed
-                assert len(seen) <= 2  # the request, and at most the cleanup DELETE
-    finally:
-        redirector.close()
-        if session is not None:
-            session.close()
-    assert capture.requests[before:] == []
-    scan = Scan()
-    scan.logs(caplog)
-    scan.assert_clean()
-
-
-def test_command_line_redirect_is_not_followed(capture):
-    redirector = Redirector(307, capture.url + "/stolen")
-    before = len(capture.requests)
-    try:
-        done = subprocess.run(
-            cli_argv(*CLI_ARGS, SANDBOX, "--", "true"),
-            env=cli_env(types.SimpleNamespace(url=redirector.url, api_key=KEY)),
-            input=STDIN.encode(),
-            capture_output=True,
-            timeout=60,
-        )
-    finally:
-        redirector.close()
-    assert done.returncode == 125
-    assert b"HTTP 307" in done.stderr
-    assert capture.requests[before:] == []
-    assert [m for m, _ in redirector.requests] == ["PUT"]
-    scan = Scan()
-    scan_cli(scan, done.stdout, done.stderr)
-    scan.assert_clean()
-
-
-# Canned answers (responses): every endpoint, same- and cross-origin Locations.
-SAME = BASE + "/v1/moved"
-CROSS = "https://capture.example.test/stolen"
-DATA1 = data(1, "stdout", b"x")
-
-
-def _canned(rsps, endpoint, status, location):
-    """Answers that lead the run to `endpoint`, which redirects; the expected error."""
-    redirect = dict(status=status, headers={"Location": location}, json=echo_body(status))
-    deleted = dict(json=ok(exited(1)))
-    if endpoint == "files_put":
-        rsps.add(responses.PUT, FILES, **redirect)
-        return cx.APIError
-    rsps.add(responses.PUT, FILES, json=ok({}))
-    if endpoint == "create":
-        rsps.add(responses.POST, PROCS, **redirect)
-        return cx.APIError
-    if endpoint == "list":
-        rsps.add(responses.POST, PROCS, body=requests.exceptions.ConnectionError("reset"))
-        rsps.add(responses.GET, PROCS, **redirect)
-        return cx.CleanupError
-    if endpoint == "exec":
-        rsps.add(responses.POST, PROCS, status=400, json=echo_body(400))
-        rsps.add(responses.POST, EXEC, **redirect)
-        return cx.APIError
-    add_created(rsps)
-    if endpoint == "connect":
-        rsps.add(responses.GET, CONNECT, **redirect)
-        rsps.add(responses.DELETE, PROC, **deleted)
-        return cx.APIError
-    if endpoint == "wait":  # the stream never brings the exit frame: recover by wait
-        rsps.add(responses.GET, CONNECT, body=nd(DATA1))
-        rsps.add(responses.GET, WAIT, **redirect)
-        rsps.add(responses.DELETE, PROC, **deleted)
-        return cx.StreamEndedError
-    # delete: a protocol violation, then the termination is redirected
-    rsps.add(responses.GET, CONNECT, body=nd(DATA1, {"type": "bogus"}))
-    rsps.add(responses.DELETE, PROC, **redirect)
-    return cx.CleanupError
-
-
-@pytest.mark.parametrize("origin", ["same", "cross"])
-@pytest.mark.parametrize("status", REDIRECTS)
-@pytest.mark.parametrize("endpoint", ENDPOINTS)
-def test_canned_redirects_are_not_followed(rsps, caplog, endpoint, status, origin):
-    location = SAME if origin == "same" else CROSS
-    hits = []
-
-    def trap(request):
-        hits.append((request.method, request.url, request.headers.get("X-Api-Key")))
-        return (200, {}, json.dumps(ok({})))
-
-    for method in (responses.GET, responses.POST, responses.PUT, responses.DELETE):
-        rsps.add_callback(method, re.compile(re.escape(location) + ".*"), callback=trap)
-    expected = _canned(rsps, endpoint, status, location)
-    client = make_client(api_key=KEY, cleanup_timeout=2.0)
-    with client, pytest.raises(expected) as caught:
-        client.execute(SB, ["true"], env=ENV, stdin=STDIN)
-    redirected = [
-        call for call in rsps.calls if getattr(call.response, "status_code", None) == status
-    ]
-    assert type(caught.value) is expected
-    assert hits == []
-    assert len(redirected) == 1  # asked once, never again, never at the Location
-    scan = Scan()
-    scan.error(caught.value)
     scan.logs(caplog)
     scan.assert_clean()
