@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import pytest
 import requests
 import responses
-from local_server import READINGS, LocalServer
+from local_server import LocalServer
 from support import (
     CANNED_RETRY,
     CONNECT,
@@ -235,7 +235,6 @@ def test_sigint_to_the_cli_terminates_the_tree_then_exits_130(server):
 
 
 @posix_only
-@pytest.mark.parametrize("server_reading", READINGS, indirect=True)
 @pytest.mark.both_readings
 def test_a_second_sigint_aborts_a_slow_cleanup_at_once(server):
     # Cleanup made slow: the first DELETE is answered 503 with Retry-After: 20,

@@ -432,10 +432,12 @@ def execute(client, command, **options):
 
 
 def write_to_a_pipe(client, command, **options):
-    """A handle's run: env, then stdin written through write(), then communicate()."""
+    """A handle's run: env, then stdin written through write(), then communicate();
+    its result is then wait()'s."""
     with client.start(SANDBOX, command, env=ENV, stdin=cx.PIPE, **options) as process:
         process.write(STDIN)
-        return process.communicate()
+        process.communicate()
+        return process.wait()
 
 
 class Route(NamedTuple):
