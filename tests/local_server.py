@@ -78,7 +78,11 @@ DEFAULT_SANDBOX = "sb_local"
 FRAME_LIMIT = 64 * 1024  # raw bytes per data frame (one os.read)
 JSON_BODY_LIMIT = 256 * 1024  # the API's request limit (docs/protocol.md §5.5, §8)
 FILE_BODY_LIMIT = 64 * 1024 * 1024
-POLL_INTERVAL = 0.02  # seconds between /proc scans while waiting for a tree
+POLL_INTERVAL = 0.02  # seconds between /proc scans while waiting for a tree, at most
+# The first look again comes sooner: a tree usually empties within a few ms of
+# its leader's end (the sandbox's watchdog leaves on its pipe's end), and a
+# first pause of the whole interval would add it to every such wait.
+FIRST_POLL = 0.001
 KILL_TIMEOUT = 10.0  # seconds a SIGKILLed group gets to disappear
 WAIT_DEFAULT_MS = 30000  # a wait long-poll that names no timeout_ms
 LIST_LIMIT_MAX = 500  # the largest page of a paginated listing (the SDKs ask for 500)
@@ -756,8 +760,10 @@ class Process:
             finally:
                 self._stdin_lock.release()
         if self.reading.exit_after == "tree":  # the exit frame waits for it: watch it
+            pause = FIRST_POLL
             while not self.tree_exited():
-                time.sleep(POLL_INTERVAL)
+                time.sleep(pause)
+                pause = min(2 * pause, POLL_INTERVAL)
             with self.cond:
                 self.cond.notify_all()
 
@@ -1887,11 +1893,13 @@ class LocalServer:
     ) -> bool:
         """Poll predicate until true (True) or until timeout / server stop (False)."""
         deadline = time.monotonic() + timeout
+        pause = FIRST_POLL
         while not predicate():
             remaining = deadline - time.monotonic()
             if remaining <= 0 or (stoppable and self._stopping.is_set()):
                 return False
-            time.sleep(min(POLL_INTERVAL, remaining))
+            time.sleep(min(pause, remaining))
+            pause = min(2 * pause, POLL_INTERVAL)
         return True
 
     # -- endpoints: processes ----------------------------------------------------
