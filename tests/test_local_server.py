@@ -25,7 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from local_server import DEFAULT_API_KEY, DEFAULT_SANDBOX, LocalServer, cgroup2_mount  # noqa: E402
-from support import DAEMON, daemon_pid, require_cgroup  # noqa: E402
+from support import DAEMON, alive, daemon_pid, require_cgroup  # noqa: E402
 
 SERVER_CLI = [sys.executable, os.path.join(HERE, "local_server.py")]  # its command line
 
@@ -532,14 +532,6 @@ def test_signal_is_delivered(server, api):
     assert ok.json() == {"status": "success", "data": {"ok": True}}
     assert api.wait(process_id, scope="leader")["signal"] == "SIGUSR1"
     assert api.request("POST", path, json={"signal": "SIGTERM"}).status_code == 409
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open("/proc/%d/stat" % pid, "rb") as stat_file:
-            return stat_file.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
-    except FileNotFoundError:
-        return False
 
 
 def cgroup_of(pid: int) -> str:

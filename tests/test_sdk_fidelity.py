@@ -26,7 +26,7 @@ import time
 import local_server
 import pytest
 from local_server import LocalServer
-from support import SANDBOX, make_client, require
+from support import SANDBOX, alive, make_client, require
 
 import createos_exec as cx
 
@@ -223,15 +223,6 @@ def test_signal_then_wait_for_the_tree(sdk, sandbox, server):
     events, exit_event = follow(sdk, sandbox, process_id)
     assert b"".join(e.data for e in events) == b""
     assert (exit_event.exit_code, exit_event.signal) == expected
-
-
-def alive(pid):
-    """Whether a pid is a live (not zombie) process: reparented zombies may never be reaped."""
-    try:
-        with open("/proc/%d/stat" % pid, "rb") as stat_file:
-            return stat_file.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
-    except FileNotFoundError:
-        return False
 
 
 def test_a_sigterm_reaches_the_background_child_too(sdk, sandbox, server):
