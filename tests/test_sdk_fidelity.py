@@ -104,6 +104,14 @@ def listed(sdk, sandbox, server):
     return [p.process_id for p in pages]
 
 
+def wait_for_tree(sdk, processes, process_id):
+    """The record once the whole tree is gone, 5 s at most."""
+    options = sdk.ManagedProcessWaitOptions(
+        scope=sdk.ManagedProcessWaitScope.TREE, wait_timeout=5.0
+    )
+    return processes.wait(process_id, options)
+
+
 def signal_spelling(server, name, go_word):
     """(exit_code, signal) of a death by `name` as this reading spells it."""
     spelled = go_word if server.reading.signal_spelling == "go" else name
@@ -165,10 +173,7 @@ def test_create_input_close_connect_list_get_and_wait(sdk, sandbox, server):
     assert record.finished_at is not None and record.finished_at >= record.created_at
     assert record.output.newest_sequence == newest and record.output.oldest_sequence == 1
 
-    waited = processes.wait(
-        process_id,
-        sdk.ManagedProcessWaitOptions(scope=sdk.ManagedProcessWaitScope.TREE, wait_timeout=5.0),
-    )
+    waited = wait_for_tree(sdk, processes, process_id)
     assert waited.tree_exited and waited.exit_code == 0
 
 
@@ -213,10 +218,7 @@ def test_signal_then_wait_for_the_tree(sdk, sandbox, server):
     assert before.exit_code is None and before.signal is None and before.finished_at is None
 
     processes.signal(process_id, sdk.ManagedProcessSignal.TERMINATE)
-    record = processes.wait(
-        process_id,
-        sdk.ManagedProcessWaitOptions(scope=sdk.ManagedProcessWaitScope.TREE, wait_timeout=5.0),
-    )
+    record = wait_for_tree(sdk, processes, process_id)
     expected = signal_spelling(server, "SIGTERM", "terminated")
     assert record.leader_exited and record.tree_exited
     assert (record.exit_code, record.signal) == expected
@@ -238,10 +240,7 @@ def test_a_sigterm_reaches_the_background_child_too(sdk, sandbox, server):
 
     processes.signal(process_id, sdk.ManagedProcessSignal.TERMINATE)
     if server.reading.signal_target == "group":  # the child is not spared
-        record = processes.wait(
-            process_id,
-            sdk.ManagedProcessWaitOptions(scope=sdk.ManagedProcessWaitScope.TREE, wait_timeout=5.0),
-        )
+        record = wait_for_tree(sdk, processes, process_id)
         assert record.tree_exited and record.signal == "SIGTERM"
         assert not alive(child)
     else:  # the leader alone: its child lives on until DELETE
@@ -286,9 +285,7 @@ def test_eviction_of_finished_output_is_a_410(sdk, sandbox, server):
     process_id = processes.create(
         sdk.ManagedProcessCreateRequest(command="sh", arguments=["-c", "echo a; echo b"])
     ).process_id
-    processes.wait(
-        process_id, sdk.ManagedProcessWaitOptions(scope=sdk.ManagedProcessWaitScope.TREE)
-    )
+    wait_for_tree(sdk, processes, process_id)
     newest = processes.get(process_id).output.newest_sequence
     server.evict(process_id)
     with pytest.raises(sdk.APIError) as caught:
