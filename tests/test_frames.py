@@ -66,10 +66,12 @@ def _run(rsps: responses.RequestsMock, body: str, **kw: Any) -> cx.ExecResult:
 
 def test_exit_by_go_style_signal(rsps: responses.RequestsMock) -> None:
     result = _run(rsps, nd(data(1, "stdout", b"x"), {"type": "exit", "signal": "killed"}))
-    assert result.signal == "SIGKILL"
-    assert result.exit_code is None
-    assert result.returncode == -9
-    assert not result.ok
+    assert (result.signal, result.exit_code, result.returncode, result.ok) == (
+        "SIGKILL",
+        None,
+        -9,
+        False,
+    )
 
 
 def test_exit_signal_wins_over_code(rsps: responses.RequestsMock) -> None:
@@ -189,11 +191,8 @@ PROTOCOL_ERRORS = {
 
 @pytest.mark.parametrize("body", PROTOCOL_ERRORS.values(), ids=list(PROTOCOL_ERRORS))
 def test_protocol_errors_fail_closed_and_terminate(rsps: responses.RequestsMock, body: Any) -> None:
-    add_created(rsps)
-    add_connect(rsps, body)
-    add_deleted(rsps)
     with pytest.raises(cx.ProtocolError) as info:
-        make_client().execute(SB, ["true"])
+        _run(rsps, body)
     assert not isinstance(info.value, cx.OutputEvictedError)
     assert info.value.process_id == PID
     assert info.value.problem
@@ -203,11 +202,8 @@ def test_protocol_errors_fail_closed_and_terminate(rsps: responses.RequestsMock,
 
 
 def test_protocol_error_carries_partial_result(rsps: responses.RequestsMock) -> None:
-    add_created(rsps)
-    add_connect(rsps, nd(data(1, "stdout", b"SECRET-OUTPUT\n"), data(5, "stdout", b"x")))
-    add_deleted(rsps)
     with pytest.raises(cx.ProtocolError) as info:
-        make_client().execute(SB, ["true"])
+        _run(rsps, nd(data(1, "stdout", b"SECRET-OUTPUT\n"), data(5, "stdout", b"x")))
     assert info.value.result is not None
     assert info.value.result.stdout == "SECRET-OUTPUT\n"
     assert info.value.result.exit_code is None
@@ -215,11 +211,8 @@ def test_protocol_error_carries_partial_result(rsps: responses.RequestsMock) -> 
 
 
 def test_messages_never_echo_frame_content(rsps: responses.RequestsMock) -> None:
-    add_created(rsps)
-    add_connect(rsps, nd({"type": "SECRET-BODY"}))
-    add_deleted(rsps)
     with pytest.raises(cx.ProtocolError) as info:
-        make_client().execute(SB, ["true"])
+        _run(rsps, nd({"type": "SECRET-BODY"}))
     assert_clean(info.value, "SECRET-BODY")
 
 
@@ -229,17 +222,9 @@ def test_messages_never_echo_frame_content(rsps: responses.RequestsMock) -> None
 
 
 def test_evicted_frame_mid_stream(rsps: responses.RequestsMock) -> None:
-    add_created(rsps)
-    add_connect(
-        rsps,
-        nd(
-            data(1, "stdout", b"hello\n"),
-            {"type": "error", "error": "output_offset_expired", "oldest_available_seq": 5},
-        ),
-    )
-    add_deleted(rsps)
+    evicted = {"type": "error", "error": "output_offset_expired", "oldest_available_seq": 5}
     with pytest.raises(cx.OutputEvictedError) as info:
-        make_client().execute(SB, ["true"], on_output=lambda *_: None)  # a live consumer
+        _run(rsps, nd(data(1, "stdout", b"hello\n"), evicted), on_output=lambda *_: None)
     err = info.value
     assert isinstance(err, cx.ProtocolError)
     assert err.oldest_available_seq == 5
@@ -362,12 +347,9 @@ def test_exit_without_status_recovered_from_wait(rsps: responses.RequestsMock) -
     ids=["no status", "not exited", "not json", "408", "404"],
 )
 def test_exit_without_status_unrecoverable(rsps: responses.RequestsMock, answer: Any) -> None:
-    add_created(rsps)
-    add_connect(rsps, nd({"type": "exit", "exit_code": None, "signal": None}))
     rsps.add(responses.GET, WAIT, status=answer[0], body=answer[1])
-    add_deleted(rsps)
     with pytest.raises(cx.ProtocolError):
-        make_client().execute(SB, ["true"])
+        _run(rsps, nd({"type": "exit", "exit_code": None, "signal": None}))
     assert len(calls(rsps, "GET", WAIT)) == 1  # checked once
     assert len(calls(rsps, "GET", CONNECT)) == 1
     assert_deleted_once(rsps)
