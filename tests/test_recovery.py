@@ -92,28 +92,21 @@ def test_unterminated_last_line_resumes(rsps: responses.RequestsMock) -> None:
     assert result.stdout == "ab" and result.reconnects == 1
 
 
-@pytest.mark.parametrize("status", [429, 500, 502, 503, 504])
-def test_connect_transient_status_reconnects(rsps: responses.RequestsMock, status: int) -> None:
+TRANSIENT = {
+    **{str(status): dict(status=status, body="") for status in (429, 500, 502, 503, 504)},
+    "connection error": dict(body=requests.exceptions.ConnectionError("reset")),
+    "garbage Retry-After": dict(status=503, headers={"Retry-After": "whenever"}, body=""),
+}
+
+
+@pytest.mark.parametrize("answer", TRANSIENT.values(), ids=list(TRANSIENT))
+def test_connect_transient_status_reconnects(rsps: responses.RequestsMock, answer: Any) -> None:
     add_created(rsps)
-    rsps.add(responses.GET, CONNECT, status=status, headers={"Retry-After": "0"}, body="")
+    rsps.add(responses.GET, CONNECT, **{"headers": {"Retry-After": "0"}, **answer})
     add_connect(rsps, nd(data(1, "stdout", b"ok"), EXIT0))
     result = make_client().execute(SB, ["true"])
     assert result.stdout == "ok" and result.reconnects == 1
     assert len(calls(rsps, "GET", CONNECT)) == 2
-
-
-def test_connection_error_on_connect_reconnects(rsps: responses.RequestsMock) -> None:
-    add_created(rsps)
-    rsps.add(responses.GET, CONNECT, body=requests.exceptions.ConnectionError("reset"))
-    add_connect(rsps, nd(EXIT0))
-    assert make_client().execute(SB, ["true"]).reconnects == 1
-
-
-def test_garbage_retry_after_header_on_connect_is_ignored(rsps: responses.RequestsMock) -> None:
-    add_created(rsps)
-    rsps.add(responses.GET, CONNECT, status=503, headers={"Retry-After": "whenever"}, body="")
-    add_connect(rsps, nd(EXIT0))
-    assert make_client().execute(SB, ["true"]).reconnects == 1
 
 
 @pytest.mark.parametrize("status", [400, 401, 403, 404])
