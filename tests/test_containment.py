@@ -403,17 +403,6 @@ def test_timeout_terminates_and_returns_grace_output(rsps: responses.RequestsMoc
     assert_deleted_once(rsps)
 
 
-def test_timeout_with_check_raises_command_error(rsps: responses.RequestsMock) -> None:
-    add_created(rsps)
-    add_stalled_connect(rsps, 0.3, nd())
-    add_connect(rsps, nd({"type": "exit", "signal": "SIGTERM"}))
-    add_deleted(rsps)
-    with pytest.raises(cx.CommandError) as info:
-        make_client().execute(SB, ["sleep", "100"], timeout=0.15, check=True)
-    assert info.value.result is not None and info.value.result.timed_out
-    assert "timed out" in str(info.value)
-
-
 def test_cancel_terminates(rsps: responses.RequestsMock) -> None:
     cancel = threading.Event()
 
