@@ -128,13 +128,6 @@ def test_poll_is_none_while_it_runs_then_its_returncode_one_request_at_most(clie
     assert len(server.requests) == before  # known: no request at all
 
 
-@pytest.mark.both_readings
-def test_poll_gives_minus_the_signal_number(client):
-    proc = client.start(SANDBOX, "kill -KILL $$", shell=True)
-    assert proc.wait().signal == "SIGKILL"
-    assert proc.poll() == -signal.SIGKILL
-
-
 # -- wait(): every guarantee of execute() ------------------------------------------
 
 
