@@ -262,13 +262,8 @@ def test_process_record_shape(server, api):
     process_id = api.create("sleep", "5")
     assert PROCESS_ID.fullmatch(process_id)
     record = api.request("GET", "/processes/%s" % process_id).json()["data"]
-    assert record["process_id"] == process_id and record["kind"] == "process"
-    assert record["pid"] > 0 and record["state"] == "running"
-    assert record["leader_exited"] is False and record["tree_exited"] is False
-    assert RFC3339_UTC.fullmatch(record["created_at"])
-    assert record["finished_at"] is None
-    assert record["exit_code"] is None and record["signal"] is None
-    assert record["cmd"] == "sleep" and record["args"] == ["5"]
+    # The fields the official SDK reads are its test's (test_sdk_fidelity); these are the rest.
+    assert record["process_id"] == process_id and RFC3339_UTC.fullmatch(record["created_at"])
     assert os.path.isdir(record["cwd"])
     assert record["output"] == {"oldest_seq": 0, "newest_seq": 0, "bytes": 0}
     listed = api.request("GET", "/processes").json()["data"]["processes"]
@@ -341,10 +336,7 @@ def test_stdout_and_stderr_share_one_sequence_then_exit(server, api):
     frames = read_frames(response)
     assert payloads(frames) == [(1, "stdout", b"a"), (2, "stderr", b"b"), (3, "stdout", b"c")]
     assert frames[-1] == {"type": "exit", "exit_code": 3}
-    record = server.process(process_id)
-    assert (record["exit_code"], record["signal"], record["state"]) == (3, None, "exited")
-    assert RFC3339_UTC.fullmatch(record["finished_at"])
-    assert record["output"] == {"oldest_seq": 1, "newest_seq": 3, "bytes": 3}
+    assert server.process(process_id)["output"] == {"oldest_seq": 1, "newest_seq": 3, "bytes": 3}
     # The connection stays usable after the stream's terminating chunk.
     assert api.request("GET", "/processes").status_code == 200
     ports = {r.client_port for r in server.requests if r.path.endswith(("/connect", "/processes"))}
@@ -700,8 +692,6 @@ def test_files_put_and_get(server, api, tmp_path):
     got = api.request("GET", "/files", params={"path": str(target)})
     assert got.status_code == 200 and got.content == payload
     assert got.headers["Content-Type"] == "application/octet-stream"
-    missing = api.request("GET", "/files", params={"path": str(tmp_path / "nothing")})
-    assert missing.status_code == 404 and missing.json()["status"] == "fail"
     assert api.request("GET", "/files", params={"path": "relative"}).status_code == 400
     assert api.request("PUT", "/files", params={"path": "relative"}, data=b"x").status_code == 400
 
