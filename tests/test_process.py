@@ -111,7 +111,7 @@ def test_pid_is_the_leaders_on_every_handle_and_in_the_listing(client, server):
 def test_poll_is_none_while_it_runs_then_its_returncode_one_request_at_most(client, server):
     proc = client.start(SANDBOX, "sleep 0.5; exit 3", shell=True)
     before = len(server.requests)
-    assert proc.poll() is None
+    assert proc.poll() is None and proc.returncode is None  # returncode asks nothing
     assert len(server.requests) == before + 1
     codes = []
     deadline = time.monotonic() + 10
@@ -121,7 +121,7 @@ def test_poll_is_none_while_it_runs_then_its_returncode_one_request_at_most(clie
         codes.append(proc.poll())
         assert len(server.requests) == before + 1  # one request per call
         time.sleep(0.05)
-    assert codes[-1] == 3 and set(codes[:-1]) <= {None}
+    assert codes[-1] == 3 == proc.returncode and set(codes[:-1]) <= {None}
     assert proc.wait().exit_code == 3
     before = len(server.requests)
     assert proc.poll() == 3
@@ -283,7 +283,7 @@ def test_kill_sends_sigkill_first_then_confirms_the_tree_gone(client, server):
     assert sent.time < delete.time
     result = proc.wait()
     assert (result.signal, result.returncode, result.stdout) == ("SIGKILL", -9, "up\n")
-    assert proc.poll() == -signal.SIGKILL
+    assert proc.poll() == -signal.SIGKILL == proc.returncode
 
 
 @pytest.mark.both_readings
