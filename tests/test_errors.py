@@ -728,12 +728,6 @@ def test_a_failed_command_names_its_program_and_process_and_points_at_stderr(cli
     assert raised.value.stderr == "oops\n"
 
 
-def test_a_failed_shell_script_is_named_by_its_script(client):
-    with pytest.raises(cx.CommandError) as raised:
-        client.execute(SANDBOX, "exit 4", shell=True, check=True)
-    assert "'exit 4'" in str(raised.value) and "status 4" in str(raised.value)
-
-
 def test_a_timed_out_command_says_after_how_many_seconds(client):
     with pytest.raises(cx.CommandError) as raised:
         client.execute(SANDBOX, ["sleep", "30"], timeout=0.5, check=True)
