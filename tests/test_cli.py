@@ -267,12 +267,6 @@ def test_options_reach_the_command(server):
     assert done.stdout == b"/usr\nb=c\npiped\n"
 
 
-def test_version_prints_the_modules_version(server):
-    done = run_cli(server, "--version")
-    assert done.returncode == 0
-    assert done.stdout.decode() == f"python -m createos_exec {cx.__version__}\n"
-
-
 def console_script():
     """The `createos-exec` script installed beside this Python (pip install -e . puts it there)."""
     script = shutil.which("createos-exec", path=os.path.dirname(sys.executable))
