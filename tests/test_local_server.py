@@ -596,16 +596,6 @@ def test_strict_mode_wants_framed_json_posts():
         assert raw_request(server, "POST", close, json_type + "Content-Length: 0\r\n")[0] == 200
         assert [r.status for r in server.requests_to("stdin_close")] == [411, 400, 200]
 
-        upload = api.request(  # a PUT of raw bytes: unaffected
-            "PUT",
-            "/files",
-            params={"path": os.path.join(server.process(process_id)["cwd"], "f")},
-            data=b"x",
-            headers={"Content-Type": "application/octet-stream"},
-        )
-        assert upload.status_code == 200
-        assert api.request("GET", "/processes/%s" % process_id).status_code == 200
-
 
 def test_without_strict_mode_posts_need_no_framing_headers(server):
     process_id = Api(server).create("cat")
