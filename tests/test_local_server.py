@@ -284,18 +284,10 @@ def test_the_alternative_listing_is_paginated():
         api = Api(server)
         assert listing(api) == {"data": [], "pagination": {"limit": 2, "offset": 0, "total": 0}}
         created = [api.create("sleep", "100") for _ in range(5)]
+        # Following the pages is the SDK's (test_sdk_fidelity) and the client's (test_listing).
         first = listing(api)
         assert first["pagination"] == {"limit": 2, "offset": 0, "total": 5}
-        # Follow pages as a client does: while offset + len(page) < total.
-        seen, offset = [], 0
-        while True:
-            page = listing(api, offset=offset)
-            seen += [p["process_id"] for p in page["data"]]
-            if offset + len(page["data"]) >= page["pagination"]["total"]:
-                break
-            offset += len(page["data"])
-        assert seen == created  # creation order, each once
-        assert [r.query["offset"] for r in server.requests_to("list")[2:]] == ["0", "2", "4"]
+        assert [p["process_id"] for p in first["data"]] == created[:2]
         assert [p["process_id"] for p in listing(api, limit=3, offset=1)["data"]] == created[1:4]
         assert listing(api, limit=1000)["pagination"]["limit"] == 500  # clamped
         assert listing(api, offset=9) == {
