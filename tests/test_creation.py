@@ -79,7 +79,7 @@ def test_normal_run_exact_output_and_requests(
     assert result.process_id == PID
     assert result.reconnects == 0
     assert not result.exit_recovered and not result.creation_recovered
-    assert not result.output_truncated
+    assert not result.output_truncated and result.output_evicted is False
     assert result.args == ["echo", "hello"]
     assert result.duration >= 0
     assert seen == [("stdout", "hello\n"), ("stderr", "oops\n"), ("stdout", "world\n")]

@@ -310,12 +310,6 @@ def test_eviction_that_keeps_the_next_frame_fails_closed(rsps: responses.Request
     assert_deleted_once(rsps)
 
 
-def test_results_say_no_output_was_evicted_otherwise(rsps: responses.RequestsMock) -> None:
-    add_created(rsps)
-    add_connect(rsps, nd(data(1, "stdout", b"x"), EXIT0))
-    assert make_client().execute(SB, ["true"]).output_evicted is False
-
-
 # --------------------------------------------------------------------------
 # An exit frame without a status is checked once against wait
 # --------------------------------------------------------------------------
