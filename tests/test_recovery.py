@@ -28,8 +28,6 @@ from support import (
     CANNED_RETRY,
     CONNECT,
     EXIT0,
-    PID,
-    PROC,
     PROCS,
     SANDBOX,
     SB,
@@ -47,7 +45,6 @@ from support import (
     make_client,
     nd,
     ok,
-    process_record,
     query,
 )
 
@@ -120,23 +117,6 @@ def test_connect_4xx_is_api_error(rsps: responses.RequestsMock, status: int) -> 
     assert len(calls(rsps, "GET", CONNECT)) == 1
     assert_deleted_once(rsps)
     assert_clean(info.value, "SECRET-BODY")
-
-
-def test_attach_resumes_after_given_seq(rsps: responses.RequestsMock) -> None:
-    rsps.add(responses.GET, PROC, json=ok(process_record(cmd="sh", args=["-c", "echo"])))
-    add_connect(
-        rsps,
-        nd(
-            data(2, "stdout", b"old\n"),
-            data(3, "stdout", b"new\n"),
-            {"type": "exit", "exit_code": 4},
-        ),
-    )
-    result = make_client().attach(SB, PID, after=2)
-    assert query(calls(rsps, "GET", CONNECT)[0]) == {"after": "2"}
-    assert result.stdout == "new\n"
-    assert result.exit_code == 4 and result.args == ["sh", "-c", "echo"]  # as listed
-    assert not calls(rsps, "POST", PROCS)
 
 
 # --------------------------------------------------------------------------

@@ -380,13 +380,13 @@ def test_errors_are_jsend_the_sdk_understands(sdk, sandbox, server):
 
 
 def test_sdk_and_createos_exec_follow_each_others_processes(sdk, sandbox, server):
+    argv = ["sh", "-c", "echo from-sdk; echo to-err >&2; exit 5"]
     started = sandbox.processes.create(
-        sdk.ManagedProcessCreateRequest(
-            command="sh", arguments=["-c", "echo from-sdk; echo to-err >&2; exit 5"]
-        )
+        sdk.ManagedProcessCreateRequest(command=argv[0], arguments=argv[1:])
     )
     with make_client(server) as client:
         attached = client.attach(SANDBOX, started.process_id)
+        assert attached.args == argv  # as the record lists it: not one of ours
         assert (attached.stdout, attached.stderr, attached.exit_code) == (
             "from-sdk\n",
             "to-err\n",
