@@ -167,13 +167,6 @@ def test_the_commands_own_timeout_counts_from_start_and_terminates_the_tree(clie
     assert not server.tree_alive(proc.process_id)
 
 
-def test_check_true_raises_command_error_from_wait(client):
-    proc = client.start(SANDBOX, "exit 5", shell=True, check=True)
-    with pytest.raises(cx.CommandError) as caught:
-        proc.wait()
-    assert caught.value.returncode == 5
-
-
 # -- wait(timeout=): only stops waiting ------------------------------------------
 
 
