@@ -822,40 +822,6 @@ def test_replay_ignoring_after(server, api):
     assert api.connect(process_id, after=0).status_code == 410
 
 
-def test_lose_create_response_still_starts_the_process(server, api):
-    server.lose_create_response()
-    with pytest.raises(requests.ConnectionError):
-        api.request("POST", "/processes", json={"cmd": "sleep", "args": ["5"]})
-    (record,) = server.processes()
-    assert record["args"] == ["5"] and record["state"] == "running"
-    assert server.requests_to("create")[-1].status == 0
-    assert api.create("true")  # the next create answers normally
-
-
-def test_a_lost_input_answer_still_delivers_the_input(server, api):
-    process_id = api.create("cat")
-    path = "/processes/%s/input" % process_id
-
-    def send(data: bytes, **kwargs) -> requests.Response:
-        body = {"data_base64": base64.b64encode(data).decode()}
-        return api.request("POST", path, json=body, **kwargs)
-
-    server.lose_input_response()
-    with pytest.raises(requests.ConnectionError):
-        send(b"lost answer ")
-    server.lose_input_response(seconds=1.0)
-    with pytest.raises(requests.Timeout):
-        send(b"late answer ", timeout=0.3)
-    assert send(b"answered").json()["data"] == {"input_seq": 3}  # one per accepted write
-    deadline = time.monotonic() + 5  # the late answer is recorded once its socket is closed
-    while len(server.requests_to("input")) < 3 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert sorted(r.status for r in server.requests_to("input")) == [0, 0, 200]
-    api.request("POST", "/processes/%s/stdin/close" % process_id)
-    delivered = b"".join(p[2] for p in payloads(api.frames(process_id)))
-    assert delivered == b"lost answer late answer answered"
-
-
 # -- lifecycle and command line ---------------------------------------------------
 
 
