@@ -493,9 +493,7 @@ def test_send_signal_is_sent_once_and_a_gone_leader_is_no_error(
     assert caught.value.status == 502  # never re-sent: a signal must not arrive twice
     sent = calls(rsps, "POST", f"{PROC}/signal")
     assert [body_of(c) for c in sent] == [
-        {"signal": "SIGTERM"},
-        {"signal": "SIGINT"},
-        {"signal": "SIGHUP"},
+        {"signal": name} for name in ("SIGTERM", "SIGINT", "SIGHUP")
     ]
     for bad in ("sigint", "SIG", 0, True, None, 10**6):
         with pytest.raises(cx.ConfigError):
@@ -572,22 +570,9 @@ def test_error_pickle_round_trip(error: BaseException) -> None:
     assert str(copy) == str(error)
     assert copy.args == error.args
     assert vars(copy) == vars(error)
-    for attr in (
-        "process_id",
-        "result",
-        "status",
-        "operation",
-        "problem",
-        "oldest_available_seq",
-        "creation_unconfirmed",
-        "returncode",
-        "cmd",
-        "output",
-        "stderr",
-        "timeout",
-        "confirmed_bytes",
-        "unsent",
-    ):
+    names = "process_id result status operation problem oldest_available_seq"
+    names += " creation_unconfirmed returncode cmd output stderr timeout confirmed_bytes unsent"
+    for attr in names.split():
         assert getattr(copy, attr, None) == getattr(error, attr, None)
     assert len(error.args) == 1 and isinstance(error.args[0], str)
     assert str(error).endswith(".")

@@ -661,13 +661,8 @@ def test_rate_limit_is_per_client_address_and_thread_safe():
 def test_files_put_and_get(server, api, tmp_path):
     target = tmp_path / "new" / "dir" / "secret.bin"
     payload = bytes(range(256)) * 8
-    put = api.request(
-        "PUT",
-        "/files",
-        params={"path": str(target)},
-        data=payload,
-        headers={"Content-Type": "application/octet-stream"},
-    )
+    octets = {"Content-Type": "application/octet-stream"}
+    put = api.request("PUT", "/files", params={"path": str(target)}, data=payload, headers=octets)
     assert put.json() == {"status": "success", "data": {"path": str(target), "bytes": 2048}}
     assert target.read_bytes() == payload
     assert stat.S_IMODE(target.stat().st_mode) == 0o600
