@@ -234,17 +234,14 @@ def test_evicted_frame_mid_stream(rsps: responses.RequestsMock) -> None:
     assert_deleted_once(rsps)
 
 
+EXPIRED = {"error": "output_offset_expired"}
+
+
 @pytest.mark.parametrize(
     "body, expected",
     [
-        (
-            {
-                "status": "fail",
-                "data": {"error": "output_offset_expired", "oldest_available_seq": 5},
-            },
-            5,
-        ),
-        ({"status": "fail", "data": {"error": "output_offset_expired"}}, None),
+        ({"status": "fail", "data": {**EXPIRED, "oldest_available_seq": 5}}, 5),
+        ({"status": "fail", "data": EXPIRED}, None),
         ({"status": "fail", "data": "gone"}, None),
         ([1, 2], None),
         ("not json at all", None),

@@ -256,22 +256,10 @@ def test_retry_after_values() -> None:
     assert 25 <= cx._retry_after(future) <= 31  # type: ignore[operator]
     past = email.utils.formatdate(time.time() - 3600, usegmt=True)
     assert cx._retry_after(past) == 0.0
-    for garbage in (
-        None,
-        "",
-        "soon",
-        "-5",
-        "1.5",
-        "5s",
-        "Wed, 99 Foo 2015 07:28:00 GMT",
-        "Wed, 21 Oct 2015 07:28:00",
-    ):  # the last has no zone
-        assert cx._retry_after(garbage) is None, garbage
-
-
-@pytest.mark.parametrize("value", ["\xb2", "\xb9", "1\xb3"])
-def test_retry_after_unicode_digits_are_garbage(value: str) -> None:
-    assert cx._retry_after(value) is None
+    garbage = [None, "", "soon", "-5", "1.5", "5s", "Wed, 99 Foo 2015 07:28:00 GMT"]
+    garbage += ["Wed, 21 Oct 2015 07:28:00", "\xb2", "\xb9", "1\xb3"]  # no zone; not ASCII digits
+    for value in garbage:
+        assert cx._retry_after(value) is None, value
 
 
 # --------------------------------------------------------------------------
