@@ -64,21 +64,6 @@ def _run(rsps: responses.RequestsMock, body: str, **kw: Any) -> cx.ExecResult:
     return make_client().execute(SB, ["true"], **kw)
 
 
-def test_exit_by_go_style_signal(rsps: responses.RequestsMock) -> None:
-    result = _run(rsps, nd(data(1, "stdout", b"x"), {"type": "exit", "signal": "killed"}))
-    assert (result.signal, result.exit_code, result.returncode, result.ok) == (
-        "SIGKILL",
-        None,
-        -9,
-        False,
-    )
-
-
-def test_exit_signal_wins_over_code(rsps: responses.RequestsMock) -> None:
-    result = _run(rsps, nd({"type": "exit", "exit_code": 143, "signal": "SIGTERM"}))
-    assert result.signal == "SIGTERM" and result.exit_code is None and result.returncode == -15
-
-
 def test_duplicate_seq_is_dropped(rsps: responses.RequestsMock) -> None:
     seen: List[Any] = []
     result = _run(
