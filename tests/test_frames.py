@@ -103,17 +103,6 @@ def test_utf8_split_across_frames_and_streams(rsps: responses.RequestsMock) -> N
     assert seen == [("stderr", "é"), ("stdout", "€!")]
 
 
-def test_incomplete_character_at_end_is_replaced_once(rsps: responses.RequestsMock) -> None:
-    seen: List[Any] = []
-    result = _run(
-        rsps,
-        nd(data(1, "stdout", b"ok\xe2\x82"), EXIT0),
-        on_output=lambda s, t: seen.append((s, t)),
-    )
-    assert result.stdout == "ok\ufffd"
-    assert "".join(t for s, t in seen if s == "stdout") == "ok\ufffd"
-
-
 def test_output_tail_is_kept(rsps: responses.RequestsMock) -> None:
     frames = [data(i, "stdout", f"{i:03d}\n".encode()) for i in range(1, 101)]
     result = _run(rsps, nd(*frames, data(101, "stderr", b"e"), EXIT0), max_output_chars=8)
