@@ -103,14 +103,6 @@ def test_utf8_split_across_frames_and_streams(rsps: responses.RequestsMock) -> N
     assert seen == [("stderr", "é"), ("stdout", "€!")]
 
 
-def test_output_tail_is_kept(rsps: responses.RequestsMock) -> None:
-    frames = [data(i, "stdout", f"{i:03d}\n".encode()) for i in range(1, 101)]
-    result = _run(rsps, nd(*frames, data(101, "stderr", b"e"), EXIT0), max_output_chars=8)
-    assert result.stdout == "099\n100\n"
-    assert result.stdout_truncated and not result.stderr_truncated and result.output_truncated
-    assert result.stderr == "e"
-
-
 def test_the_stream_is_asked_for_without_compression(rsps: responses.RequestsMock) -> None:
     add_created(rsps)
     add_connect(rsps, nd(EXIT0))
