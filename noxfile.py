@@ -28,7 +28,6 @@ SOURCES = ("createos_exec.py", "setup.py", "noxfile.py", "tests", "examples", "b
 # interpreters take long and depend on no Python version; `tests` runs them.
 CANNED_CONTAINMENT = (
     "test_timeout_terminates_and_returns_grace_output",
-    "test_timeout_with_check_raises_command_error",
     "test_cancel_terminates",
     "test_cancel_before_creation_creates_nothing",
     "test_raising_callback_terminates_and_propagates",

@@ -341,6 +341,16 @@ def daemon_pid(directory: str) -> int:
         time.sleep(0.02)
 
 
+def alive(pid: int) -> bool:
+    """Whether a process with this pid lives; a zombie, which a reparented
+    child may stay for good, does not."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rpartition(b")")[2].split()[0] not in (b"Z", b"X")
+    except OSError:
+        return False
+
+
 def cli_argv(*args: str) -> List[str]:
     return [sys.executable, "-m", "createos_exec", *args]
 

@@ -230,22 +230,6 @@ def test_bad_loop_timeouts_are_refused_before_anything_is_read(client):
     assert proc.wait().exit_code == 0
 
 
-# -- returncode ------------------------------------------------------------------
-
-
-@pytest.mark.both_readings
-def test_returncode_is_none_until_the_status_is_learned(client):
-    proc = client.start(SANDBOX, ["sh", "-c", "exit 5"])
-    assert proc.returncode is None
-    while proc.poll() is None:
-        time.sleep(0.05)
-    assert proc.returncode == 5 == proc.wait().returncode
-    killed = client.start(SANDBOX, WAITS)
-    assert next(killed.iter_output(lines=True)) == ("stdout", "up\n")  # SIGTERM is ignored now
-    killed.kill()
-    assert killed.returncode == killed.wait().returncode == -9
-
-
 # -- process() and processes() ----------------------------------------------------
 
 

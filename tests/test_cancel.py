@@ -41,20 +41,6 @@ def assert_nothing_runs(server):
 
 
 @pytest.mark.both_readings
-def test_429_on_the_last_attempt_behind_a_created_process_is_terminated_first(server):
-    server.fail("create", 429, retry_after="0")  # a plain refusal: nothing created
-    server.refuse_created(retry_after="0")  # the last attempt: created, then 429
-    with make_client(server, retry=TWO_TRIES) as client:
-        with pytest.raises(cx.APIError) as caught:
-            client.start(SANDBOX, SLEEPER)
-    assert (caught.value.status, caught.value.operation) == (429, "process creation")
-    (created,) = server.processes()
-    assert len(server.requests_to("create")) == 2
-    assert len(server.requests_to("delete")) == 1  # terminated, and that confirmed
-    assert not server.tree_alive(created["process_id"])
-
-
-@pytest.mark.both_readings
 def test_429_when_the_deadline_allows_no_other_attempt_terminates_what_it_created(server):
     server.refuse_created(retry_after=LONG)
     with make_client(server) as client:

@@ -104,7 +104,11 @@ def test_cli_timeout_is_124(
     add_connect(rsps, nd(data(1, "stdout", b"bye\n"), {"type": "exit", "signal": "SIGTERM"}))
     add_deleted(rsps)
     assert run_main("--timeout", "0.15", SB, "--", "sleep", "100") == 124
-    assert capsys.readouterr().out == "bye\n"
+    captured = capsys.readouterr()
+    assert captured.out == "bye\n"
+    (line,) = captured.err.splitlines()  # one line that says what happened
+    assert line.startswith("python -m createos_exec: ")
+    assert "timed out after 0.15 s" in line and "terminated" in line
     assert_deleted_once(rsps)
 
 
@@ -225,21 +229,8 @@ def test_cli_env_shell_cwd_and_stdin_file(
     rsps.add(responses.PUT, FILES, json=ok({}))
     add_created(rsps)
     add_connect(rsps, nd(EXIT0))
-    code = run_main(
-        "--env",
-        "A=b=c",
-        "--env",
-        "EMPTY=",
-        "--cwd",
-        "/work",
-        "--stdin",
-        str(stdin_file),
-        "--shell",
-        SB,
-        "--",
-        "cat | wc -c",
-    )
-    assert code == 0
+    options = ["--env", "A=b=c", "--env", "EMPTY=", "--cwd", "/work", "--stdin", str(stdin_file)]
+    assert run_main(*options, "--shell", SB, "--", "cat | wc -c") == 0
     assert calls(rsps, "PUT", FILES)[0].request.body == b"A=b=c\0EMPTY=\0\0payload\n"
     args = body_of(calls(rsps, "POST", PROCS)[0])["args"]
     assert "\n_cx_enter '/work'\n" in args[1]
@@ -269,45 +260,11 @@ def run_cli(server, *args, stdin=None, **extra):
     )
 
 
-def test_streams_stay_apart_and_the_exit_code_passes_through(server):
-    done = run_cli(server, SANDBOX, "--", "sh", "-c", "echo out; echo err >&2; exit 3")
-    assert done.returncode == 3
-    assert done.stdout == b"out\n"
-    assert done.stderr == b"err\n"
-
-
 def test_options_reach_the_command(server):
-    done = run_cli(
-        server,
-        "--cwd",
-        "/usr",
-        "--env",
-        "A=b=c",
-        "--stdin",
-        "-",
-        "--shell",
-        SANDBOX,
-        "--",
-        'pwd; echo "$A"; cat',
-        stdin=b"piped\n",
-    )
+    options = ["--cwd", "/usr", "--env", "A=b=c", "--stdin", "-", "--shell"]
+    done = run_cli(server, *options, SANDBOX, "--", 'pwd; echo "$A"; cat', stdin=b"piped\n")
     assert done.returncode == 0, done.stderr
     assert done.stdout == b"/usr\nb=c\npiped\n"
-
-
-def test_timeout_is_124_and_says_it_expired(server):
-    done = run_cli(server, "--timeout", "0.5", "--shell", SANDBOX, "--", "echo t; sleep 30")
-    assert done.returncode == 124
-    assert done.stdout == b"t\n"
-    (line,) = done.stderr.decode().splitlines()
-    assert line.startswith("python -m createos_exec: ")
-    assert "timed out after 0.5 s" in line and "terminated" in line
-
-
-def test_version_prints_the_modules_version(server):
-    done = run_cli(server, "--version")
-    assert done.returncode == 0
-    assert done.stdout.decode() == f"python -m createos_exec {cx.__version__}\n"
 
 
 def console_script():
@@ -372,11 +329,8 @@ def test_json_prints_one_object_and_keeps_the_exit_code(server):
     (line,) = done.stdout.splitlines()
     result = json.loads(line)
     assert result["exit_code"] == 3 and result["returncode"] == 3
-    assert (result["stdout"], result["stderr"], result["output"]) == (
-        "out\n",
-        "err\n",
-        "out\nerr\n",
-    )
+    assert (result["stdout"], result["stderr"]) == ("out\n", "err\n")
+    assert result["output"] == "out\nerr\n"
     assert result["process_id"].startswith("proc_")
     assert result["timed_out"] is False and result["output_truncated"] is False
     assert result["args"] == script
@@ -386,11 +340,8 @@ def test_json_reports_errors_as_one_object(server):
     done = run_cli(server, "--json", "sb_missing", "--", "true")
     assert done.returncode == 125
     error = json.loads(done.stdout)["error"]
-    assert (error["type"], error["status"], error["operation"]) == (
-        "APIError",
-        404,
-        "process creation",
-    )
+    assert (error["type"], error["status"]) == ("APIError", 404)
+    assert error["operation"] == "process creation"
     assert error["message"] == (
         "CreateOS answered HTTP 404 to process creation: no sandbox with this id here "
         "(a wrong id, or a sandbox in another region)."
@@ -410,9 +361,3 @@ def test_errors_say_what_to_do_in_the_librarys_own_sentences(server):
         b"the API key was refused; check CREATEOS_API_KEY.\n"
     )
     assert b"not-the-key" not in done.stderr
-    missing = run_cli(server, "sb_elsewhere", "--", "true")
-    assert missing.returncode == 125 and missing.stdout == b""
-    assert missing.stderr == (
-        b"python -m createos_exec: CreateOS answered HTTP 404 to process creation: "
-        b"no sandbox with this id here (a wrong id, or a sandbox in another region).\n"
-    )

@@ -86,12 +86,11 @@ def test_output_is_shown_live_before_the_command_ends(server, cleanup, tmp_path)
     assert finish(child) == 0
 
 
-def test_stdout_and_stderr_both_reach_the_terminal(server, cleanup):
-    child = spawn_cli(
-        server, "--shell", SANDBOX, "--", "echo to-stdout; echo to-stderr >&2; echo done"
-    )
+def test_both_streams_reach_the_terminal_and_the_status_passes_through(server, cleanup):
+    script = "echo to-stdout; echo to-stderr >&2; echo done; exit 7"
+    child = spawn_cli(server, "--shell", SANDBOX, "--", script)
     cleanup(child)
-    assert finish(child) == 0
+    assert finish(child) == 7
     lines = screen_lines(child)
     assert sorted(lines) == ["done", "to-stderr", "to-stdout"]
     assert lines.index("to-stdout") < lines.index("done")  # one stream stays in order
@@ -134,10 +133,3 @@ def test_ctrl_c_terminates_the_remote_tree_then_exits_130(server, cleanup):
     assert [r.path for r in server.requests_to("delete")] == [
         f"/v1/sandboxes/{SANDBOX}/processes/{process_id}"
     ]
-
-
-def test_the_remote_exit_status_passes_through(server, cleanup):
-    child = spawn_cli(server, "--shell", SANDBOX, "--", "echo bye; exit 7")
-    cleanup(child)
-    child.expect_exact("bye")
-    assert finish(child) == 7

@@ -52,6 +52,7 @@ from support import (
     add_created,
     add_deleted,
     add_stalled_connect,
+    alive,
     assert_deleted_once,
     body_of,
     calls,
@@ -121,20 +122,10 @@ def ready_pids(text: str) -> List[int]:
     return [int(pid) for pid in pids[0]]
 
 
-def pid_alive(pid: int) -> bool:
-    """A live (non-zombie) process with this pid exists."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat_file:
-            stat = stat_file.read()
-    except OSError:
-        return False
-    return stat[stat.rfind(b")") + 2 :].split()[0] not in (b"Z", b"X")
-
-
 def assert_tree_gone(server: Any, process_id: str, pids: List[int]) -> None:
     # Immediately, without waiting: the confirmed DELETE already emptied it.
     assert not server.tree_alive(process_id)
-    assert not [pid for pid in pids if pid_alive(pid)]
+    assert not [pid for pid in pids if alive(pid)]
     assert server.wait_tree_gone(process_id, timeout=5)
     deletes = server.requests_to("delete")
     assert deletes and deletes[-1].status == 200
@@ -218,7 +209,7 @@ def test_sigint_to_the_cli_terminates_the_tree_then_exits_130(server):
     try:
         pids = read_until_ready(child)
         process_id = only_process(server)
-        assert server.tree_alive(process_id) and all(pid_alive(pid) for pid in pids)
+        assert server.tree_alive(process_id) and all(alive(pid) for pid in pids)
         child.send_signal(signal.SIGINT)
         interrupted = time.monotonic()
         _, err = finish(child, CLI_CLEANUP + SLACK)
@@ -380,9 +371,9 @@ def test_terminate_ends_a_double_forked_daemon_of_the_tree(server, tmp_path):
     with make_client(server, cleanup_timeout=CLEANUP) as client:
         proc = client.start(SANDBOX, DAEMON, shell=True, cwd=str(tmp_path))
         daemon = daemon_pid(str(tmp_path))
-        assert pid_alive(daemon)
+        assert alive(daemon)
         proc.terminate()
-    assert not pid_alive(daemon) and not server.tree_alive(proc.process_id)
+    assert not alive(daemon) and not server.tree_alive(proc.process_id)
     assert proc.wait().signal == "SIGTERM"
 
 
@@ -410,17 +401,6 @@ def test_timeout_terminates_and_returns_grace_output(rsps: responses.RequestsMoc
     # The drain reads the grace output while the DELETE runs: their order is free.
     assert methods.count(("GET", CONNECT)) == 2
     assert_deleted_once(rsps)
-
-
-def test_timeout_with_check_raises_command_error(rsps: responses.RequestsMock) -> None:
-    add_created(rsps)
-    add_stalled_connect(rsps, 0.3, nd())
-    add_connect(rsps, nd({"type": "exit", "signal": "SIGTERM"}))
-    add_deleted(rsps)
-    with pytest.raises(cx.CommandError) as info:
-        make_client().execute(SB, ["sleep", "100"], timeout=0.15, check=True)
-    assert info.value.result is not None and info.value.result.timed_out
-    assert "timed out" in str(info.value)
 
 
 def test_cancel_terminates(rsps: responses.RequestsMock) -> None:

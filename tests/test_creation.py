@@ -79,7 +79,7 @@ def test_normal_run_exact_output_and_requests(
     assert result.process_id == PID
     assert result.reconnects == 0
     assert not result.exit_recovered and not result.creation_recovered
-    assert not result.output_truncated
+    assert not result.output_truncated and result.output_evicted is False
     assert result.args == ["echo", "hello"]
     assert result.duration >= 0
     assert seen == [("stdout", "hello\n"), ("stderr", "oops\n"), ("stdout", "world\n")]
@@ -457,23 +457,15 @@ def test_ambiguous_creation_with_failed_listing_is_unconfirmed(
     assert not calls(rsps, "GET", CONNECT)
 
 
-def test_marker_record_with_invalid_id_is_unconfirmed(rsps: responses.RequestsMock) -> None:
+@pytest.mark.parametrize(
+    "pid, args", [("bad/id", None), ("proc_other", 5)], ids=["bad id", "odd args"]
+)
+def test_a_listed_record_that_cannot_be_the_process_is_unconfirmed(
+    rsps: responses.RequestsMock, pid: str, args: Any
+) -> None:
     creation = _Creation((500, {}, ""))
     rsps.add_callback(responses.POST, PROCS, callback=creation)
-    rsps.add_callback(responses.GET, PROCS, callback=_listing(creation, True, pid="bad/id"))
-    with pytest.raises(cx.CleanupError) as info:
-        make_client().execute(SB, ["true"])
-    assert info.value.creation_unconfirmed is True
-
-
-def test_listing_record_with_odd_args_is_not_a_crash(rsps: responses.RequestsMock) -> None:
-    creation = _Creation((500, {}, ""))
-    rsps.add_callback(responses.POST, PROCS, callback=creation)
-    rsps.add(
-        responses.GET,
-        PROCS,
-        json=ok({"processes": [process_record(process_id="proc_other", args=5)]}),
-    )
+    rsps.add_callback(responses.GET, PROCS, callback=_listing(creation, True, pid=pid, args=args))
     with pytest.raises(cx.CleanupError) as info:
         make_client().execute(SB, ["true"])
     assert info.value.creation_unconfirmed is True

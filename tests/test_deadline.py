@@ -26,6 +26,7 @@ from support import (
     DAEMON,
     ROOT,
     SANDBOX,
+    alive,
     campaign_size,
     daemon_pid,
     figures_at_end,
@@ -345,12 +346,3 @@ def record_times(created: Optional[str], finished: Optional[str]) -> Dict[str, A
 )
 def test_ended_by_deadline_reads_the_records_times(created, finished, timeout, by_deadline):
     assert cx._ended_by_deadline(record_times(created, finished), timeout) is by_deadline
-
-
-def alive(pid: int) -> bool:
-    """Whether `pid` lives (a zombie does not)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return stat.read().rpartition(b")")[2].split()[0] not in (b"Z", b"X")
-    except OSError:
-        return False

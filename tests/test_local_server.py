@@ -25,7 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from local_server import DEFAULT_API_KEY, DEFAULT_SANDBOX, LocalServer, cgroup2_mount  # noqa: E402
-from support import DAEMON, daemon_pid, require_cgroup  # noqa: E402
+from support import DAEMON, alive, daemon_pid, require_cgroup  # noqa: E402
 
 SERVER_CLI = [sys.executable, os.path.join(HERE, "local_server.py")]  # its command line
 
@@ -262,13 +262,8 @@ def test_process_record_shape(server, api):
     process_id = api.create("sleep", "5")
     assert PROCESS_ID.fullmatch(process_id)
     record = api.request("GET", "/processes/%s" % process_id).json()["data"]
-    assert record["process_id"] == process_id and record["kind"] == "process"
-    assert record["pid"] > 0 and record["state"] == "running"
-    assert record["leader_exited"] is False and record["tree_exited"] is False
-    assert RFC3339_UTC.fullmatch(record["created_at"])
-    assert record["finished_at"] is None
-    assert record["exit_code"] is None and record["signal"] is None
-    assert record["cmd"] == "sleep" and record["args"] == ["5"]
+    # The fields the official SDK reads are its test's (test_sdk_fidelity); these are the rest.
+    assert record["process_id"] == process_id and RFC3339_UTC.fullmatch(record["created_at"])
     assert os.path.isdir(record["cwd"])
     assert record["output"] == {"oldest_seq": 0, "newest_seq": 0, "bytes": 0}
     listed = api.request("GET", "/processes").json()["data"]["processes"]
@@ -289,18 +284,10 @@ def test_the_alternative_listing_is_paginated():
         api = Api(server)
         assert listing(api) == {"data": [], "pagination": {"limit": 2, "offset": 0, "total": 0}}
         created = [api.create("sleep", "100") for _ in range(5)]
+        # Following the pages is the SDK's (test_sdk_fidelity) and the client's (test_listing).
         first = listing(api)
         assert first["pagination"] == {"limit": 2, "offset": 0, "total": 5}
-        # Follow pages as a client does: while offset + len(page) < total.
-        seen, offset = [], 0
-        while True:
-            page = listing(api, offset=offset)
-            seen += [p["process_id"] for p in page["data"]]
-            if offset + len(page["data"]) >= page["pagination"]["total"]:
-                break
-            offset += len(page["data"])
-        assert seen == created  # creation order, each once
-        assert [r.query["offset"] for r in server.requests_to("list")[2:]] == ["0", "2", "4"]
+        assert [p["process_id"] for p in first["data"]] == created[:2]
         assert [p["process_id"] for p in listing(api, limit=3, offset=1)["data"]] == created[1:4]
         assert listing(api, limit=1000)["pagination"]["limit"] == 500  # clamped
         assert listing(api, offset=9) == {
@@ -341,21 +328,11 @@ def test_stdout_and_stderr_share_one_sequence_then_exit(server, api):
     frames = read_frames(response)
     assert payloads(frames) == [(1, "stdout", b"a"), (2, "stderr", b"b"), (3, "stdout", b"c")]
     assert frames[-1] == {"type": "exit", "exit_code": 3}
-    record = server.process(process_id)
-    assert (record["exit_code"], record["signal"], record["state"]) == (3, None, "exited")
-    assert RFC3339_UTC.fullmatch(record["finished_at"])
-    assert record["output"] == {"oldest_seq": 1, "newest_seq": 3, "bytes": 3}
+    assert server.process(process_id)["output"] == {"oldest_seq": 1, "newest_seq": 3, "bytes": 3}
     # The connection stays usable after the stream's terminating chunk.
     assert api.request("GET", "/processes").status_code == 200
     ports = {r.client_port for r in server.requests if r.path.endswith(("/connect", "/processes"))}
     assert len(ports) == 1
-
-
-def test_death_by_signal_reports_the_signal_only(api):
-    process_id = api.sh("kill -KILL $$")
-    assert api.frames(process_id)[-1] == {"type": "exit", "signal": "SIGKILL"}
-    record = api.wait(process_id)
-    assert (record["exit_code"], record["signal"]) == (None, "SIGKILL")
 
 
 def test_heartbeats_fill_silence():
@@ -534,14 +511,6 @@ def test_signal_is_delivered(server, api):
     assert api.request("POST", path, json={"signal": "SIGTERM"}).status_code == 409
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open("/proc/%d/stat" % pid, "rb") as stat_file:
-            return stat_file.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
-    except FileNotFoundError:
-        return False
-
-
 def cgroup_of(pid: int) -> str:
     """The directory of the cgroup v2 that `pid` is in ("" without cgroup v2)."""
     with open("/proc/%d/cgroup" % pid) as cgroups:
@@ -619,16 +588,6 @@ def test_strict_mode_wants_framed_json_posts():
         assert raw_request(server, "POST", close, json_type + "Content-Length: 0\r\n")[0] == 200
         assert [r.status for r in server.requests_to("stdin_close")] == [411, 400, 200]
 
-        upload = api.request(  # a PUT of raw bytes: unaffected
-            "PUT",
-            "/files",
-            params={"path": os.path.join(server.process(process_id)["cwd"], "f")},
-            data=b"x",
-            headers={"Content-Type": "application/octet-stream"},
-        )
-        assert upload.status_code == 200
-        assert api.request("GET", "/processes/%s" % process_id).status_code == 200
-
 
 def test_without_strict_mode_posts_need_no_framing_headers(server):
     process_id = Api(server).create("cat")
@@ -702,21 +661,14 @@ def test_rate_limit_is_per_client_address_and_thread_safe():
 def test_files_put_and_get(server, api, tmp_path):
     target = tmp_path / "new" / "dir" / "secret.bin"
     payload = bytes(range(256)) * 8
-    put = api.request(
-        "PUT",
-        "/files",
-        params={"path": str(target)},
-        data=payload,
-        headers={"Content-Type": "application/octet-stream"},
-    )
+    octets = {"Content-Type": "application/octet-stream"}
+    put = api.request("PUT", "/files", params={"path": str(target)}, data=payload, headers=octets)
     assert put.json() == {"status": "success", "data": {"path": str(target), "bytes": 2048}}
     assert target.read_bytes() == payload
     assert stat.S_IMODE(target.stat().st_mode) == 0o600
     got = api.request("GET", "/files", params={"path": str(target)})
     assert got.status_code == 200 and got.content == payload
     assert got.headers["Content-Type"] == "application/octet-stream"
-    missing = api.request("GET", "/files", params={"path": str(tmp_path / "nothing")})
-    assert missing.status_code == 404 and missing.json()["status"] == "fail"
     assert api.request("GET", "/files", params={"path": "relative"}).status_code == 400
     assert api.request("PUT", "/files", params={"path": "relative"}, data=b"x").status_code == 400
 
@@ -807,15 +759,8 @@ def test_end_stream_ends_the_body_without_exit(server, api):
     server.end_stream(after_frames=2)
     assert [f["type"] for f in api.frames(process_id)] == ["data", "data"]
     assert api.request("GET", "/processes").status_code == 200  # keep-alive survives
-    assert (
-        len(
-            {
-                r.client_port
-                for r in server.requests_to("connect")[-1:] + server.requests_to("list")[-1:]
-            }
-        )
-        == 1
-    )
+    last = server.requests_to("connect")[-1:] + server.requests_to("list")[-1:]
+    assert len({r.client_port for r in last}) == 1
 
 
 def test_stall_stream_sends_nothing_then_closes():
@@ -835,12 +780,8 @@ def test_corrupt_stream_inserts_a_line(server, api):
     server.corrupt_stream(b"not json", after_frames=1)
     _, chunks, complete, _ = raw_connect(server, process_id)
     assert chunks[1] == b"not json\n" and len(chunks) == 5 and complete
-    assert [json.loads(c)["type"] for i, c in enumerate(chunks) if i != 1] == [
-        "data",
-        "data",
-        "data",
-        "exit",
-    ]
+    kept = [json.loads(c)["type"] for i, c in enumerate(chunks) if i != 1]
+    assert kept == ["data"] * 3 + ["exit"]
 
 
 def test_corrupt_stream_can_end_the_body_after_the_line(server, api):
@@ -863,40 +804,6 @@ def test_replay_ignoring_after(server, api):
     server.replay_ignoring_after()  # an expired cursor is not refused either
     assert api.frames(process_id, after=0) == [{"type": "exit", "exit_code": 0}]
     assert api.connect(process_id, after=0).status_code == 410
-
-
-def test_lose_create_response_still_starts_the_process(server, api):
-    server.lose_create_response()
-    with pytest.raises(requests.ConnectionError):
-        api.request("POST", "/processes", json={"cmd": "sleep", "args": ["5"]})
-    (record,) = server.processes()
-    assert record["args"] == ["5"] and record["state"] == "running"
-    assert server.requests_to("create")[-1].status == 0
-    assert api.create("true")  # the next create answers normally
-
-
-def test_a_lost_input_answer_still_delivers_the_input(server, api):
-    process_id = api.create("cat")
-    path = "/processes/%s/input" % process_id
-
-    def send(data: bytes, **kwargs) -> requests.Response:
-        body = {"data_base64": base64.b64encode(data).decode()}
-        return api.request("POST", path, json=body, **kwargs)
-
-    server.lose_input_response()
-    with pytest.raises(requests.ConnectionError):
-        send(b"lost answer ")
-    server.lose_input_response(seconds=1.0)
-    with pytest.raises(requests.Timeout):
-        send(b"late answer ", timeout=0.3)
-    assert send(b"answered").json()["data"] == {"input_seq": 3}  # one per accepted write
-    deadline = time.monotonic() + 5  # the late answer is recorded once its socket is closed
-    while len(server.requests_to("input")) < 3 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert sorted(r.status for r in server.requests_to("input")) == [0, 0, 200]
-    api.request("POST", "/processes/%s/stdin/close" % process_id)
-    delivered = b"".join(p[2] for p in payloads(api.frames(process_id)))
-    assert delivered == b"lost answer late answer answered"
 
 
 # -- lifecycle and command line ---------------------------------------------------

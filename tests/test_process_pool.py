@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import re
-import subprocess
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
@@ -117,19 +116,11 @@ def test_a_command_error_arrives_as_a_command_error(server, pool):
     command = ["sh", "-c", "echo partial; echo oops >&2; exit 5"]
     error, same = raised_there_and_here(pool, cx.CommandError, SANDBOX, command, check=True)
 
-    assert type(error) is cx.CommandError
-    assert isinstance(error, subprocess.CalledProcessError)
-    assert isinstance(error, cx.CreateOSError)
-    assert str(error) == (
-        f"The command 'sh' (process {error.process_id}) exited with status 5; "
-        "what it printed is in .stderr and .stdout."
-    )
-    assert str(same).startswith("The command 'sh' (process proc_")
-    assert error.returncode == 5
-    assert error.cmd == command
-    assert error.output == error.stdout == "partial\n"
-    assert error.stderr == "oops\n"
-    assert type(error.result) is cx.ExecResult
+    assert type(error) is cx.CommandError and type(error.result) is cx.ExecResult
+    # What the message and the attributes say is test_errors' row; here: they arrive whole.
+    assert str(error) == str(same).replace(same.process_id, error.process_id)
+    assert (error.returncode, error.cmd, error.stdout) == (5, command, "partial\n")
+    assert (error.output, error.stderr) == (same.output, same.stderr)
     assert observable(error.result) == observable(same.result)
     assert error.result.stdout == "partial\n" and error.result.exit_code == 5
     assert error.process_id == error.result.process_id
@@ -143,10 +134,7 @@ def test_a_timeout_or_signal_with_check_arrives_as_a_command_error(pool):
 
     with pytest.raises(cx.CommandError) as raised:
         timed.result(timeout=RESULT_TIMEOUT)
-    assert raised.value.result.timed_out is True
-    assert raised.value.result.exit_code is None
-    assert raised.value.returncode == raised.value.result.returncode
-    assert raised.value.result.stdout == "t\n"
+    assert raised.value.result.timed_out is True and raised.value.result.stdout == "t\n"
     assert raised.value.process_id == raised.value.result.process_id is not None
     assert "timed out" in str(raised.value)
 
@@ -160,10 +148,7 @@ def test_a_timeout_or_signal_with_check_arrives_as_a_command_error(pool):
 def test_a_config_error_arrives_as_a_config_error_and_value_error(server, pool):
     error, same = raised_there_and_here(pool, cx.ConfigError, "not a sandbox!", ["true"])
 
-    assert type(error) is cx.ConfigError
-    assert isinstance(error, ValueError)
-    assert isinstance(error, cx.CreateOSError)
-    assert str(error) == str(same)
+    assert type(error) is cx.ConfigError and str(error) == str(same)
     assert error.process_id is None and error.result is None
     assert server.requests == []  # found before anything was sent
 

@@ -703,39 +703,6 @@ def test_a_run_of_data_lines_decodes_exactly_as_frame_by_frame(texts):
     assert as_one_block(texts) == frame_by_frame(texts)
 
 
-@pytest.mark.parametrize("last", string.ascii_letters + string.digits + "+/")
-def test_a_run_of_data_lines_takes_only_canonical_last_characters(last):
-    """Every character before one and two "=", in the middle of a run."""
-    STATS["examples"] += 2
-    for padded in ("Q%s==" % last, "QU%s=" % last):
-        texts = ["QUI=", padded, "QQ=="]
-        assert as_one_block(texts) == frame_by_frame(texts)
-
-
-OWN_LINE = b'{"type":"data","seq":7,"stream":"stdout","data_base64":"aGk="}'  # PLAIN
-
-
-@pytest.mark.timeout(60)
-@settings(FUZZ, max_examples=400)
-@given(
-    line=plain_lines(),
-    data=st.none() | base64_texts(),
-    cursor=st.sampled_from([5, 6, 7]),  # seq 7 jumps, is next, or is a replay
-)
-@example(line=OWN_LINE.replace(b"stdout", b"stderr"), data=None, cursor=6)
-@example(line=OWN_LINE, data="QQ==QQ==", cursor=6)  # whole quanta, padding inside
-def test_a_block_of_one_data_line_is_read_exactly_as_json(line, data, cursor):
-    """The usual block, one data line, is taken by the pattern when it is in the
-    service's form; it must change exactly what the JSON route would."""
-    STATS["examples"] += 1
-    own = line == OWN_LINE and (data is None or frame_by_frame([data])[1] is False)
-    if data is not None:
-        line = line.replace(b"aGk=", data.encode())
-    took = agrees_with_json(line + b"\n", cursor)
-    if own and cursor == 6:
-        assert took, "the service's own form of the next frame is taken"
-
-
 # --------------------------------------------------------------------------
 # (b) the public path: Client.execute() against canned answers
 # --------------------------------------------------------------------------

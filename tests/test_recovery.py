@@ -28,8 +28,6 @@ from support import (
     CANNED_RETRY,
     CONNECT,
     EXIT0,
-    PID,
-    PROC,
     PROCS,
     SANDBOX,
     SB,
@@ -47,7 +45,6 @@ from support import (
     make_client,
     nd,
     ok,
-    process_record,
     query,
 )
 
@@ -92,28 +89,21 @@ def test_unterminated_last_line_resumes(rsps: responses.RequestsMock) -> None:
     assert result.stdout == "ab" and result.reconnects == 1
 
 
-@pytest.mark.parametrize("status", [429, 500, 502, 503, 504])
-def test_connect_transient_status_reconnects(rsps: responses.RequestsMock, status: int) -> None:
+TRANSIENT = {
+    **{str(status): dict(status=status, body="") for status in (429, 500, 502, 503, 504)},
+    "connection error": dict(body=requests.exceptions.ConnectionError("reset")),
+    "garbage Retry-After": dict(status=503, headers={"Retry-After": "whenever"}, body=""),
+}
+
+
+@pytest.mark.parametrize("answer", TRANSIENT.values(), ids=list(TRANSIENT))
+def test_connect_transient_status_reconnects(rsps: responses.RequestsMock, answer: Any) -> None:
     add_created(rsps)
-    rsps.add(responses.GET, CONNECT, status=status, headers={"Retry-After": "0"}, body="")
+    rsps.add(responses.GET, CONNECT, **{"headers": {"Retry-After": "0"}, **answer})
     add_connect(rsps, nd(data(1, "stdout", b"ok"), EXIT0))
     result = make_client().execute(SB, ["true"])
     assert result.stdout == "ok" and result.reconnects == 1
     assert len(calls(rsps, "GET", CONNECT)) == 2
-
-
-def test_connection_error_on_connect_reconnects(rsps: responses.RequestsMock) -> None:
-    add_created(rsps)
-    rsps.add(responses.GET, CONNECT, body=requests.exceptions.ConnectionError("reset"))
-    add_connect(rsps, nd(EXIT0))
-    assert make_client().execute(SB, ["true"]).reconnects == 1
-
-
-def test_garbage_retry_after_header_on_connect_is_ignored(rsps: responses.RequestsMock) -> None:
-    add_created(rsps)
-    rsps.add(responses.GET, CONNECT, status=503, headers={"Retry-After": "whenever"}, body="")
-    add_connect(rsps, nd(EXIT0))
-    assert make_client().execute(SB, ["true"]).reconnects == 1
 
 
 @pytest.mark.parametrize("status", [400, 401, 403, 404])
@@ -127,23 +117,6 @@ def test_connect_4xx_is_api_error(rsps: responses.RequestsMock, status: int) -> 
     assert len(calls(rsps, "GET", CONNECT)) == 1
     assert_deleted_once(rsps)
     assert_clean(info.value, "SECRET-BODY")
-
-
-def test_attach_resumes_after_given_seq(rsps: responses.RequestsMock) -> None:
-    rsps.add(responses.GET, PROC, json=ok(process_record(cmd="sh", args=["-c", "echo"])))
-    add_connect(
-        rsps,
-        nd(
-            data(2, "stdout", b"old\n"),
-            data(3, "stdout", b"new\n"),
-            {"type": "exit", "exit_code": 4},
-        ),
-    )
-    result = make_client().attach(SB, PID, after=2)
-    assert query(calls(rsps, "GET", CONNECT)[0]) == {"after": "2"}
-    assert result.stdout == "new\n"
-    assert result.exit_code == 4 and result.args == ["sh", "-c", "echo"]  # as listed
-    assert not calls(rsps, "POST", PROCS)
 
 
 # --------------------------------------------------------------------------
@@ -283,22 +256,10 @@ def test_retry_after_values() -> None:
     assert 25 <= cx._retry_after(future) <= 31  # type: ignore[operator]
     past = email.utils.formatdate(time.time() - 3600, usegmt=True)
     assert cx._retry_after(past) == 0.0
-    for garbage in (
-        None,
-        "",
-        "soon",
-        "-5",
-        "1.5",
-        "5s",
-        "Wed, 99 Foo 2015 07:28:00 GMT",
-        "Wed, 21 Oct 2015 07:28:00",
-    ):  # the last has no zone
-        assert cx._retry_after(garbage) is None, garbage
-
-
-@pytest.mark.parametrize("value", ["\xb2", "\xb9", "1\xb3"])
-def test_retry_after_unicode_digits_are_garbage(value: str) -> None:
-    assert cx._retry_after(value) is None
+    garbage = [None, "", "soon", "-5", "1.5", "5s", "Wed, 99 Foo 2015 07:28:00 GMT"]
+    garbage += ["Wed, 21 Oct 2015 07:28:00", "\xb2", "\xb9", "1\xb3"]  # no zone; not ASCII digits
+    for value in garbage:
+        assert cx._retry_after(value) is None, value
 
 
 # --------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import time
 from typing import Iterator, List, Set
 
 import pytest
+from support import alive
 
 import createos_exec as cx
 
@@ -73,14 +74,6 @@ def targets(leader: int, agent: int) -> List[Set[int]]:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     return [{int(pid) for pid in line.split()} for line in done.stdout.split("\n")[:2]]
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return stat.read().rpartition(b")")[2].split()[0] not in (b"Z", b"X")
-    except OSError:
-        return False
 
 
 @pytest.fixture

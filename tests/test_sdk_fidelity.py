@@ -26,7 +26,7 @@ import time
 import local_server
 import pytest
 from local_server import LocalServer
-from support import SANDBOX, make_client, require
+from support import SANDBOX, alive, make_client, require
 
 import createos_exec as cx
 
@@ -104,6 +104,14 @@ def listed(sdk, sandbox, server):
     return [p.process_id for p in pages]
 
 
+def wait_for_tree(sdk, processes, process_id):
+    """The record once the whole tree is gone, 5 s at most."""
+    options = sdk.ManagedProcessWaitOptions(
+        scope=sdk.ManagedProcessWaitScope.TREE, wait_timeout=5.0
+    )
+    return processes.wait(process_id, options)
+
+
 def signal_spelling(server, name, go_word):
     """(exit_code, signal) of a death by `name` as this reading spells it."""
     spelled = go_word if server.reading.signal_spelling == "go" else name
@@ -165,10 +173,7 @@ def test_create_input_close_connect_list_get_and_wait(sdk, sandbox, server):
     assert record.finished_at is not None and record.finished_at >= record.created_at
     assert record.output.newest_sequence == newest and record.output.oldest_sequence == 1
 
-    waited = processes.wait(
-        process_id,
-        sdk.ManagedProcessWaitOptions(scope=sdk.ManagedProcessWaitScope.TREE, wait_timeout=5.0),
-    )
+    waited = wait_for_tree(sdk, processes, process_id)
     assert waited.tree_exited and waited.exit_code == 0
 
 
@@ -213,25 +218,13 @@ def test_signal_then_wait_for_the_tree(sdk, sandbox, server):
     assert before.exit_code is None and before.signal is None and before.finished_at is None
 
     processes.signal(process_id, sdk.ManagedProcessSignal.TERMINATE)
-    record = processes.wait(
-        process_id,
-        sdk.ManagedProcessWaitOptions(scope=sdk.ManagedProcessWaitScope.TREE, wait_timeout=5.0),
-    )
+    record = wait_for_tree(sdk, processes, process_id)
     expected = signal_spelling(server, "SIGTERM", "terminated")
     assert record.leader_exited and record.tree_exited
     assert (record.exit_code, record.signal) == expected
     events, exit_event = follow(sdk, sandbox, process_id)
     assert b"".join(e.data for e in events) == b""
     assert (exit_event.exit_code, exit_event.signal) == expected
-
-
-def alive(pid):
-    """Whether a pid is a live (not zombie) process: reparented zombies may never be reaped."""
-    try:
-        with open("/proc/%d/stat" % pid, "rb") as stat_file:
-            return stat_file.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
-    except FileNotFoundError:
-        return False
 
 
 def test_a_sigterm_reaches_the_background_child_too(sdk, sandbox, server):
@@ -247,10 +240,7 @@ def test_a_sigterm_reaches_the_background_child_too(sdk, sandbox, server):
 
     processes.signal(process_id, sdk.ManagedProcessSignal.TERMINATE)
     if server.reading.signal_target == "group":  # the child is not spared
-        record = processes.wait(
-            process_id,
-            sdk.ManagedProcessWaitOptions(scope=sdk.ManagedProcessWaitScope.TREE, wait_timeout=5.0),
-        )
+        record = wait_for_tree(sdk, processes, process_id)
         assert record.tree_exited and record.signal == "SIGTERM"
         assert not alive(child)
     else:  # the leader alone: its child lives on until DELETE
@@ -295,9 +285,7 @@ def test_eviction_of_finished_output_is_a_410(sdk, sandbox, server):
     process_id = processes.create(
         sdk.ManagedProcessCreateRequest(command="sh", arguments=["-c", "echo a; echo b"])
     ).process_id
-    processes.wait(
-        process_id, sdk.ManagedProcessWaitOptions(scope=sdk.ManagedProcessWaitScope.TREE)
-    )
+    wait_for_tree(sdk, processes, process_id)
     newest = processes.get(process_id).output.newest_sequence
     server.evict(process_id)
     with pytest.raises(sdk.APIError) as caught:
@@ -392,18 +380,15 @@ def test_errors_are_jsend_the_sdk_understands(sdk, sandbox, server):
 
 
 def test_sdk_and_createos_exec_follow_each_others_processes(sdk, sandbox, server):
+    argv = ["sh", "-c", "echo from-sdk; echo to-err >&2; exit 5"]
     started = sandbox.processes.create(
-        sdk.ManagedProcessCreateRequest(
-            command="sh", arguments=["-c", "echo from-sdk; echo to-err >&2; exit 5"]
-        )
+        sdk.ManagedProcessCreateRequest(command=argv[0], arguments=argv[1:])
     )
     with make_client(server) as client:
         attached = client.attach(SANDBOX, started.process_id)
-        assert (attached.stdout, attached.stderr, attached.exit_code) == (
-            "from-sdk\n",
-            "to-err\n",
-            5,
-        )
+        assert attached.args == argv  # as the record lists it: not one of ours
+        assert (attached.stdout, attached.stderr) == ("from-sdk\n", "to-err\n")
+        assert attached.exit_code == 5
         result = client.execute(SANDBOX, ["echo", "from-cx"])
     record = sandbox.processes.get(result.process_id)
     assert record.command == "bash" and record.exit_code == 0

@@ -735,9 +735,17 @@ CLI_CASES = {
 }
 
 
-def scan_cli(scan, out, err):
+def assert_cli_clean(server, out, err):
+    """Nothing of a secret on the command line's streams, the server's records or
+    the staged files, once every tree the run left is gone."""
+    scan = Scan()
     scan.text("CLI stdout", out)
     scan.text("CLI stderr", err)
+    for record in server.processes():
+        server.wait_tree_gone(record["process_id"], timeout=15)
+    scan.server(server)
+    scan.staged_files()
+    scan.assert_clean()
 
 
 @pytest.mark.parametrize("json_mode", [False, True], ids=["live", "json"])
@@ -754,11 +762,7 @@ def test_command_line_leaks_no_secret(server, case, json_mode):
         timeout=90,
     )
     assert done.returncode == code, done.stderr
-    scan = Scan()
-    scan_cli(scan, done.stdout, done.stderr)
-    scan.server(server)
-    scan.staged_files()
-    scan.assert_clean()
+    assert_cli_clean(server, done.stdout, done.stderr)
     if case == "success":
         assert DIGEST.encode() in done.stdout  # env and stdin arrived
     elif case.startswith("cleanup") and not json_mode:
@@ -810,13 +814,7 @@ def test_sigint_to_the_command_line_leaks_no_secret(server, cleanup):
         child.kill()
         child.wait(10)
     assert child.returncode == 130, err
-    scan = Scan()
-    scan_cli(scan, first + out, err)
-    for record in server.processes():
-        server.wait_tree_gone(record["process_id"], timeout=15)
-    scan.server(server)
-    scan.staged_files()
-    scan.assert_clean()
+    assert_cli_clean(server, first + out, err)
     assert b"interrupted" in err
     if cleanup == "fails":
         assert b"Termination of" in err  # logged at WARNING, reaches stderr, clean

@@ -124,13 +124,6 @@ def test_a_repl_exchange_chooses_each_line_from_the_last_answer(client, server):
     assert len(server.requests_to("input")) == 10
 
 
-def test_binary_input_of_every_byte_value_arrives_intact(client):
-    data = bytes(range(256)) * 1000
-    proc = client.start(SANDBOX, DIGEST, stdin=cx.PIPE)
-    proc.write(data)
-    assert proc.communicate()[0] == digest(data)
-
-
 def test_many_mib_arrive_intact_in_pieces_under_the_limit(client, server):
     data = os.urandom(6 * 1024 * 1024 + 12345)
     proc = client.start(SANDBOX, DIGEST, stdin=cx.PIPE)
@@ -302,15 +295,6 @@ def test_communicate_writes_closes_and_waits(client, server):
     assert client.start(SANDBOX, ["echo", "hi"]).communicate() == ("hi\n", "")
 
 
-def test_communicate_timeout_leaves_the_process_running(client):
-    proc = client.start(SANDBOX, ["sh", "-c", "cat >/dev/null; sleep 30"], stdin=cx.PIPE)
-    with pytest.raises(cx.WaitTimeout):
-        proc.communicate("x", timeout=0.5)
-    assert proc.poll() is None
-    proc.kill()
-    assert proc.wait().returncode < 0
-
-
 def test_communicate_timeout_bounds_a_write_held_up_and_sends_nothing_again(client, server):
     server.fail("input", 429, retry_after="5")
     proc = client.start(SANDBOX, DIGEST, stdin=cx.PIPE)
@@ -321,6 +305,7 @@ def test_communicate_timeout_bounds_a_write_held_up_and_sends_nothing_again(clie
     assert (caught.value.timeout, caught.value.process_id) == (1, proc.process_id)
     assert [r.status for r in server.requests_to("input")] == [429]
     assert server.requests_to("stdin_close") == []
+    assert proc.poll() is None  # a timeout only stops waiting, as Popen.communicate's
     assert proc.communicate(timeout=30)[0] == digest(b"")
 
 
