@@ -1132,8 +1132,7 @@ class RemoteProcess:
             if self._handover is not None:
                 self._handover.clear()  # what a loop left is in the result
             if self._outcome is None:
-                for _ in self._run(until):
-                    pass
+                collections.deque(self._run(until), maxlen=0)  # every step, none taken
                 if self._outcome is None:
                     raise self._wait_timeout(until)
         outcome = self._outcome
@@ -1215,8 +1214,7 @@ class RemoteProcess:
                 self._endpoints.delete(grace)
             elif self._outcome is None:
                 asked = _Ending(exited=killed, asked=True, grace=grace)
-                for _ in self._end(asked):
-                    pass
+                collections.deque(self._end(asked), maxlen=0)
 
     def _killed(self) -> Optional[_Exit]:
         """SIGKILL to the process group, and the leader's status it brought, asked
@@ -1671,11 +1669,8 @@ class _PortWait:
         WaitTimeout at the timeout, the process running on; CancelledError once
         `cancel` (the run's) is set."""
         deadline = _Deadline.after(self._timeout, "wait", time.monotonic(), cancel)
-        try:
-            pid = self._target_pid(deadline)
-            exited = _PROBE_GONE if pid is None else self._probe(pid, deadline)
-        except CancelledError:
-            exited = None
+        pid = self._target_pid(deadline)
+        exited = _PROBE_GONE if pid is None else self._probe(pid, deadline)
         if exited == _PROBE_OPEN:
             return
         if exited == _PROBE_GONE:
@@ -1685,8 +1680,6 @@ class _PortWait:
                 "The port probe in the sandbox ended without an answer.",
                 process_id=self._process_id,
             )
-        if deadline.cancelled():
-            raise CancelledError(process_id=self._process_id)
         raise WaitTimeout(self._args, self._timeout, process_id=self._process_id, port=self._port)
 
     def _target_pid(self, deadline: _Deadline) -> Optional[int]:
@@ -1715,7 +1708,7 @@ class _PortWait:
         try:
             follower = _Follower(probe, _Options(), args=command, started=time.monotonic())
             return _to_end(follower.follow(deadline))
-        except (_TimedOut, CancelledError):
+        except _TimedOut:  # a cancel goes on up, after the probe is deleted
             return None
         finally:
             with contextlib.suppress(CleanupError):  # logged; the probe's limit ends it

@@ -19,7 +19,16 @@ import threading
 import time
 
 import pytest
-from support import FAST_RETRY, NO_RETRY, SANDBOX, THREE_TRIES, TWO_TRIES, Listener, make_client
+from support import (
+    FAST_RETRY,
+    NO_RETRY,
+    SANDBOX,
+    THREE_TRIES,
+    TWO_TRIES,
+    Listener,
+    closed_port,
+    make_client,
+)
 
 import createos_exec as cx
 
@@ -296,6 +305,17 @@ def test_cancel_ends_a_write_waiting_to_send_again(server):
         with pytest.raises(cx.CancelledError):
             proc.wait()
     assert [r.status for r in server.requests_to("input")] == [429]
+
+
+def test_cancel_ends_a_wait_for_port_and_its_probe(server):
+    with make_client(server) as client:
+        canceller = Canceller(server, "create", delay=0.5)  # half a second into the wait
+        proc = client.start(SANDBOX, SLEEPER, cancel=canceller.event)
+        with pytest.raises(cx.CancelledError) as caught:
+            proc.wait_for_port(closed_port(), timeout=20)
+        assert canceller.latency() < BOUND  # the tree terminated by then, as a cancel ends a run
+        assert caught.value.process_id == proc.process_id
+    assert_nothing_runs(server)  # the probe included
 
 
 def test_cancel_latencies_are_reported(figures):
