@@ -1379,7 +1379,13 @@ class RemoteProcess:
         if ending.timed_out or ending.asked:
             ending = yield from self._through_termination(ending)
         first = ending.error
-        ending = self._contained(ending, termination.unconfirmed())
+        unconfirmed = termination.unconfirmed()
+        if ending.exited is None and termination.record is not None:
+            # The stream could not tell (a service may forget a process once it is
+            # deleted): the DELETE's final record does.
+            with contextlib.suppress(ProtocolError):
+                ending = ending._replace(exited=_exit_status(termination.record))
+        ending = self._contained(ending, unconfirmed)
         confirmed = first is not None and ending.error is first
         if confirmed and not isinstance(first, KeyboardInterrupt) and self._launch is not None:
             self._launch.unstage(self._deadline.cancel)  # the wrapper may not have removed it
@@ -1515,6 +1521,7 @@ class _Termination:
         # The run's cancel hurries the termination (see _Deadline.pause); after Ctrl-C
         # it goes at the pace of the window and the service, and a second Ctrl-C ends it.
         self._failure: Optional[BaseException] = None
+        self.record: Optional[Dict[str, Any]] = None  # the process's final one, once confirmed
         self._thread = threading.Thread(
             target=self._delete, args=(endpoints, grace, hurry), name="createos_exec-cleanup"
         )
@@ -1525,8 +1532,8 @@ class _Termination:
         self, endpoints: _Endpoints, grace: Optional[float], hurry: Optional[threading.Event]
     ) -> None:
         try:
-            endpoints.delete(grace, hurry)
-        except BaseException as exc:  # handed over by outcome()
+            self.record = endpoints.delete(grace, hurry)
+        except BaseException as exc:  # handed over by unconfirmed()
             self._failure = exc
 
     def unconfirmed(self) -> Optional[CleanupError]:
@@ -2485,9 +2492,10 @@ class _Endpoints:
 
     def delete(
         self, grace: Optional[float] = None, hurry: Optional[threading.Event] = None
-    ) -> None:
+    ) -> Optional[Dict[str, Any]]:
         """Terminate the tree with a grace period (None: the usual one), confirmed,
-        under a fresh deadline of its own, whose waits `hurry` cuts short.
+        under a fresh deadline of its own, whose waits `hurry` cuts short: the
+        process's final record (None after a 404).
 
         Raises CleanupError unless the answer is `tree_exited: true`, or 404.
         """
@@ -2508,7 +2516,7 @@ class _Endpoints:
             )
             if response.status_code == 404:
                 response.close()
-                return
+                return None
             record = _jsend_data(response, "process cleanup")
         except CreateOSError as exc:
             logger.warning("Termination of %s failed", self.process_id)
@@ -2516,6 +2524,7 @@ class _Endpoints:
         if not isinstance(record, dict) or record.get("tree_exited") is not True:
             logger.warning("Termination of %s is unconfirmed", self.process_id)
             raise CleanupError(process_id=self.process_id)
+        return record
 
     def input(self, body: bytes, deadline: _Deadline) -> Union[requests.Response, _Retryable]:
         """One attempt to write a piece to stdin (a JSON body): never sent twice here.
