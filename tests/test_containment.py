@@ -61,6 +61,7 @@ from support import (
     cli_env,
     daemon_pid,
     data,
+    exited,
     figures_at_end,
     make_client,
     nd,
@@ -484,6 +485,18 @@ def test_delete_404_counts_as_gone(rsps: responses.RequestsMock) -> None:
     rsps.add(responses.DELETE, PROC, status=404, json={"status": "fail", "data": "gone"})
     with pytest.raises(cx.ProtocolError):
         make_client().execute(SB, ["true"])
+    assert len(calls(rsps, "DELETE", PROC)) == 1
+
+
+def test_a_terminated_process_its_service_forgot_ends_as_the_delete_said(
+    rsps: responses.RequestsMock,
+) -> None:
+    add_created(rsps)
+    rsps.add(responses.DELETE, PROC, json=ok(exited(0, signal="SIGTERM")))
+    rsps.add(responses.GET, CONNECT, status=404, json={"status": "fail", "data": "no such process"})
+    proc = make_client().start(SB, ["sleep", "30"])
+    proc.terminate()  # the stream of the grace period answers 404: forgotten once deleted
+    assert (proc.wait().signal, proc.returncode) == ("SIGTERM", -signal.SIGTERM)
     assert len(calls(rsps, "DELETE", PROC)) == 1
 
 
