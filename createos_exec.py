@@ -1380,9 +1380,9 @@ class RemoteProcess:
             ending = yield from self._through_termination(ending)
         first = ending.error
         unconfirmed = termination.unconfirmed()
-        if ending.exited is None and termination.record is not None:
-            # The stream could not tell (a service may forget a process once it is
-            # deleted): the DELETE's final record does.
+        if first is None and ending.exited is None and termination.record is not None:
+            # An asked termination or a timeout whose stream could not tell (a service
+            # may forget a process once it is deleted): the DELETE's final record does.
             with contextlib.suppress(ProtocolError):
                 ending = ending._replace(exited=_exit_status(termination.record))
         ending = self._contained(ending, unconfirmed)
