@@ -1699,13 +1699,13 @@ class _PortWait:
             raise
         if record.get("leader_exited") is True:
             return None
-        pid: Any = record.get("pid")
-        if not _is_int(pid) or pid < 1:
+        pid = _leader_pid(record)
+        if pid is None:
             raise ProtocolError("the process record has no valid pid", process_id=self._process_id)
-        return int(pid)
+        return pid
 
     def _probe(self, pid: int, deadline: _Deadline) -> Optional[_Exit]:
-        """The probe's exit status, or None at the deadline or its cancel; the probe
+        """The probe's exit status, or None at the deadline (a cancel goes on up); the probe
         is gone either way."""
         limit = math.ceil(self._timeout) + 2  # a backstop: the DELETE comes first
         argv = [str(pid), self._host, str(self._port), str(limit)]
