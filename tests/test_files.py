@@ -6,6 +6,7 @@ left behind on either side. The local server's files are this machine's, so
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import os
@@ -357,10 +358,30 @@ def test_uploads_under_faults_leave_the_old_file_or_the_whole_new_one(
             if not restartable:
                 source = io.BufferedReader(Unseekable(data, stop))
             inject(server, "files_put", name, at)
-            failure = run(
-                server, lambda: client.put(SANDBOX, source, path), name, path, data, [str(tmp_path)]
-            )
+            put = functools.partial(client.put, SANDBOX, source, path)
+            failure = run(server, put, name, path, data, [str(tmp_path)])
             assert (failure is not None) == expected_failure(name, restartable), (name, at, failure)
+
+
+def download_into(client, remote: str, local, into: str, sink, ctrl_c, monkeypatch) -> None:
+    """get() `remote` into a destination of the kind `into` (`sink` for a file),
+    its bytes then written to `local` whatever the kind. For a local path,
+    `ctrl_c` (an Interrupting, or None) is written beside its temporary file."""
+    if into == "a local path":
+        written = cx._FileSink.write
+        with monkeypatch.context() as patch:
+            if ctrl_c is not None:
+                patch.setattr(
+                    cx._FileSink,
+                    "write",
+                    lambda out, piece: written(out, ctrl_c.write(piece) and piece),
+                )
+            client.get(SANDBOX, remote, str(local))
+        return
+    got = client.get(SANDBOX, remote, sink)
+    if sink is not None:
+        got = sink.getvalue() if isinstance(sink, io.BytesIO) else bytes(sink.written)
+    local.write_bytes(got)
 
 
 @pytest.mark.parametrize("content", list(CONTENTS))
@@ -373,7 +394,6 @@ def test_downloads_under_faults_leave_the_old_file_or_the_whole_new_one(
     remote.parent.mkdir()
     local.parent.mkdir()
     remote.write_bytes(data)
-    written = cx._FileSink.write
     with make_client(server) as client:
         for name, at in faults(len(data)):
             if into == "bytes" and name == "Ctrl-C":
@@ -381,23 +401,10 @@ def test_downloads_under_faults_leave_the_old_file_or_the_whole_new_one(
             stop = at if name == "Ctrl-C" else -1
             seeks = Interrupting(b"", stop if stop >= 0 else len(data) + 1)
             sink = {"a file that seeks": seeks, "one that cannot": Unseekable(after=stop)}.get(into)
-
-            def download() -> None:
-                if into == "a local path":
-                    with monkeypatch.context() as patch:
-                        if name == "Ctrl-C":  # it comes while the temporary file is written
-                            patch.setattr(
-                                cx._FileSink,
-                                "write",
-                                lambda sink, piece: written(sink, seeks.write(piece) and piece),
-                            )
-                        client.get(SANDBOX, str(remote), str(local))
-                    return
-                got = client.get(SANDBOX, str(remote), sink)
-                if sink is not None:
-                    got = sink.getvalue() if sink is seeks else bytes(sink.written)
-                local.write_bytes(got)
-
+            ctrl_c = seeks if name == "Ctrl-C" else None
+            download = functools.partial(
+                download_into, client, str(remote), local, into, sink, ctrl_c, monkeypatch
+            )
             inject(server, "files_get", name, at)
             failure = run(server, download, name, str(local), data, [str(tmp_path)])
             expected = expected_failure(name, into != "one that cannot", at == len(data))
