@@ -480,7 +480,9 @@ class OutputEvictedError(ProtocolError):
         CreateOSError.__init__(
             self,
             "Output this client had not read yet was evicted from the CreateOS journal; "
-            "print less, or write large output to a file in the sandbox and read that.",
+            "print less, or write large output to a file in the sandbox and fetch that: "
+            "get(sandbox_id, '/tmp/out.log', 'out.log'), or on the command line "
+            "--get /tmp/out.log:out.log with '> /tmp/out.log' in the command.",
             process_id=process_id,
         )
         self.problem = "output evicted"
@@ -5385,6 +5387,12 @@ examples:
   {prog} --shell sb_123 -- 'cd /app && ls | wc -l'
   echo hello | {prog} --stdin - sb_123 -- cat
   {prog} --json sb_123 -- ls /    # one JSON object, for scripts
+  {prog} --put src.tar:/app/src.tar --get /app/report.html:report.html \
+      sb_123 -- bash -c 'cd /app && tar xf src.tar && make report'
+  {prog} --get /var/log/app.log:app.log sb_123     # transfers only
+
+Files: each --put is written before the command, each --get fetched after it
+ends, whatever its exit status; a file arrives whole or not at all.
 
 Each ARG reaches the program as it is; with --shell, COMMAND is one bash script.
 
@@ -5426,6 +5434,23 @@ def _parser() -> argparse.ArgumentParser:
         "--stdin", metavar="FILE|-", help="feed FILE to the command's stdin (-: this tool's stdin)"
     )
     parser.add_argument(
+        "--put",
+        action="append",
+        default=[],
+        type=_transfer_option("--put", remote_first=False),
+        metavar="LOCAL:REMOTE",
+        help="copy a local file to an absolute path in the sandbox before the command (repeatable)",
+    )
+    parser.add_argument(
+        "--get",
+        action="append",
+        default=[],
+        type=_transfer_option("--get", remote_first=True),
+        metavar="REMOTE:LOCAL",
+        help="copy a file of the sandbox here once the command has ended, whatever its "
+        "exit status (repeatable)",
+    )
+    parser.add_argument(
         "--json",
         action="store_true",
         help="no live output; print the result (or the error) as one JSON object",
@@ -5433,6 +5458,30 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("sandbox_id", metavar="SANDBOX_ID")
     parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARG...]")
     return parser
+
+
+class _Transfer(NamedTuple):
+    """One --put or --get: the option as typed, and its two paths."""
+
+    typed: str
+    local: str
+    remote: str
+
+
+def _transfer_option(option: str, remote_first: bool) -> Callable[[str], _Transfer]:
+    """The type of --put (LOCAL:REMOTE) or --get (REMOTE:LOCAL): split at the first colon."""
+
+    def transfer(text: str) -> _Transfer:
+        first, colon, second = text.partition(":")
+        remote, local = (first, second) if remote_first else (second, first)
+        if not colon or not local or not remote.startswith("/"):
+            shape = "REMOTE:LOCAL" if remote_first else "LOCAL:REMOTE"
+            raise argparse.ArgumentTypeError(
+                f"expected {shape}, REMOTE an absolute path in the sandbox, not {_shown(text)}"
+            )
+        return _Transfer(f"{option} {text}", local, remote)
+
+    return transfer
 
 
 def _timeout_option(text: str) -> float:
@@ -5450,8 +5499,11 @@ def _timeout_option(text: str) -> float:
 
 def _command_and_env(
     parser: argparse.ArgumentParser, options: argparse.Namespace
-) -> Tuple[Command, Optional[Dict[str, str]]]:
+) -> Tuple[Optional[Command], Optional[Dict[str, str]]]:
+    """The command (None: transfers only) and its env."""
     command: List[str] = options.command
+    if not command and (options.put or options.get):
+        return None, None
     if not command:
         parser.error("no command given: put it after --, as in: SANDBOX_ID -- uname -a")
     if options.shell and len(command) != 1:
@@ -5491,6 +5543,7 @@ _NO_KEY_HERE = "no API key: set CREATEOS_API_KEY (or CREATEOS_SANDBOX_API_KEY) i
 
 
 def _run_command(
+    client: Client,
     options: argparse.Namespace,
     command: Command,
     env: Optional[Dict[str, str]],
@@ -5498,21 +5551,66 @@ def _run_command(
     started: List[RemoteProcess],
 ) -> ExecResult:
     """Run the command; `started` gets its process once created (Ctrl-C names it)."""
+    process = client.start(
+        options.sandbox_id,
+        command,
+        shell=options.shell,
+        cwd=options.cwd,
+        env=env,
+        stdin=stdin,
+        timeout=options.timeout,
+        on_output=None if options.json else _print_live,
+        # Live output passes through byte-exact; JSON needs valid text.
+        errors="replace" if options.json else "surrogateescape",
+    )
+    started.append(process)
+    return process.wait()
+
+
+def _run_with_files(
+    options: argparse.Namespace,
+    command: Optional[Command],
+    env: Optional[Dict[str, str]],
+    stdin: Optional[bytes],
+    started: List[RemoteProcess],
+) -> Optional[ExecResult]:
+    """The --put files, the command (if any), then the --get files once a command
+    that was started has ended, however it ended: the command's error is raised
+    after them."""
     with Client(api_url=options.api_url) as client:
-        process = client.start(
-            options.sandbox_id,
-            command,
-            shell=options.shell,
-            cwd=options.cwd,
-            env=env,
-            stdin=stdin,
-            timeout=options.timeout,
-            on_output=None if options.json else _print_live,
-            # Live output passes through byte-exact; JSON needs valid text.
-            errors="replace" if options.json else "surrogateescape",
-        )
-        started.append(process)
-        return process.wait()
+        for transfer in options.put:
+            _transfer(transfer, client.put, options.sandbox_id, transfer.local, transfer.remote)
+        result, failure = None, None
+        try:
+            if command is not None:
+                result = _run_command(client, options, command, env, stdin, started)
+        except CreateOSError as error:
+            if not started:
+                raise
+            failure = error
+        for transfer in options.get:
+            _transfer(transfer, client.get, options.sandbox_id, transfer.remote, transfer.local)
+        if failure is not None:
+            raise failure
+        return result
+
+
+class _TransferFailed(Exception):
+    """A --put or --get that failed: `message` names it and says why."""
+
+    def __init__(self, message: str, cause: BaseException) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
+def _transfer(transfer: _Transfer, move: Callable[..., Any], *args: str) -> None:
+    try:
+        move(*args)
+    except CreateOSError as error:
+        raise _TransferFailed(f"{transfer.typed} failed: {error}", error) from None
+    except OSError as error:
+        why = error.strerror or "it could not be opened"
+        raise _TransferFailed(f"{transfer.typed} failed: {transfer.local}: {why}.", error) from None
 
 
 @contextlib.contextmanager
@@ -5613,7 +5711,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     interrupts: List[int] = []
     try:
         with _counted_interrupts(interrupts):
-            result = _run_command(options, command, env, stdin, started)
+            result = _run_with_files(options, command, env, stdin, started)
     except KeyboardInterrupt:
         report.line("interrupted" if len(interrupts) < 2 else _cleanup_cut_short(started))
         return 130
@@ -5624,6 +5722,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 128 + 13  # SIGPIPE, as a shell reports it
     except CreateOSError as exc:
         return report.failure(type(exc).__name__, str(exc), exc)
+    except _TransferFailed as failed:
+        return report.failure(type(failed.cause).__name__, str(failed), failed.cause)
+    if result is None:
+        return 0
     if result.timed_out and options.timeout is not None:
         report.line(
             f"the command timed out after {options.timeout:g} s; "

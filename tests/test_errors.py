@@ -868,7 +868,7 @@ def test_no_process_started_is_said_only_before_the_process():
 def test_the_other_errors_say_what_to_do():
     assert "proc_9" in str(cx.CleanupError(process_id="proc_9"))
     assert "destroy the sandbox" in str(cx.CleanupError(creation_unconfirmed=True))
-    assert "print less" in str(cx.OutputEvictedError(3))
+    assert "print less" in str(cx.OutputEvictedError(3)) and "get(" in str(cx.OutputEvictedError(3))
     assert ".result" in str(cx.OutputIncompleteError())
     assert "proxy" in str(cx.ProtocolError("a frame is not JSON"))
     for status in (400, 401, 403, 404, 409, 429, 500):
