@@ -105,6 +105,7 @@ from typing import (
     TypedDict,
     TypeVar,
     Union,
+    overload,
 )
 
 import requests
@@ -161,7 +162,7 @@ Command = Union[str, Sequence[str]]
 # put()'s source: a local path, bytes-like, or a binary file object; get()'s
 # destination: None (bytes returned), a local path, or a binary file object.
 FileSource = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview, BinaryIO]
-FileDestination = Union[None, str, "os.PathLike[str]", BinaryIO]
+FileDestination = Union[str, "os.PathLike[str]", BinaryIO]
 
 
 class _Pipe:
@@ -1027,11 +1028,19 @@ class Client:
             upload = _Upload(_Sandbox(self._transport, sandbox_id), target, outgoing, mode)
             return upload.run(_ENDLESS)
 
+    @overload
+    def get(
+        self, sandbox_id: str, path: str, destination: None = None, *, max_bytes: int = ...
+    ) -> bytes: ...
+    @overload
+    def get(
+        self, sandbox_id: str, path: str, destination: FileDestination, *, max_bytes: int = ...
+    ) -> FileInfo: ...
     def get(
         self,
         sandbox_id: str,
         path: str,
-        destination: FileDestination = None,
+        destination: Optional[FileDestination] = None,
         *,
         max_bytes: int = 64 * 1024 * 1024,
     ) -> Any:
@@ -1102,25 +1111,47 @@ def put(
     client: Optional[Client] = None,
 ) -> FileInfo:
     """Client.put() with a client built from the environment (or the one given)."""
-    if client is not None:
-        return client.put(sandbox_id, source, path, mode=mode)
-    with Client() as own:
-        return own.put(sandbox_id, source, path, mode=mode)
+    return _on_a_client(client, lambda on: on.put(sandbox_id, source, path, mode=mode))
 
 
+@overload
 def get(
     sandbox_id: str,
     path: str,
-    destination: FileDestination = None,
+    destination: None = None,
+    *,
+    max_bytes: int = ...,
+    client: Optional[Client] = None,
+) -> bytes: ...
+@overload
+def get(
+    sandbox_id: str,
+    path: str,
+    destination: FileDestination,
+    *,
+    max_bytes: int = ...,
+    client: Optional[Client] = None,
+) -> FileInfo: ...
+def get(
+    sandbox_id: str,
+    path: str,
+    destination: Optional[FileDestination] = None,
     *,
     max_bytes: int = 64 * 1024 * 1024,
     client: Optional[Client] = None,
 ) -> Any:
     """Client.get() with a client built from the environment (or the one given)."""
+    return _on_a_client(
+        client, lambda on: on.get(sandbox_id, path, destination, max_bytes=max_bytes)
+    )
+
+
+def _on_a_client(client: Optional[Client], call: Callable[[Client], _T]) -> _T:
+    """call() on `client`, or on a client built from the environment and closed after."""
     if client is not None:
-        return client.get(sandbox_id, path, destination, max_bytes=max_bytes)
+        return call(client)
     with Client() as own:
-        return own.get(sandbox_id, path, destination, max_bytes=max_bytes)
+        return call(own)
 
 
 def echo(stream: str, text: str) -> None:

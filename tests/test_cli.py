@@ -424,3 +424,17 @@ def test_the_eviction_message_gives_a_line_that_fetches_the_output(server, tmp_p
     )
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "out.log").read_bytes() == b"".join(b"%d\n" % n for n in range(1, 200001))
+
+
+def test_files_come_out_after_a_command_that_failed_once_started(
+    server, tmp_path, monkeypatch, capfd
+):
+    monkeypatch.setenv("CREATEOS_API_URL", server.url)
+    monkeypatch.setenv("CREATEOS_API_KEY", server.api_key)
+    server.corrupt_stream(b"not json\n", after_frames=1)
+    remote = tmp_path / "made.txt"
+    script = f"echo made > {remote}; echo one; sleep 0.5; echo two"
+    code = cx.main(["--get", f"{remote}:{tmp_path}/here.txt", "--shell", SANDBOX, "--", script])
+    assert code == 125
+    assert "CreateOS sent an invalid answer" in capfd.readouterr().err
+    assert (tmp_path / "here.txt").read_bytes() == b"made\n"

@@ -13,7 +13,8 @@ import os
 import stat
 
 import pytest
-from support import SANDBOX, campaign_size, figures_at_end, make_client
+import responses
+from support import EXEC, FILES, SANDBOX, SB, calls, campaign_size, figures_at_end, make_client, ok
 
 import createos_exec as cx
 
@@ -73,6 +74,13 @@ class Unseekable(io.RawIOBase):
             raise self._interrupt()
 
 
+class ReadAlone:
+    """A source with read() and nothing else: it cannot say whether it seeks."""
+
+    def __init__(self, data: bytes):
+        self.read = io.BytesIO(data).read
+
+
 def sources(data: bytes, tmp_path) -> dict:
     local = tmp_path / "local-source"
     local.write_bytes(data)
@@ -84,6 +92,7 @@ def sources(data: bytes, tmp_path) -> dict:
         "memoryview": memoryview(data),
         "seekable file": io.BytesIO(data),
         "file that cannot seek": io.BufferedReader(Unseekable(data)),
+        "object with read() alone": ReadAlone(data),
     }
 
 
@@ -255,6 +264,55 @@ def test_a_file_over_the_services_limit_is_refused_whole(tmp_path, server_readin
                     client.put(SANDBOX, source, str(tmp_path / "big"))
                 assert raised.value.reason == "too_large"
     assert os.listdir(tmp_path) == []
+
+
+# --------------------------------------------------------------------------
+# Canned answers: what the service may say that the local server does not
+
+SUM = hashlib.sha256(b"hello").hexdigest()
+
+
+def exec_answer(**result) -> dict:
+    return ok({"result": result, "exec_ms": 1.0})
+
+
+@pytest.mark.parametrize(
+    "answer, raised, says",
+    [
+        (ok({"exec_ms": 1.0}), cx.ProtocolError, "holds no result"),
+        (exec_answer(stdout="", exit_code="0"), cx.ProtocolError, "holds no exit code"),
+        (exec_answer(stdout="hello", exit_code=0), cx.ProtocolError, "not a size and a SHA-256"),
+        (exec_answer(error="exec: bash not found"), cx.TransferError, "bash and sha256sum"),
+    ],
+)
+def test_an_exec_answer_that_says_nothing_usable_stops_a_get(rsps, answer, raised, says):
+    rsps.add(responses.POST, EXEC, json=answer)
+    with make_client() as client, pytest.raises(raised, match=says):
+        client.get(SB, "/app/x")
+    assert calls(rsps, "GET", FILES) == []
+
+
+def test_a_body_cut_short_without_an_error_is_read_again_then_given_up(rsps):
+    rsps.add(responses.POST, EXEC, json=exec_answer(stdout=f"5 {SUM}\n", exit_code=0))
+    rsps.add(responses.GET, FILES, body=b"hel")
+    with make_client() as client, pytest.raises(cx.TransportError, match="download of '/app/x'"):
+        client.get(SB, "/app/x")
+    assert len(calls(rsps, "GET", FILES)) == 2  # the retry policy's two attempts
+
+
+@pytest.mark.parametrize(
+    "status, says, sent",
+    [
+        (403, "upload of '/app/x': the API key was refused", ["PUT", "POST"]),  # POST: rm -f
+        (404, "no sandbox", ["PUT", "POST", "POST"]),  # mkdir -p, then rm -f
+    ],
+)
+def test_a_refused_upload_names_the_file_and_what_the_status_means(rsps, status, says, sent):
+    rsps.add(responses.PUT, FILES, status=status, json={"status": "fail"})
+    rsps.add(responses.POST, EXEC, status=status, json={"status": "fail"})
+    with make_client() as client, pytest.raises(cx.APIError, match=says):
+        client.put(SB, b"hello", "/app/x")
+    assert [call.request.method for call in rsps.calls] == sent
 
 
 # --------------------------------------------------------------------------
