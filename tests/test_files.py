@@ -10,6 +10,7 @@ import functools
 import hashlib
 import io
 import os
+import shutil
 import stat
 
 import pytest
@@ -217,14 +218,28 @@ def test_a_file_that_cannot_be_read_is_named_with_the_reason(client, tmp_path, n
     assert repr(path) in str(raised.value)
 
 
-def test_without_sha256sum_in_the_sandbox_nothing_is_renamed(client, tmp_path, monkeypatch):
+def test_a_local_destination_in_no_directory_is_named_before_any_request(server, client, tmp_path):
+    missing = str(tmp_path / "nowhere" / "out.bin")
+    with pytest.raises(FileNotFoundError) as raised:
+        client.get(SANDBOX, "/etc/hostname", missing)
+    assert raised.value.filename == missing and server.requests == []
+
+
+@pytest.mark.parametrize("hasher", [None, "sha256sum", "openssl"])
+def test_the_sandbox_hashes_with_what_it_has_and_without_a_hasher_renames_nothing(
+    client, tmp_path, monkeypatch, hasher
+):
     tools = tmp_path / "bin"
     tools.mkdir()
-    for tool in ("bash", "stat", "rm", "mv", "chmod", "mkdir"):
-        os.symlink(os.popen(f"command -v {tool}").read().strip(), tools / tool)
+    for tool in ("bash", "stat", "rm", "mv", "chmod", "mkdir") + ((hasher,) if hasher else ()):
+        os.symlink(shutil.which(tool), tools / tool)
     monkeypatch.setenv("PATH", str(tools))  # the local server's execs inherit it
     path = tmp_path / "kept.txt"
     path.write_bytes(b"old")
+    if hasher is not None:
+        assert client.put(SANDBOX, b"new", str(path)) == info_of(str(path), b"new")
+        assert client.get(SANDBOX, str(path)) == b"new"
+        return
     for call in (
         lambda: client.put(SANDBOX, b"new", str(path)),
         lambda: client.get(SANDBOX, str(path)),
