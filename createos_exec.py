@@ -15,6 +15,8 @@
         for stream, line in build.iter_output(lines=True):   # as it arrives
             print(stream, line, end="")
         again = client.process("sb_123", build.process_id)   # taken up later, by its id
+        client.put("sb_123", "src.tar", "/app/src.tar")      # files, whole or not at all
+        report = client.get("sb_123", "/app/report.html")    # bytes, checked by SHA-256
 
 A command runs as a CreateOS managed process. It is created exactly once; its
 output is read from a replayable NDJSON stream that is resumed from the last
@@ -22,7 +24,9 @@ accepted sequence number whenever the connection breaks; when the stream cannot
 deliver the exit status, it is recovered out of band; and on any failure the
 remote process tree is terminated. start() returns a RemoteProcess at once, the
 counterpart of subprocess.Popen; execute() is start(...).wait(), and
-client.process() is a handle on a process started earlier.
+client.process() is a handle on a process started earlier. put() and get()
+move files in and out: streamed, checked by SHA-256 on both sides, renamed
+into place only once whole.
 `createos-exec --help` (or `python -m createos_exec --help`) is the command line.
 
 Contents, in the order a call runs through them (each section opens with its contract):
