@@ -229,6 +229,8 @@ def test_a_local_destination_in_no_directory_is_named_before_any_request(server,
 def test_the_sandbox_hashes_with_what_it_has_and_without_a_hasher_renames_nothing(
     client, tmp_path, monkeypatch, hasher
 ):
+    if hasher is not None and shutil.which(hasher) is None:
+        pytest.skip(f"no {hasher} on this machine")
     tools = tmp_path / "bin"
     tools.mkdir()
     for tool in ("bash", "stat", "rm", "mv", "chmod", "mkdir") + ((hasher,) if hasher else ()):
