@@ -3080,7 +3080,10 @@ class _Outgoing:
             amount = _READ_SIZE
         if self._size is not None:
             amount = min(amount, self._size - self.sent)
-        piece = bytes(self._read(amount) or b"") if amount else b""
+        try:
+            piece = bytes(self._read(amount) or b"") if amount else b""
+        except OSError as error:  # carried past the HTTP stack, which would take it for its own
+            raise _SourceFailed(error) from None
         self.sent += len(piece)
         self.sha256.update(piece)
         return piece
@@ -3098,6 +3101,10 @@ class _Outgoing:
         """What requests sends: this file-like object, its length known ahead
         (Content-Length), or its pieces (chunked)."""
         return self if self._size is not None else self.pieces()
+
+
+class _SourceFailed(Exception):
+    """Reading put()'s source failed: args[0] is the OSError, raised again as itself."""
 
 
 class _Source:
@@ -3186,6 +3193,8 @@ class _Upload:
             if refused.status == 413:
                 raise TransferError(self.path, "too_large") from None
             raise
+        except _SourceFailed as failed:
+            raise failed.args[0] from None
         return sendings[-1]
 
     def _make_parent(self, deadline: _Deadline) -> None:

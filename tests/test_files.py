@@ -271,6 +271,16 @@ def test_a_destination_that_cannot_be_written_is_left_as_it_was(client, tmp_path
     assert leftovers(str(tmp_path)) == []
 
 
+def test_a_source_that_fails_while_read_raises_its_own_error(client, tmp_path):
+    path = tmp_path / "kept.txt"
+    path.write_bytes(b"old")
+    failing = Unseekable(b"x" * 100_000, after=50_000, interrupt=lambda: OSError(5, "I/O error"))
+    with pytest.raises(OSError, match="I/O error") as raised:
+        client.put(SANDBOX, io.BufferedReader(failing), str(path))
+    assert not isinstance(raised.value, cx.CreateOSError)
+    assert path.read_bytes() == b"old" and leftovers(str(tmp_path)) == []
+
+
 def test_a_file_over_the_services_limit_is_refused_whole(tmp_path, server_reading):
     from local_server import LocalServer
 
