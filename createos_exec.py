@@ -15,6 +15,8 @@
         for stream, line in build.iter_output(lines=True):   # as it arrives
             print(stream, line, end="")
         again = client.process("sb_123", build.process_id)   # taken up later, by its id
+        client.put("sb_123", "src.tar", "/app/src.tar")      # files, whole or not at all
+        report = client.get("sb_123", "/app/report.html")    # bytes, checked by SHA-256
 
 A command runs as a CreateOS managed process. It is created exactly once; its
 output is read from a replayable NDJSON stream that is resumed from the last
@@ -22,7 +24,9 @@ accepted sequence number whenever the connection breaks; when the stream cannot
 deliver the exit status, it is recovered out of band; and on any failure the
 remote process tree is terminated. start() returns a RemoteProcess at once, the
 counterpart of subprocess.Popen; execute() is start(...).wait(), and
-client.process() is a handle on a process started earlier.
+client.process() is a handle on a process started earlier. put() and get()
+move files in and out: streamed, checked by SHA-256 on both sides, renamed
+into place only once whole.
 `createos-exec --help` (or `python -m createos_exec --help`) is the command line.
 
 Contents, in the order a call runs through them (each section opens with its contract):
@@ -58,12 +62,14 @@ import functools
 import hashlib
 import http.client
 import inspect
+import io
 import ipaddress
 import itertools
 import json
 import logging
 import math
 import os
+import posixpath
 import random
 import re
 import secrets
@@ -83,6 +89,7 @@ from typing import (
     TYPE_CHECKING,
     AbstractSet,
     Any,
+    BinaryIO,
     Callable,
     Deque,
     Dict,
@@ -102,6 +109,7 @@ from typing import (
     TypedDict,
     TypeVar,
     Union,
+    overload,
 )
 
 import requests
@@ -128,6 +136,7 @@ __all__ = [
     "ConfigError",
     "CreateOSError",
     "ExecResult",
+    "FileInfo",
     "InputUnconfirmedError",
     "OutputEvictedError",
     "OutputIncompleteError",
@@ -139,11 +148,14 @@ __all__ = [
     "RetryPolicy",
     "StdinClosedError",
     "StreamEndedError",
+    "TransferError",
     "TransportError",
     "WaitTimeout",
     "echo",
     "execute",
+    "get",
     "main",
+    "put",
     "start",
 ]
 
@@ -151,6 +163,10 @@ logger = logging.getLogger("createos_exec")
 
 OutputCallback = Callable[[str, str], Any]
 Command = Union[str, Sequence[str]]
+# put()'s source: a local path, bytes-like, or a binary file object; get()'s
+# destination: None (bytes returned), a local path, or a binary file object.
+FileSource = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview, BinaryIO]
+FileDestination = Union[str, "os.PathLike[str]", BinaryIO]
 
 
 class _Pipe:
@@ -269,6 +285,17 @@ class ProcessInfo:
     pid: Optional[int] = None
 
 
+@dataclasses.dataclass(frozen=True)
+class FileInfo:
+    """A file as it stands after put() or get(): its path (in the sandbox for
+    put(), on this machine for get()), its size in bytes and the hex SHA-256
+    of its content, which both sides computed alike."""
+
+    path: str
+    size: int
+    sha256: str
+
+
 def _returncode(exit_code: Optional[int], signal: Optional[str]) -> Optional[int]:
     if signal is not None:
         number = _signal_number(signal)
@@ -351,12 +378,14 @@ _SANDBOX_OPERATIONS = (
     "process listing",
     "sandbox lookup",
 )
+# The operations of put() and get(), each followed by the file's path.
+_OF_A_FILE = ("upload of ", "download of ", "check of ", "creation of the directory of ")
 _NO_SANDBOX = "no sandbox with this id here (a wrong id, or a sandbox in another region)"
 
 
 def _advice(status: int, operation: str) -> str:
     """The sentence that says what a status means for an operation ("" when none fits)."""
-    if status == 404 and operation in _SANDBOX_OPERATIONS:
+    if status == 404 and (operation in _SANDBOX_OPERATIONS or operation.startswith(_OF_A_FILE)):
         return _NO_SANDBOX
     if 300 <= status < 400:
         return "a redirect was refused (a proxy in between, or a wrong API URL?)"
@@ -456,7 +485,9 @@ class OutputEvictedError(ProtocolError):
         CreateOSError.__init__(
             self,
             "Output this client had not read yet was evicted from the CreateOS journal; "
-            "print less, or write large output to a file in the sandbox and read that.",
+            "print less, or write large output to a file in the sandbox and fetch that: "
+            "get(sandbox_id, '/tmp/out.log', 'out.log'), or on the command line "
+            "--get /tmp/out.log:out.log with '> /tmp/out.log' in the command.",
             process_id=process_id,
         )
         self.problem = "output evicted"
@@ -620,6 +651,49 @@ class ProcessEndedError(CreateOSError):
                 "connection; what it printed is in .result.stderr and .result.stdout."
             )
         super().__init__(message, process_id=process_id, result=result)
+
+
+class TransferError(CreateOSError):
+    """put() or get() could not move the file whole: the destination is left as it was."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = path  # the file in the sandbox
+        self.reason = reason  # a key of _TRANSFER_FAILURES
+        super().__init__(
+            f"The file {_shown(path, 200)} in the sandbox: {_TRANSFER_FAILURES[reason]}."
+        )
+
+
+# Why a transfer failed, by TransferError.reason: what happened, and what was left.
+_TRANSFER_FAILURES = {
+    "mismatch": (
+        "what arrived differs from what was sent (size or SHA-256); the destination "
+        "was left as it was"
+    ),
+    "too_large": (
+        "the service refused it as too large (HTTP 413); the destination was left as it was"
+    ),
+    "over_cap": (
+        "it is larger than max_bytes; pass destination= (a local path or a binary file) "
+        "to stream it to disk"
+    ),
+    "missing": "no such file",
+    "not_a_file": "it is a directory or not a regular file",
+    "unreadable": "the sandbox cannot read it (permissions?)",
+    "no_tools": (
+        "the sandbox cannot check it: bash and sha256sum (coreutils) are needed there; "
+        "nothing was renamed"
+    ),
+    "no_parent": "its parent directory could not be created (a file in the way, or permissions?)",
+    "not_renamed": (
+        "it arrived whole but could not be moved into place (permissions, or a directory "
+        "of that name?); the destination was left as it was"
+    ),
+    "vanished": (
+        "its temporary copy disappeared before it could be checked; the destination "
+        "was left as it was"
+    ),
+}
 
 
 def _how_it_ended(result: ExecResult) -> str:
@@ -939,6 +1013,58 @@ class Client:
             for record in _Sandbox(self._transport, sandbox_id).processes(_ENDLESS)
         ]
 
+    def put(
+        self, sandbox_id: str, source: FileSource, path: str, *, mode: Optional[int] = None
+    ) -> FileInfo:
+        """Write `source` (a local path, bytes-like, or a binary file object) to the
+        absolute `path` in the sandbox, whole or not at all.
+
+        It is streamed under a temporary name beside `path` (parents created),
+        checked there against the size and SHA-256 of what was sent, given
+        `mode` (by default the mode of the file it replaces), and only then
+        renamed into place. It is sent again, whole, only when the source can
+        be read again (a path, bytes, a seekable file).
+        """
+        target = _remote_path(path)
+        if mode is not None and not (_is_int(mode) and 0 <= mode <= 0o7777):
+            raise ConfigError("mode must be None or an integer permission such as 0o755.")
+        with _Source(source) as outgoing:
+            upload = _Upload(_Sandbox(self._transport, sandbox_id), target, outgoing, mode)
+            return upload.run(_ENDLESS)
+
+    @overload
+    def get(
+        self, sandbox_id: str, path: str, destination: None = None, *, max_bytes: int = ...
+    ) -> bytes: ...
+    @overload
+    def get(
+        self, sandbox_id: str, path: str, destination: FileDestination, *, max_bytes: int = ...
+    ) -> FileInfo: ...
+    def get(
+        self,
+        sandbox_id: str,
+        path: str,
+        destination: Optional[FileDestination] = None,
+        *,
+        max_bytes: int = 64 * 1024 * 1024,
+    ) -> Any:
+        """The file at the absolute `path` in the sandbox, checked against the size
+        and SHA-256 the sandbox computed: its bytes (at most `max_bytes`), or,
+        given a `destination` (a local path or a binary file object), written
+        there and described by the FileInfo returned. A local path is written
+        under a temporary name beside it and renamed into place once checked.
+        """
+        source = _remote_path(path)
+        if not _is_int(max_bytes) or max_bytes < 0:
+            raise ConfigError("max_bytes must be an integer >= 0.")
+        sink = _sink_for(destination, max_bytes)
+        try:
+            download = _Download(_Sandbox(self._transport, sandbox_id), source, sink)
+            size, sha256 = download.run(_ENDLESS)
+            return sink.commit(FileInfo(sink.name or source, size, sha256))
+        finally:
+            sink.discard()
+
 
 @_shows(_RunKeywords)
 def execute(
@@ -978,6 +1104,58 @@ def start(
         raise
     process._owner = own
     return process
+
+
+def put(
+    sandbox_id: str,
+    source: FileSource,
+    path: str,
+    *,
+    mode: Optional[int] = None,
+    client: Optional[Client] = None,
+) -> FileInfo:
+    """Client.put() with a client built from the environment (or the one given)."""
+    return _on_a_client(client, lambda on: on.put(sandbox_id, source, path, mode=mode))
+
+
+@overload
+def get(
+    sandbox_id: str,
+    path: str,
+    destination: None = None,
+    *,
+    max_bytes: int = ...,
+    client: Optional[Client] = None,
+) -> bytes: ...
+@overload
+def get(
+    sandbox_id: str,
+    path: str,
+    destination: FileDestination,
+    *,
+    max_bytes: int = ...,
+    client: Optional[Client] = None,
+) -> FileInfo: ...
+def get(
+    sandbox_id: str,
+    path: str,
+    destination: Optional[FileDestination] = None,
+    *,
+    max_bytes: int = 64 * 1024 * 1024,
+    client: Optional[Client] = None,
+) -> Any:
+    """Client.get() with a client built from the environment (or the one given)."""
+    return _on_a_client(
+        client, lambda on: on.get(sandbox_id, path, destination, max_bytes=max_bytes)
+    )
+
+
+def _on_a_client(client: Optional[Client], call: Callable[[Client], _T]) -> _T:
+    """call() on `client`, or on a client built from the environment and closed after."""
+    if client is not None:
+        return call(client)
+    with Client() as own:
+        return call(own)
 
 
 def echo(stream: str, text: str) -> None:
@@ -2123,7 +2301,7 @@ class _Launch:
         if deadline.cancelled():
             raise CancelledError()  # before anything is written
         try:
-            self.sandbox.put_file(path, staged, "staging of env and stdin", deadline)
+            self.sandbox.put_file(path, lambda: staged, "staging of env and stdin", deadline)
         except CancelledError:
             self.unstage(deadline.cancel)  # an attempt before the wait may have written it
             raise
@@ -2275,16 +2453,8 @@ class _Launch:
     def unstage(self, hurry: Optional[threading.Event] = None) -> None:
         """Remove the staged secrets file, best-effort, when the wrapper may not have;
         a cleanup, which `hurry` hurries through the pacing window."""
-        if self.plan.staged_path is None:
-            return
-        try:
-            self.sandbox.exec(
-                ["rm", "-f", "--", self.plan.staged_path],
-                "removal of the staged file",
-                _Deadline(kind="cleanup", hurry=hurry),
-            )
-        except (CreateOSError, _Retryable):
-            logger.warning("Could not remove the staged env/stdin file from the sandbox")
+        if self.plan.staged_path is not None:
+            self.sandbox.remove(self.plan.staged_path, "the staged env/stdin file", hurry)
 
 
 # ==========================================================================
@@ -2368,29 +2538,80 @@ class _Sandbox:
             params = {"limit": _LISTING_PAGE_SIZE, "offset": offset}
         raise ProtocolError("the process listing has more pages than this client reads")
 
-    def put_file(self, path: str, data: bytes, operation: str, deadline: _Deadline) -> None:
-        """Write `data` to the file at `path` (absolute), replacing it."""
-        self.transport.call(
-            "PUT",
+    def put_file(
+        self,
+        path: str,
+        body: Callable[[], Any],
+        operation: str,
+        deadline: _Deadline,
+        *,
+        repeatable: bool = True,
+    ) -> None:
+        """Write what `body()` gives (bytes, or a readable object: one for each
+        attempt) to the file at `path` (absolute), replacing it in place; sent
+        again, whole, under the retry policy when it is `repeatable`."""
+
+        def once(now: _Deadline) -> None:
+            self.transport.send(
+                "PUT",
+                self.path + "/files",
+                operation=operation,
+                deadline=now,
+                params={"path": path},
+                data=body(),
+            ).close()
+
+        self.transport.retried(once, deadline, repeatable=repeatable)
+
+    def get_file(self, path: str, operation: str, deadline: _Deadline) -> requests.Response:
+        """One attempt to read the file at `path` (absolute): its raw bytes, streamed."""
+        transport = self.transport
+        return transport.send(
+            "GET",
             self.path + "/files",
             operation=operation,
             deadline=deadline,
+            read_timeout=transport.stream_idle_timeout,
             params={"path": path},
-            data=data,
-        ).close()
+            stream=True,
+        )
 
-    def exec(self, argv: List[str], operation: str, deadline: _Deadline) -> None:
-        """Run a short chore to its end, one attempt (a command run twice is not
-        run once), its answer awaited for a cleanup_timeout at most."""
+    def exec(
+        self,
+        argv: List[str],
+        operation: str,
+        deadline: _Deadline,
+        *,
+        repeatable: bool = False,
+        read_timeout: Optional[float] = None,
+    ) -> _Ran:
+        """Run a short chore to its end and say how it ended: one attempt (a
+        command run twice is not run once) unless it is `repeatable` (it ends
+        the same however often it runs), each answer awaited for `read_timeout`
+        (by default a cleanup_timeout) at most."""
         transport = self.transport
-        transport.send(
-            "POST",
-            self.path + "/exec",
-            operation=operation,
-            read_timeout=transport.cleanup_timeout,
-            deadline=deadline,
-            json_body={"cmd": argv[0], "args": argv[1:]},
-        ).close()
+
+        def once(now: _Deadline) -> _Ran:
+            answer = transport.send(
+                "POST",
+                self.path + "/exec",
+                operation=operation,
+                read_timeout=read_timeout or transport.cleanup_timeout,
+                deadline=now,
+                json_body={"cmd": argv[0], "args": argv[1:]},
+            )
+            return _ran(_jsend_data(answer, operation), operation)
+
+        return transport.retried(once, deadline, repeatable=repeatable)
+
+    def remove(self, path: str, what: str, hurry: Optional[threading.Event] = None) -> None:
+        """Remove a file this client left at `path`, best-effort, within a
+        cleanup_timeout: `what` names it in the warning when that fails."""
+        cleanup = _Deadline.after(self.transport.cleanup_timeout, "cleanup", time.monotonic())
+        try:
+            self.exec(["rm", "-f", "--", path], f"removal of {what}", cleanup._replace(hurry=hurry))
+        except (CreateOSError, _Retryable):
+            logger.warning("Could not remove %s from the sandbox", what)
 
 
 class _Endpoints:
@@ -2788,6 +3009,359 @@ def _evicted_seq(response: requests.Response) -> Optional[int]:
     finally:
         response.close()
     return oldest if _is_int(oldest) else None
+
+
+# Files. The service writes and reads a file in place, unchecked
+# (docs/protocol.md 7): put() sends it under a temporary name beside its path,
+# and a script in the sandbox (_PUT_FINISH) checks its size and SHA-256, gives
+# it its mode and renames it into place; get() has the sandbox compute them
+# first (_DESCRIBE), then checks the bytes on their way to the destination,
+# which a local path gets under a temporary name beside it. Every temporary
+# file is removed on every failure.
+
+# The slowest a sandbox is taken to hash a file, in bytes per second: a check
+# is awaited for request_timeout plus the time this rate takes over the file.
+_HASH_RATE = 50e6
+# The largest file the service takes ("Max 500 MB per file", docs/protocol.md 7):
+# a check of a file whose size is not known yet is awaited for this one's time.
+_SERVICE_FILE_LIMIT = 500e6
+
+
+class _Ran(NamedTuple):
+    """How an exec ended: its exit code (None: it could not be started), its stdout."""
+
+    exited: Optional[int]
+    stdout: str
+
+
+def _ran(data: Any, operation: str) -> _Ran:
+    """The `result` of an exec's answer (docs/protocol.md 6)."""
+    result = data.get("result") if isinstance(data, dict) else None
+    if not isinstance(result, dict):
+        raise ProtocolError(f"the answer to {operation} holds no result")
+    if result.get("error"):
+        return _Ran(None, "")
+    exited, stdout = result.get("exit_code"), result.get("stdout", "")
+    if not _is_int(exited) or not isinstance(stdout, str):
+        raise ProtocolError(f"the answer to {operation} holds no exit code")
+    return _Ran(exited, stdout)
+
+
+def _hashing_time(transport: _Transport, size: float) -> float:
+    """How long the answer to a check of a file of `size` bytes is awaited."""
+    return transport.request_timeout + size / _HASH_RATE
+
+
+def _temp_name(name: str) -> str:
+    """A hidden name beside the file `name`, for its copy until it is checked."""
+    return f".{name[:200]}.{secrets.token_hex(8)}.part"
+
+
+def _position(file: Any) -> Optional[int]:
+    """Where a file stands, when it can seek back there (None when it cannot)."""
+    try:
+        return int(file.tell()) if file.seekable() else None
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+class _Outgoing:
+    """One sending of put()'s source, as a request body: what it reads is hashed
+    and counted on its way, never past a known size."""
+
+    def __init__(self, read: Callable[[int], Any], size: Optional[int]) -> None:
+        self._read = read
+        self._size = size
+        self.sent = 0
+        self.sha256 = hashlib.sha256()
+
+    def read(self, amount: Optional[int] = -1) -> bytes:
+        if amount is None or amount < 0:
+            amount = _READ_SIZE
+        if self._size is not None:
+            amount = min(amount, self._size - self.sent)
+        try:
+            piece = bytes(self._read(amount) or b"") if amount else b""
+        except OSError as error:  # carried past the HTTP stack, which would take it for its own
+            raise _SourceFailed(error) from None
+        self.sent += len(piece)
+        self.sha256.update(piece)
+        return piece
+
+    def __len__(self) -> int:
+        return self._size or 0
+
+    def pieces(self) -> Iterator[bytes]:
+        piece = self.read()
+        while piece:
+            yield piece
+            piece = self.read()
+
+    def body(self) -> Any:
+        """What requests sends: this file-like object, its length known ahead
+        (Content-Length), or its pieces (chunked)."""
+        return self if self._size is not None else self.pieces()
+
+
+class _SourceFailed(Exception):
+    """Reading put()'s source failed: args[0] is the OSError, raised again as itself."""
+
+
+class _Source:
+    """put()'s source, a context manager: each sending() reads it from its
+    start, which can be done again when it is `rereadable` (a path, bytes, a
+    file that can seek)."""
+
+    def __init__(self, source: Any) -> None:
+        self._opened: Optional[BinaryIO] = None
+        if isinstance(source, (bytes, bytearray, memoryview)):
+            source = io.BytesIO(source)
+        elif isinstance(source, (str, os.PathLike)):
+            source = self._opened = open(source, "rb")  # closed on __exit__
+        elif not callable(getattr(source, "read", None)) or isinstance(source, io.TextIOBase):
+            raise ConfigError(
+                "put()'s source must be a local path, bytes, or a file opened in binary "
+                f"mode ('rb'), not {type(source).__name__}."
+            )
+        self._file = source
+        self._start = _position(source)
+        self.size = None if self._start is None else source.seek(0, io.SEEK_END) - self._start
+        self.rereadable = self._start is not None
+
+    def sending(self) -> _Outgoing:
+        if self._start is not None:
+            self._file.seek(self._start)
+        return _Outgoing(self._file.read, self.size)
+
+    def __enter__(self) -> "_Source":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if self._opened is not None:
+            self._opened.close()
+
+
+class _Upload:
+    """put(): the source sent under a temporary name beside `path`, checked
+    there by the sandbox, given its mode and renamed into place; on any
+    failure the temporary file is removed and the destination is as it was."""
+
+    def __init__(self, sandbox: _Sandbox, path: str, source: _Source, mode: Optional[int]) -> None:
+        self.sandbox = sandbox
+        self.path = path
+        self.source = source
+        self.mode = mode
+        head, name = posixpath.split(path)
+        self.temp = posixpath.join(head, _temp_name(name))
+
+    def run(self, deadline: _Deadline) -> FileInfo:
+        try:
+            sent = self._send(deadline)
+            sha256 = sent.sha256.hexdigest()
+            self._finish(sent.sent, sha256, deadline)
+        except BaseException:
+            self.sandbox.remove(self.temp, f"the temporary copy of {_shown(self.path, 200)}")
+            raise
+        return FileInfo(self.path, sent.sent, sha256)
+
+    def _send(self, deadline: _Deadline) -> _Outgoing:
+        """The source sent: at once where a refusal for want of a parent
+        directory (404) can be followed by a second sending, else once the
+        parent directory was made."""
+        if self.source.rereadable:
+            try:
+                return self._put(deadline)
+            except APIError as refused:
+                if refused.status != 404:
+                    raise
+        self._make_parent(deadline)
+        return self._put(deadline)
+
+    def _put(self, deadline: _Deadline) -> _Outgoing:
+        sendings: List[_Outgoing] = []
+
+        def body() -> Any:
+            sendings.append(self.source.sending())
+            return sendings[-1].body()
+
+        operation = f"upload of {_shown(self.path, 200)}"
+        try:
+            self.sandbox.put_file(
+                self.temp, body, operation, deadline, repeatable=self.source.rereadable
+            )
+        except APIError as refused:
+            if refused.status == 413:
+                raise TransferError(self.path, "too_large") from None
+            raise
+        except _SourceFailed as failed:
+            raise failed.args[0] from None
+        return sendings[-1]
+
+    def _make_parent(self, deadline: _Deadline) -> None:
+        argv = ["mkdir", "-p", "--", posixpath.dirname(self.path)]
+        operation = f"creation of the directory of {_shown(self.path, 200)}"
+        if self.sandbox.exec(argv, operation, deadline, repeatable=True).exited != 0:
+            raise TransferError(self.path, "no_parent")
+
+    def _finish(self, size: int, sha256: str, deadline: _Deadline) -> None:
+        mode = "" if self.mode is None else format(self.mode, "o")
+        argv = ["bash", "-c", _PUT_FINISH, "createos_exec-put", self.temp, self.path]
+        ran = self.sandbox.exec(
+            [*argv, str(size), sha256, mode],
+            f"check of {_shown(self.path, 200)}",
+            deadline,
+            repeatable=True,
+            read_timeout=_hashing_time(self.sandbox.transport, size),
+        )
+        if ran.exited != 0:
+            raise TransferError(self.path, _PUT_FAILURES.get(ran.exited or 0, "no_tools"))
+
+
+class _Download:
+    """get(): the size and SHA-256 the sandbox computes, then the bytes, checked
+    against them on their way into `sink`; read again, whole, after a broken
+    connection when the sink can start over."""
+
+    def __init__(self, sandbox: _Sandbox, path: str, sink: _Sink) -> None:
+        self.sandbox = sandbox
+        self.path = path
+        self.sink = sink
+        self.operation = f"download of {_shown(path, 200)}"
+
+    def run(self, deadline: _Deadline) -> Tuple[int, str]:
+        size, sha256 = self._describe(deadline)
+        self.sink.expect(size, self.path)
+        self.sandbox.transport.retried(
+            lambda now: self._receive(size, sha256, now),
+            deadline,
+            repeatable=self.sink.restartable,
+        )
+        return size, sha256
+
+    def _describe(self, deadline: _Deadline) -> Tuple[int, str]:
+        operation = f"check of {_shown(self.path, 200)}"
+        ran = self.sandbox.exec(
+            ["bash", "-c", _DESCRIBE, "createos_exec-get", self.path],
+            operation,
+            deadline,
+            repeatable=True,
+            read_timeout=_hashing_time(self.sandbox.transport, _SERVICE_FILE_LIMIT),
+        )
+        if ran.exited != 0:
+            raise TransferError(self.path, _DESCRIBE_FAILURES.get(ran.exited or 0, "no_tools"))
+        described = re.fullmatch(r"([0-9]+) ([0-9a-f]{64})\n?", ran.stdout)
+        if described is None:
+            raise ProtocolError(f"the answer to the {operation} is not a size and a SHA-256")
+        return int(described[1]), described[2]
+
+    def _receive(self, size: int, sha256: str, deadline: _Deadline) -> None:
+        self.sink.restart()
+        digest, got = hashlib.sha256(), 0
+        base = self.sandbox.transport.base
+        response = self.sandbox.get_file(self.path, self.operation, deadline)
+        with response, _transport_errors(self.operation, base):
+            for piece in response.iter_content(_READ_SIZE):
+                got += len(piece)
+                if got > size:
+                    break
+                digest.update(piece)
+                self.sink.write(piece)
+        if got < size:  # cut short, yet without an error of the connection's
+            raise _Retryable(self.operation, address=_address(base), reason="reset")
+        if got > size or digest.hexdigest() != sha256:
+            raise TransferError(self.path, "mismatch")
+
+
+class _Sink:
+    """Where get() writes: here, memory, at most `most` bytes."""
+
+    name: Optional[str] = None  # the local path written, for its FileInfo
+    restartable = True
+
+    def __init__(self, most: int) -> None:
+        self._most = most
+        self._data = bytearray()
+
+    def expect(self, size: int, path: str) -> None:
+        if size > self._most:
+            raise TransferError(path, "over_cap")
+
+    def restart(self) -> None:
+        del self._data[:]
+
+    def write(self, piece: bytes) -> None:
+        self._data += piece
+
+    def commit(self, info: FileInfo) -> Any:
+        return bytes(self._data)
+
+    def discard(self) -> None:
+        """Whatever a failure leaves here is removed."""
+
+
+class _FileSink(_Sink):
+    """A caller's binary file, written as the bytes arrive (started over where it can seek)."""
+
+    def __init__(self, file: Any) -> None:
+        self._file = file
+        self._start = _position(file)
+        self.restartable = self._start is not None
+
+    def expect(self, size: int, path: str) -> None:
+        """A file takes any size."""
+
+    def restart(self) -> None:
+        if self._start is not None:
+            self._file.seek(self._start)
+            self._file.truncate()
+
+    def write(self, piece: bytes) -> None:
+        self._file.write(piece)
+
+    def commit(self, info: FileInfo) -> Any:
+        self._file.flush()
+        return info
+
+
+class _PathSink(_FileSink):
+    """A local path, written under a temporary name beside it, renamed into place once checked."""
+
+    def __init__(self, path: Any) -> None:
+        self.name = os.fspath(path)
+        head, name = os.path.split(os.path.abspath(self.name))
+        self._temp: Optional[str] = os.path.join(head, _temp_name(name))
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+        try:
+            descriptor = os.open(self._temp, flags, 0o666)
+        except OSError as error:  # named by the destination, not by the temporary name
+            raise type(error)(error.errno, error.strerror, self.name) from None
+        super().__init__(os.fdopen(descriptor, "wb"))
+
+    def commit(self, info: FileInfo) -> Any:
+        self._file.close()
+        os.replace(str(self._temp), str(self.name))
+        self._temp = None
+        return info
+
+    def discard(self) -> None:
+        self._file.close()
+        if self._temp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._temp)
+
+
+def _sink_for(destination: Any, most: int) -> _Sink:
+    """get()'s destination as a sink: None (bytes), a local path or a binary file."""
+    if destination is None:
+        return _Sink(most)
+    if isinstance(destination, (str, os.PathLike)):
+        return _PathSink(destination)
+    if callable(getattr(destination, "write", None)) and not isinstance(destination, io.TextIOBase):
+        return _FileSink(destination)
+    raise ConfigError(
+        "get()'s destination must be None (the bytes are returned), a local path, or a "
+        f"file opened in binary mode ('wb'), not {type(destination).__name__}."
+    )
 
 
 # ==========================================================================
@@ -3518,6 +4092,23 @@ class _Transport:
                 raise answer.final(process_id) from answer.__cause__
             deadline = deadline.pause(delay)  # the run names the process on a cancel
 
+    def retried(
+        self, once: Callable[[_Deadline], _T], deadline: _Deadline, *, repeatable: bool = True
+    ) -> _T:
+        """once(deadline): a step of several requests (or one that builds its body
+        afresh), taken again under the retry policy while it fails and time
+        remains, when it is `repeatable`; else its first failure is final."""
+        budget = _Budget(self.retry)
+        while True:
+            try:
+                return once(deadline)
+            except _Retryable as failure:
+                failed = failure  # raised below: the public error must not have it as context
+            delay = budget.delay_within(failed.retry_after, deadline) if repeatable else None
+            if delay is None:
+                raise failed.final(None) from failed.__cause__
+            deadline = deadline.pause(delay)
+
     def attempt(self, method: str, path: str, **send: Any) -> Union[requests.Response, _Retryable]:
         """The response, or the failure worth another attempt (returned, not raised:
         the public error raised for it must not have it as its context)."""
@@ -3537,7 +4128,7 @@ class _Transport:
         process_id: Optional[str] = None,
         params: Optional[Dict[str, Any]] = None,
         json_body: Any = None,
-        data: Optional[bytes] = None,
+        data: Any = None,
         data_type: str = "application/octet-stream",
         stream: bool = False,
         ok_statuses: Tuple[int, ...] = (),
@@ -3547,8 +4138,8 @@ class _Transport:
         Connecting takes at most request_timeout, reading `read_timeout` (by default
         request_timeout too), both cut to what remains of `deadline`, which with its cancel
         ends a wait in the pacing window too (one that the deadline ends is a request
-        never sent). `data` is a raw body of `data_type` (a JSON body built by hand
-        costs less)."""
+        never sent). `data` is a raw body of `data_type`: bytes (a JSON body built by
+        hand costs less), a file-like object of known length, or an iterator of pieces."""
         logger.debug("%s %s", method, path)
         headers = {}
         if data is not None:
@@ -4291,6 +4882,22 @@ def _checked_id(kind: str, value: Any) -> str:
     return value
 
 
+def _remote_path(path: Any) -> str:
+    """A file's path in the sandbox: absolute, and naming a file."""
+    text = os.fspath(path) if isinstance(path, os.PathLike) else path
+    if (
+        not isinstance(text, str)
+        or not text.startswith("/")
+        or "\0" in text
+        or posixpath.basename(text) in ("", ".", "..")
+    ):
+        raise ConfigError(
+            "The path in the sandbox must be absolute and name a file, as in "
+            f"/app/data.csv (not {_shown(text, 200)})."
+        )
+    return text
+
+
 def _rate_limit(value: Any) -> Optional[Tuple[int, float]]:
     if value is None:
         return None
@@ -4752,6 +5359,74 @@ _PROBE_SCRIPT = _PROCESSES + "\n" + _PROBE
 # The probe's exits: the port opened, the target's pid is gone, its own limit.
 _PROBE_OPEN, _PROBE_GONE, _PROBE_LIMIT = _Exit(0, None), _Exit(3, None), _Exit(4, None)
 
+# The checks of put() and get() (see _Upload and _Download): bash 4 or newer
+# and, of coreutils, stat, sha256sum (or openssl), chmod, mv and rm. The size and the
+# SHA-256 come from one stat and one read of the file. The finish of a put()
+# may run twice (its answer lost): once the copy is renamed, the destination
+# itself is checked, so that a second run ends as the first did.
+_FILE_SUMS = r"""_cx_can_hash() {
+    type -P sha256sum >/dev/null || type -P openssl >/dev/null
+}
+_cx_measure() {
+    # The size and SHA-256 of file $1, in _cx_size and _cx_sum: openssl's
+    # where there is one (it uses the CPU's SHA instructions, several times
+    # faster), else sha256sum's.
+    local line
+    _cx_size=$(stat -c %s -- "$1") || return 1
+    if type -P openssl >/dev/null; then
+        line=$(openssl dgst -sha256 -r <"$1") || return 1
+    else
+        line=$(sha256sum -b <"$1") || return 1
+    fi
+    _cx_sum=${line%% *}
+}
+_cx_matches() {
+    # Whether file $1 has the size $2 and the SHA-256 $3.
+    _cx_measure "$1" 2>/dev/null && [[ $_cx_size == "$2" && $_cx_sum == "$3" ]]
+}"""
+_FINISH = r"""_cx_drop() {
+    # Remove the copy $1 and exit $2.
+    rm -f -- "$1"
+    exit "$2"
+}
+_cx_finish() {
+    # $1: the temporary copy, $2: the destination, $3 and $4: the size and
+    # SHA-256 sent, $5: the mode in octal, or "" to keep the destination's.
+    # Exits 0 (in place), 3 (the copy is gone), 4 (no sha256sum), 5 (what
+    # landed differs) or 6 (it could not be moved into place); the copy is
+    # removed on each.
+    _cx_can_hash || _cx_drop "$1" 4
+    if [[ ! -e $1 ]]; then
+        _cx_matches "$2" "$3" "$4" && exit 0
+        exit 3
+    fi
+    _cx_matches "$1" "$3" "$4" || _cx_drop "$1" 5
+    if [[ -n $5 ]]; then
+        chmod -- "$5" "$1" 2>/dev/null || _cx_drop "$1" 6
+    elif [[ -f $2 ]]; then
+        chmod --reference="$2" -- "$1" 2>/dev/null || _cx_drop "$1" 6
+    fi
+    mv -f -T -- "$1" "$2" 2>/dev/null || _cx_drop "$1" 6
+}
+_cx_finish "$@"
+"""
+_DESCRIBE_FILE = r"""_cx_describe() {
+    # $1: a file. Prints its size and SHA-256; exits 3 (no such file), 4 (no
+    # sha256sum), 5 (not a regular file) or 6 (unreadable).
+    [[ -e $1 ]] || exit 3
+    [[ -f $1 ]] || exit 5
+    _cx_can_hash || exit 4
+    _cx_measure "$1" 2>/dev/null || exit 6
+    printf '%s %s\n' "$_cx_size" "$_cx_sum"
+}
+_cx_describe "$@"
+"""
+_PUT_FINISH = _FILE_SUMS + "\n" + _FINISH
+_DESCRIBE = _FILE_SUMS + "\n" + _DESCRIBE_FILE
+# What their exits say (TransferError.reason); any other: they could not run.
+_PUT_FAILURES = {3: "vanished", 4: "no_tools", 5: "mismatch", 6: "not_renamed"}
+_DESCRIBE_FAILURES = {3: "missing", 4: "no_tools", 5: "not_a_file", 6: "unreadable"}
+
 
 # ==========================================================================
 # 13. The command line
@@ -4769,6 +5444,12 @@ examples:
   {prog} --shell sb_123 -- 'cd /app && ls | wc -l'
   echo hello | {prog} --stdin - sb_123 -- cat
   {prog} --json sb_123 -- ls /    # one JSON object, for scripts
+  {prog} --put src.tar:/app/src.tar --get /app/report.html:report.html \
+      sb_123 -- bash -c 'cd /app && tar xf src.tar && make report'
+  {prog} --get /var/log/app.log:app.log sb_123     # transfers only
+
+Files: each --put is written before the command, each --get fetched after it
+ends, whatever its exit status; a file arrives whole or not at all.
 
 Each ARG reaches the program as it is; with --shell, COMMAND is one bash script.
 
@@ -4810,6 +5491,23 @@ def _parser() -> argparse.ArgumentParser:
         "--stdin", metavar="FILE|-", help="feed FILE to the command's stdin (-: this tool's stdin)"
     )
     parser.add_argument(
+        "--put",
+        action="append",
+        default=[],
+        type=_transfer_option("--put", remote_first=False),
+        metavar="LOCAL:REMOTE",
+        help="copy a local file to an absolute path in the sandbox before the command (repeatable)",
+    )
+    parser.add_argument(
+        "--get",
+        action="append",
+        default=[],
+        type=_transfer_option("--get", remote_first=True),
+        metavar="REMOTE:LOCAL",
+        help="copy a file of the sandbox here once the command has ended, whatever its "
+        "exit status (repeatable)",
+    )
+    parser.add_argument(
         "--json",
         action="store_true",
         help="no live output; print the result (or the error) as one JSON object",
@@ -4817,6 +5515,30 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("sandbox_id", metavar="SANDBOX_ID")
     parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARG...]")
     return parser
+
+
+class _Transfer(NamedTuple):
+    """One --put or --get: the option as typed, and its two paths."""
+
+    typed: str
+    local: str
+    remote: str
+
+
+def _transfer_option(option: str, remote_first: bool) -> Callable[[str], _Transfer]:
+    """The type of --put (LOCAL:REMOTE) or --get (REMOTE:LOCAL): split at the first colon."""
+
+    def transfer(text: str) -> _Transfer:
+        first, colon, second = text.partition(":")
+        remote, local = (first, second) if remote_first else (second, first)
+        if not colon or not local or not remote.startswith("/"):
+            shape = "REMOTE:LOCAL" if remote_first else "LOCAL:REMOTE"
+            raise argparse.ArgumentTypeError(
+                f"expected {shape}, REMOTE an absolute path in the sandbox, not {_shown(text)}"
+            )
+        return _Transfer(f"{option} {text}", local, remote)
+
+    return transfer
 
 
 def _timeout_option(text: str) -> float:
@@ -4834,8 +5556,11 @@ def _timeout_option(text: str) -> float:
 
 def _command_and_env(
     parser: argparse.ArgumentParser, options: argparse.Namespace
-) -> Tuple[Command, Optional[Dict[str, str]]]:
+) -> Tuple[Optional[Command], Optional[Dict[str, str]]]:
+    """The command (None: transfers only) and its env."""
     command: List[str] = options.command
+    if not command and (options.put or options.get):
+        return None, None
     if not command:
         parser.error("no command given: put it after --, as in: SANDBOX_ID -- uname -a")
     if options.shell and len(command) != 1:
@@ -4875,6 +5600,7 @@ _NO_KEY_HERE = "no API key: set CREATEOS_API_KEY (or CREATEOS_SANDBOX_API_KEY) i
 
 
 def _run_command(
+    client: Client,
     options: argparse.Namespace,
     command: Command,
     env: Optional[Dict[str, str]],
@@ -4882,21 +5608,66 @@ def _run_command(
     started: List[RemoteProcess],
 ) -> ExecResult:
     """Run the command; `started` gets its process once created (Ctrl-C names it)."""
+    process = client.start(
+        options.sandbox_id,
+        command,
+        shell=options.shell,
+        cwd=options.cwd,
+        env=env,
+        stdin=stdin,
+        timeout=options.timeout,
+        on_output=None if options.json else _print_live,
+        # Live output passes through byte-exact; JSON needs valid text.
+        errors="replace" if options.json else "surrogateescape",
+    )
+    started.append(process)
+    return process.wait()
+
+
+def _run_with_files(
+    options: argparse.Namespace,
+    command: Optional[Command],
+    env: Optional[Dict[str, str]],
+    stdin: Optional[bytes],
+    started: List[RemoteProcess],
+) -> Optional[ExecResult]:
+    """The --put files, the command (if any), then the --get files once a command
+    that was started has ended, however it ended: the command's error is raised
+    after them."""
     with Client(api_url=options.api_url) as client:
-        process = client.start(
-            options.sandbox_id,
-            command,
-            shell=options.shell,
-            cwd=options.cwd,
-            env=env,
-            stdin=stdin,
-            timeout=options.timeout,
-            on_output=None if options.json else _print_live,
-            # Live output passes through byte-exact; JSON needs valid text.
-            errors="replace" if options.json else "surrogateescape",
-        )
-        started.append(process)
-        return process.wait()
+        for transfer in options.put:
+            _transfer(transfer, client.put, options.sandbox_id, transfer.local, transfer.remote)
+        result, failure = None, None
+        try:
+            if command is not None:
+                result = _run_command(client, options, command, env, stdin, started)
+        except CreateOSError as error:
+            if not started:
+                raise
+            failure = error
+        for transfer in options.get:
+            _transfer(transfer, client.get, options.sandbox_id, transfer.remote, transfer.local)
+        if failure is not None:
+            raise failure
+        return result
+
+
+class _TransferFailed(Exception):
+    """A --put or --get that failed: `message` names it and says why."""
+
+    def __init__(self, message: str, cause: BaseException) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
+def _transfer(transfer: _Transfer, move: Callable[..., Any], *args: str) -> None:
+    try:
+        move(*args)
+    except CreateOSError as error:
+        raise _TransferFailed(f"{transfer.typed} failed: {error}", error) from None
+    except OSError as error:
+        why = error.strerror or "it could not be opened"
+        raise _TransferFailed(f"{transfer.typed} failed: {transfer.local}: {why}.", error) from None
 
 
 @contextlib.contextmanager
@@ -4997,7 +5768,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     interrupts: List[int] = []
     try:
         with _counted_interrupts(interrupts):
-            result = _run_command(options, command, env, stdin, started)
+            result = _run_with_files(options, command, env, stdin, started)
     except KeyboardInterrupt:
         report.line("interrupted" if len(interrupts) < 2 else _cleanup_cut_short(started))
         return 130
@@ -5008,6 +5779,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 128 + 13  # SIGPIPE, as a shell reports it
     except CreateOSError as exc:
         return report.failure(type(exc).__name__, str(exc), exc)
+    except _TransferFailed as failed:
+        return report.failure(type(failed.cause).__name__, str(failed), failed.cause)
+    if result is None:
+        return 0
     if result.timed_out and options.timeout is not None:
         report.line(
             f"the command timed out after {options.timeout:g} s; "

@@ -76,6 +76,7 @@ CORE_TESTS = (
     "tests/test_process.py",
     "tests/test_background.py",
     "tests/test_stdin.py",
+    "tests/test_files.py",
     "tests/test_vendoring.py",
 )
 
@@ -91,6 +92,7 @@ CAMPAIGNS = (
     "tests/test_deadline.py",
     "tests/test_stdin.py",
     "tests/test_load.py",
+    "tests/test_files.py",
 )
 
 nox.options.sessions = ["lint", "tests", "compat"]

@@ -71,6 +71,12 @@ stdin       Against tests/local_server.py: 16 MiB written to a process's
             raw input, medians, and write()'s throughput against the SDK's.
             Both unpaced (rate_limit=None), as the SDK is; the server runs
             in a process of its own.
+files       Against tests/local_server.py in a process of its own
+            (transfers.py): put() and get() of a 64 MiB file against a bare
+            requests PUT and GET of the same file, interleaved, with their
+            verification and without the sandbox's check; the peak RSS of a
+            child process during a put() and a get() of 1 GiB; the requests
+            of a 1 KiB put() and get().
 """
 
 from __future__ import annotations
@@ -98,6 +104,7 @@ sys.path.insert(0, HERE)
 
 import readers  # noqa: E402
 import requests  # noqa: E402
+import transfers  # noqa: E402
 import urllib3  # noqa: E402
 from local_server import DEFAULT_API_KEY as LOCAL_KEY  # noqa: E402
 from local_server import DEFAULT_SANDBOX as LOCAL_SANDBOX  # noqa: E402
@@ -109,7 +116,7 @@ import createos_exec  # noqa: E402
 KiB = 1024
 MiB = 1024 * KiB
 GiB = 1024 * MiB
-SECTIONS = ("throughput", "memory", "tail", "latency", "pacing", "stdin")
+SECTIONS = ("throughput", "memory", "tail", "latency", "pacing", "stdin", "files")
 
 SHAPE_64K = "frames-64KiB"
 SHAPE_100B = "frames-100B-chunk-each"
@@ -1119,11 +1126,11 @@ def run_stdin(report: Report, repeat: int, scale: float) -> None:
 
 
 @contextlib.contextmanager
-def local_server_process() -> Iterator[str]:
+def local_server_process(*options: str) -> Iterator[str]:
     """tests/local_server.py in a process of its own (its work does not compete with the
-    writers' for one interpreter); its base URL."""
+    writers' for one interpreter), started with `options`; its base URL."""
     server = subprocess.Popen(
-        [sys.executable, os.path.join(ROOT, "tests", "local_server.py"), "--port", "0"],
+        [sys.executable, os.path.join(ROOT, "tests", "local_server.py"), "--port", "0", *options],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -1185,6 +1192,84 @@ def report_stdin(
 
 
 # --------------------------------------------------------------------------
+# Files
+
+
+def run_files(report: Report, repeat: int, scale: float) -> None:
+    size = scaled(64 * MiB, scale, 64 * KiB)
+    big = scaled(1 * GiB, scale, 64 * KiB)
+    report.heading(
+        "Files: put() and get() of %s against a bare requests PUT and GET, median and "
+        "min-max of %d interleaved repetitions" % (size_label(size), repeat)
+    )
+    with local_server_process("--file-size-limit", str(4 * GiB)) as url:
+        progress("files: %d repetitions of %s each way" % (repeat, size_label(size)))
+        seconds, exact = transfers.time_transfers(url, size, repeat)
+        if not exact:
+            report.failure("files: a copy differs from the file sent")
+        report_transfers(report, size, seconds)
+        sent = transfers.requests_per_small_file(url)
+        for route, requests_sent in sent.items():
+            report.line(
+                "  requests of a 1 KiB %s: %d (%s)"
+                % (route, len(requests_sent), ", ".join(requests_sent))
+            )
+            report.target(Target("requests of a 1 KiB %s" % route, len(requests_sent), 2, True, ""))
+        for direction in ("put", "get"):
+            progress("files: memory of a %s() of %s" % (direction, size_label(big)))
+            measured = transfers.probe_memory(url, direction, big)
+            if measured is None or not measured["verified"]:
+                report.failure("files: memory probe of %s(): %r" % (direction, measured))
+                continue
+            idle, peak = measured["idle_kib"] / 1024, measured["peak_kib"] / 1024
+            report.line(
+                "  %s() of %s: idle %.1f MiB, peak %.1f MiB, peak - idle %.1f MiB (%.1f s, %s)"
+                % (
+                    direction,
+                    size_label(big),
+                    idle,
+                    peak,
+                    peak - idle,
+                    measured["seconds"],
+                    measured["method"],
+                )
+            )
+            report.target(
+                Target(
+                    "peak - idle, %s() of %s" % (direction, size_label(big)),
+                    peak - idle,
+                    64.0,
+                    True,
+                    "MiB",
+                )
+            )
+
+
+def report_transfers(report: Report, size: int, seconds: Dict[str, List[float]]) -> None:
+    report.line("  %-44s %11s   %s" % ("route", "MB/s", "min-max"))
+    rates = {}
+    for name in transfers.ROUTES:
+        values = [size / 1e6 / taken for taken in seconds[name]]
+        rates[name] = statistics.median(values)
+        report.line("  %-44s %s" % (name, median_min_max(values)))
+    for ours, bare in (("put()", "bare PUT"), ("get()", "bare GET")):
+        unchecked = [size / 1e6 / (t - c) for t, c in zip(seconds[ours], seconds[ours + " check"])]
+        report.line(
+            "  %s without the sandbox's check (its exec: median %.3f s): %.1f MB/s, %.2fx of the %s"
+            % (
+                ours,
+                statistics.median(seconds[ours + " check"]),
+                statistics.median(unchecked),
+                statistics.median(unchecked) / rates[bare],
+                bare,
+            )
+        )
+        report.target(
+            Target("%s MB/s / %s MB/s, verified" % (ours, bare), rates[ours] / rates[bare], 0.9)
+        )
+
+
+# --------------------------------------------------------------------------
 # Main
 
 
@@ -1234,6 +1319,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         run_pacing(report, options.scale)
     if "stdin" in options.sections:
         run_stdin(report, options.repeat, options.scale)
+    if "files" in options.sections:
+        run_files(report, options.repeat, options.scale)
     report.heading("Summary")
     met = sum(1 for target in report.targets if target.verdict == "met")
     missed = [target for target in report.targets if target.verdict == "MISSED"]

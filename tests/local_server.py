@@ -10,7 +10,8 @@ NDJSON output streams over chunked HTTP/1.1 with heartbeats, a bounded
 replay journal with whole-frame eviction, ``wait`` long-polls and
 termination of the whole tree with a grace period. Tests can also inject faults
 (error statuses, dropped / ended / stalled / corrupted streams, eviction, a
-lost create response, a lost answer to a delivered input), and turn on strict
+lost create response, a lost answer to a delivered input or to an exec, a file
+upload or download cut or corrupted), and turn on strict
 POST framing and a per-address rate limit
 (``LocalServer(strict=True, rate_limit=(N, seconds))``).
 
@@ -67,7 +68,7 @@ import threading
 import time
 import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import IO, Any, Callable, NamedTuple
+from typing import IO, Any, Callable, Iterator, NamedTuple
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 __all__ = ["LocalServer", "RequestRecord", "main"]
@@ -77,7 +78,8 @@ DEFAULT_SANDBOX = "sb_local"
 
 FRAME_LIMIT = 64 * 1024  # raw bytes per data frame (one os.read)
 JSON_BODY_LIMIT = 256 * 1024  # the API's request limit (docs/protocol.md §5.5, §8)
-FILE_BODY_LIMIT = 64 * 1024 * 1024
+FILE_SIZE_LIMIT = 500 * 1000 * 1000  # the vendor's "Max 500 MB per file" (docs/protocol.md §7)
+FILE_PIECE = 256 * 1024  # bytes of a file read or written at once
 POLL_INTERVAL = 0.02  # seconds between /proc scans while waiting for a tree, at most
 # The first look again comes sooner: a tree usually empties within a few ms of
 # its leader's end (the sandbox's watchdog leaves on its pipe's end), and a
@@ -218,7 +220,7 @@ class Reading:
     after_default: int = 0  # §5.4
     delete_default_grace_ms: int = 1000  # §11.12
     delete_forgets: bool = False  # §11.12
-    upload_creates_parents: bool = True  # §11.16
+    upload_creates_parents: bool = False  # §11.16
     listing: str = "unpaginated"  # §5.3
 
     def __post_init__(self) -> None:
@@ -271,7 +273,7 @@ ALTERNATIVE = Reading(
     signal_target="leader",
     wait_cap=1.0,
     delete_forgets=True,
-    upload_creates_parents=False,
+    upload_creates_parents=True,
     listing="paginated",
 )
 READINGS = (CONSERVATIVE, ALTERNATIVE)
@@ -939,6 +941,7 @@ class Fault:
     retry_after: str | None = None
     body: object = None
     after_frames: int = 0
+    after_bytes: int = 0
     mid_frame: bool = False
     seconds: float = 0.0
     line: bytes = b""
@@ -947,8 +950,8 @@ class Fault:
     def __post_init__(self) -> None:
         if self.remaining < 1:
             raise ValueError("count must be at least 1")
-        if self.after_frames < 0:
-            raise ValueError("after_frames must be >= 0")
+        if self.after_frames < 0 or self.after_bytes < 0:
+            raise ValueError("after_frames and after_bytes must be >= 0")
 
 
 # --------------------------------------------------------------------------
@@ -1033,15 +1036,8 @@ class _Handler(BaseHTTPRequestHandler):
         parts: list[bytes] = []
         total = 0
         while True:
-            size_line = self.rfile.readline(1024).split(b";")[0].strip()
-            try:
-                size = int(size_line, 16)
-            except ValueError:
-                self.close_connection = True
-                raise ApiError(400, {"body": "invalid chunked encoding"}) from None
+            size = self._chunk_size()
             if size == 0:
-                while self.rfile.readline(1024).strip():  # trailers
-                    pass
                 return b"".join(parts)
             total += size
             if total > limit:
@@ -1050,12 +1046,46 @@ class _Handler(BaseHTTPRequestHandler):
             parts.append(self.rfile.read(size))
             self.rfile.readline(1024)
 
+    def body_pieces(self) -> Iterator[bytes]:
+        """The body, piece by piece as it arrives (chunked or of a Content-Length)."""
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            while True:
+                size = self._chunk_size()
+                if size == 0:
+                    return
+                yield from self._raw_pieces(size)
+                self.rfile.readline(1024)
+        length = self.headers.get("Content-Length", "0")
+        if not UNSIGNED.match(length):
+            raise ApiError(400, {"body": "invalid Content-Length"})
+        yield from self._raw_pieces(int(length))
+
+    def _chunk_size(self) -> int:
+        size_line = self.rfile.readline(1024).split(b";")[0].strip()
+        try:
+            size = int(size_line, 16)
+        except ValueError:
+            self.close_connection = True
+            raise ApiError(400, {"body": "invalid chunked encoding"}) from None
+        if size == 0:
+            while self.rfile.readline(1024).strip():  # trailers
+                pass
+        return size
+
+    def _raw_pieces(self, length: int) -> Iterator[bytes]:
+        while length > 0:
+            piece = self.rfile.read(min(length, FILE_PIECE))
+            if not piece:
+                raise ApiError(400, {"body": "the body ended early"})
+            length -= len(piece)
+            yield piece
+
     def discard_body(self) -> None:
         """Read and drop the body of a request refused before it was read, so
         that the next request on the connection starts where it should (a body
         that cannot be read closes the connection instead)."""
         try:
-            self.body = self.read_body(FILE_BODY_LIMIT)
+            self.body = self.read_body(JSON_BODY_LIMIT)
         except ApiError:
             self.body = b""
 
@@ -1105,12 +1135,12 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def send_raw(self, data: bytes) -> None:
+    def start_raw(self, length: int) -> None:
+        """Start a raw body of `length` bytes, which the caller writes."""
         self._start_answer(200, {})
         self.send_header("Content-Type", "application/octet-stream")
-        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Content-Length", str(length))
         self.end_headers()
-        self.wfile.write(data)
 
     def start_chunked(self, content_type: str, recorded_status: int) -> None:
         """Start a streamed body: chunked, or (``chunked=False``) until the socket closes."""
@@ -1273,6 +1303,11 @@ def raise_expired(reading: Reading, oldest_available_seq: int, finished: bool) -
         raise ApiError(
             410, {"error": "output_offset_expired", "oldest_available_seq": oldest_available_seq}
         )
+
+
+def corrupted(piece: bytes) -> bytes:
+    """`piece` with its first byte flipped, or one byte where it is empty."""
+    return bytes([piece[0] ^ 0xFF]) + piece[1:] if piece else b"\x00"
 
 
 def start_error(exc: BaseException) -> ApiError:
@@ -1480,14 +1515,19 @@ class LocalServer:
       get, connect, wait, input, signal and a second DELETE answer 404 and
       the listing omits it (``processes()`` and ``process()`` still show it
       to tests) (§11.12);
-    - ``upload_creates_parents``: whether a file upload creates missing
-      parent directories, or answers 404 (§11.16);
+    - ``upload_creates_parents``: whether a file upload answers 404 to a
+      path whose parent directory is missing (the SDK docs' reading), or
+      creates the missing parents (the vendor CLI's) (§11.16);
     - ``listing``: the process listing is ``"unpaginated"``,
       ``{"processes": [...]}`` ignoring ``limit`` and ``offset``, or
       ``"paginated"`` like the vendor's other listings: ``{"data": [...],
       "pagination": {"limit", "offset", "total"}}``, taking ``limit``
       (default ``list_page_size``, at most ``LIST_LIMIT_MAX``) and
       ``offset`` (default 0) (§5.3).
+
+    ``file_size_limit`` is the largest file an upload may carry (500 MB,
+    as the vendor says): a larger one is refused with **413**, before its
+    body is read when its ``Content-Length`` says so.
 
     ``list_page_size`` is the default page size of that paginated listing
     (100), small in tests so that a few processes fill several pages.
@@ -1533,6 +1573,7 @@ class LocalServer:
         list_page_size: int = 100,
         strict: bool = False,
         rate_limit: tuple[int, float] | None = None,
+        file_size_limit: int = FILE_SIZE_LIMIT,
         cgroups: bool = True,
         verbose: bool = False,
     ):
@@ -1549,6 +1590,8 @@ class LocalServer:
             raise ValueError("heartbeat_interval must be positive")
         if journal_limit < 1:
             raise ValueError("journal_limit must be positive")
+        if file_size_limit < 0:
+            raise ValueError("file_size_limit must be >= 0")
         if not 1 <= frame_limit <= FRAME_LIMIT:
             raise ValueError("frame_limit must be from 1 to %d" % FRAME_LIMIT)
         self.api_key = api_key
@@ -1566,6 +1609,7 @@ class LocalServer:
         self.list_page_size = list_page_size
         self.strict = strict
         self._rate_window = None if rate_limit is None else SlidingWindow(*rate_limit)
+        self.file_size_limit = file_size_limit
         self.cgroups = cgroups
         self._cgroup: Cgroup | None = None  # the parent of the processes' cgroups, once started
         self.verbose = verbose
@@ -1765,6 +1809,27 @@ class LocalServer:
             raise ValueError("seconds must be >= 0")
         self._queue("input", Fault("lose", count, seconds=seconds))
 
+    def drop_upload(self, *, after_bytes: int = 0, count: int = 1) -> None:
+        """Write the first `after_bytes` bytes of the next uploads to their file (as a cut
+        upload leaves it), then break the connection without an answer."""
+        self._queue("files_put", Fault("drop", count, after_bytes=after_bytes))
+
+    def drop_download(self, *, after_bytes: int = 0, count: int = 1) -> None:
+        """Answer the next downloads with a Content-Length for the whole file, send its
+        first `after_bytes` bytes, then break the connection."""
+        self._queue("files_get", Fault("drop", count, after_bytes=after_bytes))
+
+    def corrupt_files(self, endpoint: str, *, count: int = 1) -> None:
+        """Flip the first byte of the next uploads (``files_put``) or downloads
+        (``files_get``), or add one to an empty file, as a faulty proxy or disk would."""
+        if endpoint not in ("files_put", "files_get"):
+            raise ValueError("corrupt_files takes files_put or files_get")
+        self._queue(endpoint, Fault("corrupt", count))
+
+    def lose_exec_response(self, *, count: int = 1) -> None:
+        """Run the next execs to their end, then close the socket without an answer."""
+        self._queue("exec", Fault("lose", count))
+
     def evict(self, process_id: str) -> None:
         """Drop every retained data frame of the process (older cursors then get 410)."""
         self._get_process(process_id).evict_all()
@@ -1814,7 +1879,13 @@ class LocalServer:
         except ApiError:
             req.body = req.read_body(JSON_BODY_LIMIT)  # keep the connection in sync
             raise
-        req.body = req.read_body(FILE_BODY_LIMIT if endpoint == "files_put" else JSON_BODY_LIMIT)
+        if endpoint == "files_put":
+            # Its body is the file, streamed to disk by the endpoint: a refusal
+            # before it is read closes the connection.
+            req.body = b""
+            req.close_connection = True
+        else:
+            req.body = req.read_body(JSON_BODY_LIMIT)
         if self.strict:
             check_post_framing(req)
         if endpoint == "healthz":
@@ -2064,30 +2135,77 @@ class LocalServer:
         self._sandbox(sandbox_id)
         path = absolute_path(req.query)
         try:
-            with open(path, "rb") as source:
-                data = source.read()
+            source = open(path, "rb")
         except (FileNotFoundError, NotADirectoryError):
             raise ApiError(404, {"path": "no such file"}) from None
         except OSError as exc:
             raise ApiError(400, {"path": exc.strerror or "cannot read"}) from None
-        req.send_raw(data)
+        fault = self._take_fault("files_get", ("drop", "corrupt"))
+        with source:
+            size = os.fstat(source.fileno()).st_size
+            corrupt = fault is not None and fault.kind == "corrupt"
+            req.start_raw(size + (corrupt and size == 0))
+            most = size if fault is None or corrupt else fault.after_bytes
+            sent = 0
+            while sent < most or corrupt:
+                piece = source.read(min(FILE_PIECE, most - sent))
+                if corrupt:
+                    piece, corrupt = corrupted(piece), False
+                if not piece:
+                    break
+                req.wfile.write(piece)
+                sent += len(piece)
+        if fault is not None and fault.kind == "drop":
+            req.wfile.flush()
+            req.abort()
 
-    def _ep_files_put(self, req: _Handler, sandbox_id: str) -> dict[str, Any]:
+    def _ep_files_put(self, req: _Handler, sandbox_id: str) -> dict[str, Any] | None:
         self._sandbox(sandbox_id)
         path = absolute_path(req.query)
+        length = req.headers.get("Content-Length")
+        if length is not None and UNSIGNED.match(length) and int(length) > self.file_size_limit:
+            raise ApiError(413, {"body": "file larger than %d bytes" % self.file_size_limit})
         if not self.reading.upload_creates_parents and not os.path.isdir(os.path.dirname(path)):
             raise ApiError(404, {"path": "the parent directory does not exist"})
+        fault = self._take_fault("files_put", ("drop", "corrupt"))
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             # 0600 from the start: staged files may hold secrets (env, stdin).
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "wb") as target:
-                target.write(req.body)
         except OSError as exc:
             raise ApiError(400, {"path": exc.strerror or "cannot write"}) from None
-        return {"path": path, "bytes": len(req.body)}
+        with os.fdopen(fd, "wb") as target:
+            written = self._receive_file(req, target, fault)
+        if fault is not None and fault.kind == "drop":
+            req.abort()  # the file keeps what arrived, as an upload cut short leaves it
+            return None
+        if written > self.file_size_limit:
+            os.unlink(path)
+            raise ApiError(413, {"body": "file larger than %d bytes" % self.file_size_limit})
+        req.close_connection = False
+        return {"path": path, "bytes": written}
 
-    def _ep_exec(self, req: _Handler, sandbox_id: str) -> dict[str, Any]:
+    def _receive_file(self, req: _Handler, target: IO[bytes], fault: Fault | None) -> int:
+        """Copy the body to `target` piece by piece (up to the fault's bytes, or just past
+        the size limit); the number of bytes written."""
+        drop = fault is not None and fault.kind == "drop"
+        most = fault.after_bytes if drop else self.file_size_limit + 1
+        corrupt = fault is not None and fault.kind == "corrupt"
+        written = 0
+        for piece in req.body_pieces():
+            piece = piece[: most - written]
+            if corrupt:
+                piece, corrupt = corrupted(piece), False
+            target.write(piece)
+            written += len(piece)
+            if written >= most:
+                break
+        if corrupt:
+            target.write(corrupted(b""))
+            written += 1
+        return written
+
+    def _ep_exec(self, req: _Handler, sandbox_id: str) -> dict[str, Any] | None:
         sandbox = self._sandbox(sandbox_id)
         spec = req.json_body()
         if req.query.get("stream") == "true" or spec.get("stream") is True:
@@ -2111,6 +2229,9 @@ class LocalServer:
         except (OSError, ValueError) as exc:
             raise start_error(exc) from None
         code = done.returncode
+        if self._take_fault("exec", ("lose",)) is not None:
+            req.abort()
+            return None
         return {
             "result": {
                 "stdout": done.stdout.decode("utf-8", "replace"),
@@ -2220,6 +2341,14 @@ def main(argv: list[str] | None = None) -> int:
         help="answer 429 to a client address over N requests in any SECONDS (default: no limit)",
     )
     parser.add_argument(
+        "--file-size-limit",
+        type=int,
+        default=FILE_SIZE_LIMIT,
+        metavar="BYTES",
+        help="answer 413 to an upload of a larger file (default %d, the vendor's 500 MB)"
+        % FILE_SIZE_LIMIT,
+    )
+    parser.add_argument(
         "--no-cgroups",
         dest="cgroups",
         action="store_false",
@@ -2241,6 +2370,7 @@ def main(argv: list[str] | None = None) -> int:
             list_page_size=options.list_page_size,
             strict=options.strict,
             rate_limit=options.rate_limit,
+            file_size_limit=options.file_size_limit,
             cgroups=options.cgroups,
             verbose=options.verbose,
         )

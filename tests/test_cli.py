@@ -2,7 +2,7 @@
 the remote exit code, 128+N for signal N, 124 on timeout, 125 with one line
 for the library's, the API's and the connection's errors (the ConfigError and
 APIError rows of the failure table), 2 for a usage error; options reach the
-command; `--json`.
+command; `--json`; files in with `--put` and out with `--get`.
 
 In this process with canned answers first, then as a real subprocess against
 the local server. What needs a terminal is in tests/test_cli_pty.py; Ctrl-C's
@@ -184,6 +184,10 @@ def test_cli_unreadable_stdin_file_is_125(
         [SB],  # no command
         [SB, "--"],
         ["--shell", SB, "--", "echo", "two"],
+        ["--put", "no-colon", SB, "--", "true"],
+        ["--put", "here:relative/there", SB],
+        ["--get", "relative:here", SB],
+        ["--get", "/there:", SB],
         ["--timeout", "soon", SB, "--", "true"],
         [],
     ],
@@ -361,3 +365,76 @@ def test_errors_say_what_to_do_in_the_librarys_own_sentences(server):
         b"the API key was refused; check CREATEOS_API_KEY.\n"
     )
     assert b"not-the-key" not in done.stderr
+
+
+# -- files: --put before the command, --get after it -------------------------------------
+
+
+def test_files_go_in_before_the_command_and_come_out_after_whatever_it_exited(server, tmp_path):
+    source = tmp_path / "src.txt"
+    source.write_bytes(bytes(range(256)))
+    remote = tmp_path / "sandbox"
+    script = f"wc -c < {remote}/in/src.txt > {remote}/report.txt; exit 3"
+    done = run_cli(
+        server,
+        *("--put", f"{source}:{remote}/in/src.txt", "--get", f"{remote}/report.txt:{tmp_path}/r"),
+        *("--get", f"{remote}/in/src.txt:{tmp_path}/back.bin", "--shell", SANDBOX, "--", script),
+    )
+    assert (done.returncode, done.stderr) == (3, b"")
+    assert (tmp_path / "r").read_bytes() == b"256\n"
+    assert (tmp_path / "back.bin").read_bytes() == bytes(range(256))
+
+
+def test_transfers_without_a_command_are_all_that_happens(server, tmp_path):
+    (tmp_path / "a").write_bytes(b"alone")
+    remote = f"{tmp_path}/sandbox/a"
+    done = run_cli(
+        server, "--put", f"{tmp_path}/a:{remote}", "--get", f"{remote}:{tmp_path}/b", SANDBOX
+    )
+    assert (done.returncode, done.stdout, done.stderr) == (0, b"", b"")
+    assert (tmp_path / "b").read_bytes() == b"alone"
+    assert server.processes() == []
+
+
+@pytest.mark.parametrize(
+    "option, names",
+    [("--put", "{tmp}/missing:{tmp}/remote"), ("--get", "{tmp}/missing:{tmp}/local")],
+)
+def test_a_failed_transfer_exits_125_and_names_the_file(server, tmp_path, option, names):
+    spec = names.format(tmp=tmp_path)
+    done = run_cli(server, option, spec, "--shell", SANDBOX, "--", f"touch {tmp_path}/ran")
+    assert done.returncode == 125
+    said = done.stderr.decode()
+    assert said.startswith(f"python -m createos_exec: {option} {spec} failed: ")
+    assert said.count("\n") == 1 and ("No such file" in said or "no such file" in said)
+    assert os.path.exists(tmp_path / "ran") == (option == "--get")  # a --put first stops it
+    assert not os.path.exists(tmp_path / "local")
+
+
+def test_the_eviction_message_gives_a_line_that_fetches_the_output(server, tmp_path):
+    line = str(cx.OutputEvictedError(3)).split("on the command line ")[1].split(" with ")[0]
+    assert line == "--get /tmp/out.log:out.log"
+    command = "seq 200000 > /tmp/out.log"
+    done = subprocess.run(
+        cli_argv(*line.split(), "--shell", SANDBOX, "--", command),
+        env=cli_env(server),
+        cwd=tmp_path,
+        capture_output=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "out.log").read_bytes() == b"".join(b"%d\n" % n for n in range(1, 200001))
+
+
+def test_files_come_out_after_a_command_that_failed_once_started(
+    server, tmp_path, monkeypatch, capfd
+):
+    monkeypatch.setenv("CREATEOS_API_URL", server.url)
+    monkeypatch.setenv("CREATEOS_API_KEY", server.api_key)
+    server.corrupt_stream(b"not json\n", after_frames=1)
+    remote = tmp_path / "made.txt"
+    script = f"echo made > {remote}; echo one; sleep 0.5; echo two"
+    code = cx.main(["--get", f"{remote}:{tmp_path}/here.txt", "--shell", SANDBOX, "--", script])
+    assert code == 125
+    assert "CreateOS sent an invalid answer" in capfd.readouterr().err
+    assert (tmp_path / "here.txt").read_bytes() == b"made\n"

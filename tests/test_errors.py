@@ -543,6 +543,7 @@ def _error_samples() -> List[BaseException]:
         cx.InputUnconfirmedError(0, unsent=True, process_id=PID),
         cx.ProcessEndedError(8000, process_id=PID, result=_sample_result()),
         cx.ProcessEndedError(8000, result=_sample_result(exit_code=None, signal="SIGSEGV")),
+        *(cx.TransferError("/app/out.tar", reason) for reason in cx._TRANSFER_FAILURES),
     ]
 
 
@@ -572,6 +573,7 @@ def test_error_pickle_round_trip(error: BaseException) -> None:
     assert vars(copy) == vars(error)
     names = "process_id result status operation problem oldest_available_seq"
     names += " creation_unconfirmed returncode cmd output stderr timeout confirmed_bytes unsent"
+    names += " path reason"
     for attr in names.split():
         assert getattr(copy, attr, None) == getattr(error, attr, None)
     assert len(error.args) == 1 and isinstance(error.args[0], str)
@@ -866,7 +868,7 @@ def test_no_process_started_is_said_only_before_the_process():
 def test_the_other_errors_say_what_to_do():
     assert "proc_9" in str(cx.CleanupError(process_id="proc_9"))
     assert "destroy the sandbox" in str(cx.CleanupError(creation_unconfirmed=True))
-    assert "print less" in str(cx.OutputEvictedError(3))
+    assert "print less" in str(cx.OutputEvictedError(3)) and "get(" in str(cx.OutputEvictedError(3))
     assert ".result" in str(cx.OutputIncompleteError())
     assert "proxy" in str(cx.ProtocolError("a frame is not JSON"))
     for status in (400, 401, 403, 404, 409, 429, 500):

@@ -658,11 +658,21 @@ def test_rate_limit_is_per_client_address_and_thread_safe():
 # -- files and exec ---------------------------------------------------------------
 
 
-def test_files_put_and_get(server, api, tmp_path):
-    target = tmp_path / "new" / "dir" / "secret.bin"
+@pytest.mark.parametrize("reading", ["conservative", "alternative"])
+def test_files_put_and_get(tmp_path, reading):
+    with LocalServer(reading=reading) as server:
+        put_and_get(Api(server), tmp_path / "new" / "dir" / "secret.bin")
+
+
+def put_and_get(api: Api, target) -> None:
+    server = api.server
     payload = bytes(range(256)) * 8
     octets = {"Content-Type": "application/octet-stream"}
     put = api.request("PUT", "/files", params={"path": str(target)}, data=payload, headers=octets)
+    if not server.reading.upload_creates_parents:
+        assert put.status_code == 404 and not target.parent.exists()
+        target.parent.mkdir(parents=True)
+        put = api.request("PUT", "/files", params={"path": str(target)}, data=iter([payload]))
     assert put.json() == {"status": "success", "data": {"path": str(target), "bytes": 2048}}
     assert target.read_bytes() == payload
     assert stat.S_IMODE(target.stat().st_mode) == 0o600
@@ -671,6 +681,41 @@ def test_files_put_and_get(server, api, tmp_path):
     assert got.headers["Content-Type"] == "application/octet-stream"
     assert api.request("GET", "/files", params={"path": "relative"}).status_code == 400
     assert api.request("PUT", "/files", params={"path": "relative"}, data=b"x").status_code == 400
+
+
+def test_files_larger_than_the_limit_are_refused_with_413(tmp_path):
+    with LocalServer(file_size_limit=10) as server:
+        api = Api(server)
+        for body in (b"x" * 11, iter([b"x" * 6, b"x" * 5])):  # Content-Length, then chunked
+            answer = api.request("PUT", "/files", params={"path": str(tmp_path / "f")}, data=body)
+            assert answer.status_code == 413
+        assert os.listdir(tmp_path) == []
+        answer = api.request("PUT", "/files", params={"path": str(tmp_path / "f")}, data=b"x" * 10)
+        assert answer.status_code == 200
+    with pytest.raises(ValueError):
+        LocalServer(file_size_limit=-1)
+
+
+def test_file_faults_cut_corrupt_and_lose_answers(server, api, tmp_path):
+    path = str(tmp_path / "f")
+    server.drop_upload(after_bytes=3)
+    with pytest.raises(requests.ConnectionError):
+        api.request("PUT", "/files", params={"path": path}, data=b"abcdef")
+    assert open(path, "rb").read() == b"abc"  # what a cut upload leaves
+    server.corrupt_files("files_put")
+    api.request("PUT", "/files", params={"path": path}, data=b"abcdef")
+    assert open(path, "rb").read() == b"\x9ebcdef"
+    server.drop_download(after_bytes=2)
+    with pytest.raises(requests.exceptions.ChunkedEncodingError):  # a body cut short
+        api.request("GET", "/files", params={"path": path})
+    server.corrupt_files("files_get")
+    assert api.request("GET", "/files", params={"path": path}).content == b"abcdef"  # flipped back
+    server.lose_exec_response()
+    with pytest.raises(requests.ConnectionError):
+        api.request("POST", "/exec", json={"cmd": "touch", "args": [path + ".ran"]})
+    assert os.path.exists(path + ".ran")  # it ran, its answer was lost
+    with pytest.raises(ValueError):
+        server.corrupt_files("exec")
 
 
 def test_exec_is_buffered_only(server, api):

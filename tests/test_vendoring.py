@@ -159,6 +159,12 @@ def waited(process: cx.RemoteProcess) -> cx.ExecResult:
     except cx.WaitTimeout as stopped:
         print(stopped.timeout, stopped.process_id)
         raise
+
+
+def report(client: cx.Client) -> bytes:
+    info: cx.FileInfo = cx.put("sb_123", b"print(1)", "/app/main.py", mode=0o644, client=client)
+    assert client.get("sb_123", "/app/out.tar", "out.tar").sha256 != info.sha256
+    return client.get("sb_123", "/app/report.html")
 """
 USER_CODE_WRONG = """\
 import createos_exec as cx

@@ -1,0 +1,496 @@
+"""put() and get() against the local server: a file arrives whole or not at all
+(docs/design.md, behaviour 16), from every kind of source into every kind of
+destination, and under injected faults (RELIABILITY.md item 13), with nothing
+left behind on either side. The local server's files are this machine's, so
+"the sandbox's directory" is a temporary directory here."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import io
+import os
+import shutil
+import stat
+
+import pytest
+import responses
+from support import EXEC, FILES, SANDBOX, SB, calls, campaign_size, figures_at_end, make_client, ok
+
+import createos_exec as cx
+
+# The bounded run keeps a few MiB; the campaign a size past every piece size.
+LARGE = campaign_size("CREATEOS_FILES_LARGE", 3 * 1024 * 1024 + 17, 40 * 1024 * 1024 + 17)
+CONTENTS = {
+    "empty": b"",
+    "all 256 byte values": bytes(range(256)) * 3,
+    "large": bytes(range(256)) * (LARGE // 256) + b"\x00\xff\n\r",
+}
+
+
+def leftovers(*directories: str) -> list:
+    """Every temporary copy left in `directories` (their whole trees)."""
+    return [
+        name
+        for directory in directories
+        for _, _, names in os.walk(directory)
+        for name in names
+        if name.endswith(".part")
+    ]
+
+
+def info_of(path: str, data: bytes) -> cx.FileInfo:
+    return cx.FileInfo(path, len(data), hashlib.sha256(data).hexdigest())
+
+
+class Unseekable(io.RawIOBase):
+    """A binary stream that cannot seek (a pipe's, a socket's), that can raise
+    `interrupt` once `after` bytes went through it."""
+
+    def __init__(self, data: bytes = b"", after: int = -1, interrupt=KeyboardInterrupt):
+        self._data, self._done, self._after, self._interrupt = data, 0, after, interrupt
+        self.written = bytearray()
+
+    def readable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        self._check(len(buffer))
+        piece = self._data[self._done : self._done + len(buffer)]
+        buffer[: len(piece)] = piece
+        self._done += len(piece)
+        return len(piece)
+
+    def write(self, piece) -> int:
+        self._check(len(piece))
+        self.written += piece
+        self._done += len(piece)
+        return len(piece)
+
+    def _check(self, amount: int) -> None:
+        if 0 <= self._after < self._done + amount:
+            raise self._interrupt()
+
+
+class ReadAlone:
+    """A source with read() and nothing else: it cannot say whether it seeks."""
+
+    def __init__(self, data: bytes):
+        self.read = io.BytesIO(data).read
+
+
+def sources(data: bytes, tmp_path) -> dict:
+    local = tmp_path / "local-source"
+    local.write_bytes(data)
+    return {
+        "path": str(local),
+        "pathlike": local,
+        "bytes": data,
+        "bytearray": bytearray(data),
+        "memoryview": memoryview(data),
+        "seekable file": io.BytesIO(data),
+        "file that cannot seek": io.BufferedReader(Unseekable(data)),
+        "object with read() alone": ReadAlone(data),
+    }
+
+
+# --------------------------------------------------------------------------
+# Both ways, every kind of source and destination
+
+
+@pytest.mark.both_readings
+@pytest.mark.parametrize("content", list(CONTENTS))
+def test_every_source_arrives_whole_in_a_new_directory_and_comes_back(client, tmp_path, content):
+    data = CONTENTS[content]
+    remote = tmp_path / "sandbox"
+    for kind, source in sources(data, tmp_path).items():
+        path = str(remote / kind / "deeper" / "file.bin")  # parents that do not exist yet
+        assert client.put(SANDBOX, source, path) == info_of(path, data), kind
+        assert open(path, "rb").read() == data, kind
+    path = str(remote / "bytes" / "deeper" / "file.bin")
+    local = tmp_path / "here" / "copy.bin"
+    local.parent.mkdir()
+    assert client.get(SANDBOX, path) == data
+    assert client.get(SANDBOX, path, str(local)) == info_of(str(local), data)
+    assert local.read_bytes() == data
+    into = io.BytesIO(b"kept ahead:")
+    into.seek(0, io.SEEK_END)
+    assert client.get(SANDBOX, path, into) == info_of(path, data)
+    assert into.getvalue() == b"kept ahead:" + data
+    unseekable = Unseekable()
+    client.get(SANDBOX, path, unseekable)
+    assert bytes(unseekable.written) == data
+    assert leftovers(str(tmp_path)) == []
+
+
+def test_module_level_functions_use_the_environment(server, tmp_path, monkeypatch):
+    monkeypatch.setenv("CREATEOS_API_URL", server.url)
+    monkeypatch.setenv("CREATEOS_API_KEY", server.api_key)
+    path = str(tmp_path / "module.txt")
+    assert cx.put(SANDBOX, b"module", path) == info_of(path, b"module")
+    assert cx.get(SANDBOX, path) == b"module"
+    with make_client(server) as client:
+        assert cx.get(SANDBOX, path, client=client, max_bytes=6) == b"module"
+        assert cx.put(SANDBOX, b"again", path, client=client, mode=0o600).size == 5
+
+
+def test_mode_is_applied_and_a_replaced_file_keeps_its_own(client, tmp_path):
+    path = tmp_path / "tool.sh"
+    client.put(SANDBOX, b"#!/bin/sh\n", str(path), mode=0o755)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o755
+    client.put(SANDBOX, b"#!/bin/sh\necho new\n", str(path))
+    assert stat.S_IMODE(path.stat().st_mode) == 0o755
+    assert path.read_bytes() == b"#!/bin/sh\necho new\n"
+
+
+@pytest.mark.both_readings
+def test_a_small_file_takes_few_requests(client, server, tmp_path):
+    """A 1 KiB put: the PUT and one exec (a missing parent: one mkdir exec more,
+    and the PUT again where the service does not create parents); a get: one
+    exec and the GET."""
+    data = os.urandom(1024)
+
+    def requests_of(call) -> list:
+        before = len(server.requests)
+        call()
+        return [(r.method, r.path.rsplit("/", 1)[-1], r.status) for r in server.requests[before:]]
+
+    path = str(tmp_path / "new" / "small.bin")
+    first = requests_of(lambda: client.put(SANDBOX, data, path))
+    if server.reading.upload_creates_parents:
+        assert first == [("PUT", "files", 200), ("POST", "exec", 200)]
+    else:
+        assert first == [("PUT", "files", 404)] + [("POST", "exec", 200), ("PUT", "files", 200)] + [
+            ("POST", "exec", 200)
+        ]
+    assert requests_of(lambda: client.put(SANDBOX, data, path)) == [
+        ("PUT", "files", 200),
+        ("POST", "exec", 200),
+    ]
+    assert requests_of(lambda: client.get(SANDBOX, path)) == [
+        ("POST", "exec", 200),
+        ("GET", "files", 200),
+    ]
+
+
+# --------------------------------------------------------------------------
+# What is refused, and what cannot be done
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda c, d: c.put(SANDBOX, b"x", "relative/file"), "'relative/file'"),
+        (lambda c, d: c.put(SANDBOX, b"x", d + "/dir/"), "name a file"),
+        (lambda c, d: c.get(SANDBOX, "notes.txt"), "'notes.txt'"),
+        (lambda c, d: c.put(SANDBOX, "text", d + "/f", mode=0o7777 + 1), "mode"),
+        (lambda c, d: c.put(SANDBOX, 42, d + "/f"), "not int"),
+        (lambda c, d: c.put(SANDBOX, io.StringIO("text"), d + "/f"), "binary mode"),
+        (lambda c, d: c.get(SANDBOX, d + "/f", io.StringIO()), "binary mode"),
+        (lambda c, d: c.get(SANDBOX, d + "/f", 42), "not int"),
+        (lambda c, d: c.get(SANDBOX, d + "/f", max_bytes=-1), "max_bytes"),
+    ],
+)
+def test_bad_arguments_are_refused_before_any_request(server, client, tmp_path, call, message):
+    with pytest.raises(cx.ConfigError, match=message):
+        call(client, str(tmp_path))
+    assert server.requests == []
+
+
+@pytest.mark.parametrize(
+    "name, reason, says",
+    [
+        ("missing", "missing", "no such file"),
+        ("directory", "not_a_file", "a directory"),
+        ("big", "over_cap", "pass destination="),
+    ],
+)
+def test_a_file_that_cannot_be_read_is_named_with_the_reason(client, tmp_path, name, reason, says):
+    (tmp_path / "directory").mkdir()
+    (tmp_path / "big").write_bytes(b"x" * 11)
+    path = str(tmp_path / name)
+    with pytest.raises(cx.TransferError, match=says) as raised:
+        client.get(SANDBOX, path, max_bytes=10)
+    assert (raised.value.path, raised.value.reason) == (path, reason)
+    assert repr(path) in str(raised.value)
+
+
+def test_a_local_destination_in_no_directory_is_named_before_any_request(server, client, tmp_path):
+    missing = str(tmp_path / "nowhere" / "out.bin")
+    with pytest.raises(FileNotFoundError) as raised:
+        client.get(SANDBOX, "/etc/hostname", missing)
+    assert raised.value.filename == missing and server.requests == []
+
+
+@pytest.mark.parametrize("hasher", [None, "sha256sum", "openssl"])
+def test_the_sandbox_hashes_with_what_it_has_and_without_a_hasher_renames_nothing(
+    client, tmp_path, monkeypatch, hasher
+):
+    if hasher is not None and shutil.which(hasher) is None:
+        pytest.skip(f"no {hasher} on this machine")
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for tool in ("bash", "stat", "rm", "mv", "chmod", "mkdir") + ((hasher,) if hasher else ()):
+        os.symlink(shutil.which(tool), tools / tool)
+    monkeypatch.setenv("PATH", str(tools))  # the local server's execs inherit it
+    path = tmp_path / "kept.txt"
+    path.write_bytes(b"old")
+    if hasher is not None:
+        assert client.put(SANDBOX, b"new", str(path)) == info_of(str(path), b"new")
+        assert client.get(SANDBOX, str(path)) == b"new"
+        return
+    for call in (
+        lambda: client.put(SANDBOX, b"new", str(path)),
+        lambda: client.get(SANDBOX, str(path)),
+    ):
+        with pytest.raises(cx.TransferError, match="bash and sha256sum") as raised:
+            call()
+        assert raised.value.reason == "no_tools"
+    assert path.read_bytes() == b"old"
+    assert leftovers(str(tmp_path)) == []
+
+
+@pytest.mark.parametrize("obstacle", ["a directory at the destination", "a file as its parent"])
+def test_a_destination_that_cannot_be_written_is_left_as_it_was(client, tmp_path, obstacle):
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "inside").write_bytes(b"old")
+    (tmp_path / "plain").write_bytes(b"old")
+    path, reason = {
+        "a directory at the destination": (tmp_path / "taken", "not_renamed"),
+        "a file as its parent": (tmp_path / "plain" / "child", "no_parent"),
+    }[obstacle]
+    with pytest.raises(cx.TransferError) as raised:
+        client.put(SANDBOX, b"new", str(path))
+    assert raised.value.reason == reason
+    assert (
+        (tmp_path / "taken" / "inside").read_bytes() == (tmp_path / "plain").read_bytes() == b"old"
+    )
+    assert leftovers(str(tmp_path)) == []
+
+
+def test_a_source_that_fails_while_read_raises_its_own_error(client, tmp_path):
+    path = tmp_path / "kept.txt"
+    path.write_bytes(b"old")
+    failing = Unseekable(b"x" * 100_000, after=50_000, interrupt=lambda: OSError(5, "I/O error"))
+    with pytest.raises(OSError, match="I/O error") as raised:
+        client.put(SANDBOX, io.BufferedReader(failing), str(path))
+    assert not isinstance(raised.value, cx.CreateOSError)
+    assert path.read_bytes() == b"old" and leftovers(str(tmp_path)) == []
+
+
+def test_a_file_over_the_services_limit_is_refused_whole(tmp_path, server_reading):
+    from local_server import LocalServer
+
+    with LocalServer(reading=server_reading, file_size_limit=1000) as server:
+        with make_client(server) as client:
+            for source in (b"x" * 1001, io.BufferedReader(Unseekable(b"x" * 1001))):
+                with pytest.raises(cx.TransferError, match="too large") as raised:
+                    client.put(SANDBOX, source, str(tmp_path / "big"))
+                assert raised.value.reason == "too_large"
+    assert os.listdir(tmp_path) == []
+
+
+# --------------------------------------------------------------------------
+# Canned answers: what the service may say that the local server does not
+
+SUM = hashlib.sha256(b"hello").hexdigest()
+
+
+def exec_answer(**result) -> dict:
+    return ok({"result": result, "exec_ms": 1.0})
+
+
+@pytest.mark.parametrize(
+    "answer, raised, says",
+    [
+        (ok({"exec_ms": 1.0}), cx.ProtocolError, "holds no result"),
+        (exec_answer(stdout="", exit_code="0"), cx.ProtocolError, "holds no exit code"),
+        (exec_answer(stdout="hello", exit_code=0), cx.ProtocolError, "not a size and a SHA-256"),
+        (exec_answer(error="exec: bash not found"), cx.TransferError, "bash and sha256sum"),
+    ],
+)
+def test_an_exec_answer_that_says_nothing_usable_stops_a_get(rsps, answer, raised, says):
+    rsps.add(responses.POST, EXEC, json=answer)
+    with make_client() as client, pytest.raises(raised, match=says):
+        client.get(SB, "/app/x")
+    assert calls(rsps, "GET", FILES) == []
+
+
+def test_a_body_cut_short_without_an_error_is_read_again_then_given_up(rsps):
+    rsps.add(responses.POST, EXEC, json=exec_answer(stdout=f"5 {SUM}\n", exit_code=0))
+    rsps.add(responses.GET, FILES, body=b"hel")
+    with make_client() as client, pytest.raises(cx.TransportError, match="download of '/app/x'"):
+        client.get(SB, "/app/x")
+    assert len(calls(rsps, "GET", FILES)) == 2  # the retry policy's two attempts
+
+
+@pytest.mark.parametrize(
+    "status, says, sent",
+    [
+        (403, "upload of '/app/x': the API key was refused", ["PUT", "POST"]),  # POST: rm -f
+        (404, "no sandbox", ["PUT", "POST", "POST"]),  # mkdir -p, then rm -f
+    ],
+)
+def test_a_refused_upload_names_the_file_and_what_the_status_means(rsps, status, says, sent):
+    rsps.add(responses.PUT, FILES, status=status, json={"status": "fail"})
+    rsps.add(responses.POST, EXEC, status=status, json={"status": "fail"})
+    with make_client() as client, pytest.raises(cx.APIError, match=says):
+        client.put(SB, b"hello", "/app/x")
+    assert [call.request.method for call in rsps.calls] == sent
+
+
+# --------------------------------------------------------------------------
+# The campaign (RELIABILITY.md item 13): every fault at several points of an
+# upload and a download, every content, a source or a destination that can
+# start over and one that cannot. The destination is the old file or the
+# whole new one; nothing is left on either side; an error names the file.
+
+OLD = b"the old content\n"
+TALLY = dict.fromkeys(["runs", "faults met", "whole new", "old kept", "errors naming the file"], 0)
+_figures = figures_at_end("13. files under faults", lambda: dict(TALLY) if TALLY["runs"] else None)
+
+
+class Interrupting(io.BytesIO):
+    """A seekable binary file that raises KeyboardInterrupt (Ctrl-C) once `after`
+    of its bytes were read or written."""
+
+    def __init__(self, data: bytes, after: int):
+        super().__init__(data)
+        self._after = after
+
+    def read(self, amount=-1):
+        self._check(amount if amount is not None and amount >= 0 else len(self.getvalue()))
+        return super().read(amount)
+
+    def write(self, piece):
+        self._check(len(piece))
+        return super().write(piece)
+
+    def _check(self, amount: int) -> None:
+        if self.tell() + max(amount, 1) > self._after:
+            raise KeyboardInterrupt
+
+
+def points(size: int) -> list:
+    """Where a transfer is cut: its start, its first byte, its middle, its last
+    byte, its end; in the full campaign every 32nd of it too."""
+    every = range(0, size, max(1, size // 32)) if campaign_size("CREATEOS_FILES_ALL", 0, 1) else ()
+    return sorted({0, min(1, size), size // 2, max(0, size - 1), size, *every})
+
+
+def faults(size: int) -> list:
+    """Each fault of a transfer of `size` bytes: (its name, where a cut or a Ctrl-C comes)."""
+    cuts = [("cut", at) for at in points(size)]
+    others = [("503", None), ("429", None), ("corrupted", None), ("check's answer lost", None)]
+    return cuts + others + ([("Ctrl-C", size // 2)] if size else [])
+
+
+def inject(server, endpoint: str, name: str, at) -> None:
+    if name == "cut":
+        (server.drop_upload if endpoint == "files_put" else server.drop_download)(after_bytes=at)
+    elif name in ("503", "429"):
+        server.fail(endpoint, int(name), retry_after="0")
+    elif name == "corrupted":
+        server.corrupt_files(endpoint)
+    elif name == "check's answer lost":
+        server.lose_exec_response()
+
+
+def run(server, call, name: str, path: str, new: bytes, directories) -> object:
+    """One transfer under its fault: what it left is checked and counted; its error returned."""
+    with open(path, "wb") as old:
+        old.write(OLD)
+    failure = None
+    try:
+        call()
+    except (cx.CreateOSError, KeyboardInterrupt) as raised:
+        failure = raised
+    assert not any(server._faults.values()), f"{name}: the fault was not met"
+    TALLY["runs"] += 1
+    TALLY["faults met"] += name != "Ctrl-C" or failure is not None
+    with open(path, "rb") as left:
+        found = left.read()
+    assert found in (OLD, new), name
+    TALLY["whole new" if found == new else "old kept"] += 1
+    assert leftovers(*directories) == [], name
+    if isinstance(failure, cx.CreateOSError):
+        assert repr(getattr(failure, "path", "")) in str(failure) or "of '/" in str(failure)
+        TALLY["errors naming the file"] += 1
+    return failure
+
+
+def expected_failure(name: str, restartable: bool, whole_before_the_cut: bool = False) -> bool:
+    """Whether a transfer fails under the fault `name`: a download cut after its
+    last byte has all it needs."""
+    cut_short = name in ("503", "429") or (name == "cut" and not whole_before_the_cut)
+    return name in ("corrupted", "Ctrl-C") or (not restartable and cut_short)
+
+
+@pytest.mark.parametrize("content", list(CONTENTS))
+@pytest.mark.parametrize("restartable", [True, False], ids=["source that seeks", "one that cannot"])
+def test_uploads_under_faults_leave_the_old_file_or_the_whole_new_one(
+    server, tmp_path, content, restartable
+):
+    data = CONTENTS[content]
+    path = str(tmp_path / "destination.bin")
+    with make_client(server) as client:
+        for name, at in faults(len(data)):
+            stop = at if name == "Ctrl-C" else -1
+            source = Interrupting(data, stop if stop >= 0 else len(data) + 1)
+            if not restartable:
+                source = io.BufferedReader(Unseekable(data, stop))
+            inject(server, "files_put", name, at)
+            put = functools.partial(client.put, SANDBOX, source, path)
+            failure = run(server, put, name, path, data, [str(tmp_path)])
+            assert (failure is not None) == expected_failure(name, restartable), (name, at, failure)
+
+
+def download_into(client, remote: str, local, into: str, sink, ctrl_c, monkeypatch) -> None:
+    """get() `remote` into a destination of the kind `into` (`sink` for a file),
+    its bytes then written to `local` whatever the kind. For a local path,
+    `ctrl_c` (an Interrupting, or None) is written beside its temporary file."""
+    if into == "a local path":
+        written = cx._FileSink.write
+        with monkeypatch.context() as patch:
+            if ctrl_c is not None:
+                patch.setattr(
+                    cx._FileSink,
+                    "write",
+                    lambda out, piece: written(out, ctrl_c.write(piece) and piece),
+                )
+            client.get(SANDBOX, remote, str(local))
+        return
+    got = client.get(SANDBOX, remote, sink)
+    if sink is not None:
+        got = sink.getvalue() if isinstance(sink, io.BytesIO) else bytes(sink.written)
+    local.write_bytes(got)
+
+
+@pytest.mark.parametrize("content", list(CONTENTS))
+@pytest.mark.parametrize("into", ["bytes", "a local path", "a file that seeks", "one that cannot"])
+def test_downloads_under_faults_leave_the_old_file_or_the_whole_new_one(
+    server, tmp_path, monkeypatch, content, into
+):
+    data = CONTENTS[content]
+    remote, local = tmp_path / "sandbox" / "file.bin", tmp_path / "here" / "file.bin"
+    remote.parent.mkdir()
+    local.parent.mkdir()
+    remote.write_bytes(data)
+    with make_client(server) as client:
+        for name, at in faults(len(data)):
+            if into == "bytes" and name == "Ctrl-C":
+                continue  # nothing of the caller's runs during it
+            stop = at if name == "Ctrl-C" else -1
+            seeks = Interrupting(b"", stop if stop >= 0 else len(data) + 1)
+            sink = {"a file that seeks": seeks, "one that cannot": Unseekable(after=stop)}.get(into)
+            ctrl_c = seeks if name == "Ctrl-C" else None
+            download = functools.partial(
+                download_into, client, str(remote), local, into, sink, ctrl_c, monkeypatch
+            )
+            inject(server, "files_get", name, at)
+            failure = run(server, download, name, str(local), data, [str(tmp_path)])
+            expected = expected_failure(name, into != "one that cannot", at == len(data))
+            assert (failure is not None) == expected, (name, at, failure)
