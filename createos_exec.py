@@ -4869,7 +4869,8 @@ examples:
   {prog} sb_123 -- uname -a
   {prog} --timeout 600 --env CI=1 sb_123 -- make test
   {prog} --shell sb_123 -- 'cd /app && ls | wc -l'
-  echo hello | {prog} --stdin - sb_123 -- cat
+  echo hello | {prog} sb_123 -- cat   # a pipe or a file on stdin is forwarded as it comes
+  {prog} -n sb_123 -- make            # EOF on the command's stdin at once
   {prog} --json sb_123 -- ls /    # one JSON object, for scripts
 
 Each ARG reaches the program as it is; with --shell, COMMAND is one bash script.
@@ -4908,8 +4909,15 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds the command may run; then its remote tree is terminated (exit status 124)",
     )
     parser.add_argument("--shell", action="store_true", help="COMMAND is one bash script string")
-    parser.add_argument(
-        "--stdin", metavar="FILE|-", help="feed FILE to the command's stdin (-: this tool's stdin)"
+    stdin = parser.add_mutually_exclusive_group()
+    stdin.add_argument(
+        "--stdin",
+        metavar="FILE|-",
+        help="feed FILE to the command's stdin (-: this tool's stdin, read to its end first); "
+        "without it, a stdin that is not a terminal is forwarded as it comes",
+    )
+    stdin.add_argument(
+        "-n", "--no-stdin", action="store_true", help="the command's stdin ends at once (EOF)"
     )
     parser.add_argument(
         "--json",
@@ -4965,6 +4973,42 @@ def _read_stdin_option(name: Optional[str]) -> Optional[bytes]:
         return handle.read()
 
 
+def _forwarded_stdin() -> Optional[int]:
+    """This tool's stdin, to forward as it comes: a pipe or a file, as ssh does;
+    None for a terminal (EOF at once, as without -i), a closed stdin, or one
+    that is no real file (in tests)."""
+    try:
+        fd = sys.stdin.fileno()
+    except (AttributeError, ValueError, OSError):
+        return None
+    return None if os.isatty(fd) else fd
+
+
+def _forward_stdin(fd: int, process: RemoteProcess, failures: List[CreateOSError]) -> None:
+    """Each piece of `fd` as it comes, through write(); its end closes the command's
+    stdin. A command that ended or closed its stdin ends the forwarding, as a
+    pipe's reader going away does, and so does its deadline. Any other failure
+    is kept in `failures`: nothing more is sent, and the command gets EOF."""
+    for step in (functools.partial(_write_pieces, fd, process), process.close_stdin):
+        try:
+            step()
+        except (StdinClosedError, WaitTimeout):
+            return
+        except CreateOSError as failure:
+            failures.append(failure)
+
+
+def _write_pieces(fd: int, process: RemoteProcess) -> None:
+    while True:
+        try:
+            piece = os.read(fd, _INPUT_PIECE)
+        except OSError:
+            return  # unreadable from here on: as its end
+        if not piece:
+            return
+        process.write(piece)
+
+
 def _unreadable_stdin(name: str, error: OSError) -> str:
     why = error.strerror or "it could not be read"
     if name == "-":
@@ -4980,10 +5024,13 @@ def _run_command(
     options: argparse.Namespace,
     command: Command,
     env: Optional[Dict[str, str]],
-    stdin: Optional[bytes],
+    stdin: Union[bytes, int, None],
     started: List[RemoteProcess],
+    failures: List[CreateOSError],
 ) -> ExecResult:
-    """Run the command; `started` gets its process once created (Ctrl-C names it)."""
+    """Run the command; `started` gets its process once created (Ctrl-C names it).
+    `stdin`: its data, or a descriptor forwarded as it comes (`failures` gets
+    what stopped the forwarding)."""
     with Client(api_url=options.api_url) as client:
         process = client.start(
             options.sandbox_id,
@@ -4991,13 +5038,16 @@ def _run_command(
             shell=options.shell,
             cwd=options.cwd,
             env=env,
-            stdin=stdin,
+            stdin=PIPE if isinstance(stdin, int) else stdin,
             timeout=options.timeout,
             on_output=None if options.json else _print_live,
             # Live output passes through byte-exact; JSON needs valid text.
             errors="replace" if options.json else "surrogateescape",
         )
         started.append(process)
+        if isinstance(stdin, int):
+            forwarding = (stdin, process, failures)
+            threading.Thread(target=_forward_stdin, args=forwarding, daemon=True).start()
         return process.wait()
 
 
@@ -5092,14 +5142,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if _key_from_environment() is None:
         return report.failure("ConfigError", _NO_KEY_HERE)
     try:
-        stdin = _read_stdin_option(options.stdin)
+        stdin: Union[bytes, int, None] = _read_stdin_option(options.stdin)
     except OSError as exc:
         return report.failure(type(exc).__name__, _unreadable_stdin(options.stdin, exc))
+    if options.stdin is None and not options.no_stdin:
+        stdin = _forwarded_stdin()
     started: List[RemoteProcess] = []
     interrupts: List[int] = []
+    failures: List[CreateOSError] = []
     try:
         with _counted_interrupts(interrupts):
-            result = _run_command(options, command, env, stdin, started)
+            result = _run_command(options, command, env, stdin, started, failures)
     except KeyboardInterrupt:
         report.line("interrupted" if len(interrupts) < 2 else _cleanup_cut_short(started))
         return 130
@@ -5110,6 +5163,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 128 + 13  # SIGPIPE, as a shell reports it
     except CreateOSError as exc:
         return report.failure(type(exc).__name__, str(exc), exc)
+    for failure in failures:
+        report.line(f"this tool's stdin was not all given to the command: {failure}")
     if result.timed_out and options.timeout is not None:
         report.line(
             f"the command timed out after {options.timeout:g} s; "

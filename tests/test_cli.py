@@ -11,6 +11,7 @@ termination of the remote tree (the "Ctrl-C" row) is in tests/test_containment.p
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -361,3 +362,59 @@ def test_errors_say_what_to_do_in_the_librarys_own_sentences(server):
         b"the API key was refused; check CREATEOS_API_KEY.\n"
     )
     assert b"not-the-key" not in done.stderr
+
+
+def test_a_stdin_that_is_no_terminal_is_forwarded_and_n_gives_eof(server):
+    assert run_cli(server, SANDBOX, "--", "cat", stdin=b"hi\n").stdout == b"hi\n"
+    assert run_cli(server, SANDBOX, "--", "wc", "-l", stdin=b"a\nb\nc\n").stdout.strip() == b"3"
+    assert run_cli(server, "-n", SANDBOX, "--", "cat", stdin=b"hi\n").stdout == b""
+    both = run_cli(server, "-n", "--stdin", "-", SANDBOX, "--", "cat")
+    assert both.returncode == 2 and b"not allowed with" in both.stderr
+
+
+def test_stdin_is_forwarded_as_it_comes_not_read_to_its_end_first(server):
+    script = 'read x; echo "got $x"; read y; echo "got $y"'
+    child = subprocess.Popen(
+        cli_argv(SANDBOX, "--", "sh", "-c", script),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=cli_env(server),
+    )
+    try:
+        child.stdin.write(b"one\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == b"got one\n"  # while this tool's stdin stays open
+        child.stdin.write(b"two\n")
+        child.stdin.close()
+        assert child.stdout.read() == b"got two\n"
+        assert child.wait(timeout=60) == 0
+    finally:
+        child.kill()
+        child.wait()
+
+
+@pytest.mark.parametrize("lost", [0, 1], ids=["delivered", "an answer lost"])
+def test_forwarding_in_process_says_when_stdin_was_not_all_given(server, monkeypatch, capfd, lost):
+    read, write = os.pipe()
+    os.write(write, b"hi\n")
+    os.close(write)
+    for name, value in cli_env(server).items():
+        monkeypatch.setenv(name, value)
+    if lost:
+        server.lose_input_response()
+    with open(read, "rb") as stdin:
+        monkeypatch.setattr(sys, "stdin", stdin)
+        assert cx.main([SANDBOX, "--", "cat"]) == 0
+    out, err = capfd.readouterr()
+    assert out == "hi\n"  # a lost answer's piece arrived all the same, once
+    assert ("stdin was not all given to the command" in err) == bool(lost)
+
+
+def test_only_a_stdin_that_is_a_real_file_and_no_terminal_is_forwarded(monkeypatch):
+    master, terminal = os.openpty()
+    with open(terminal, "rb") as tty, open(os.devnull, "rb") as null, open(master, "rb"):
+        for stdin, forwarded in ((io.StringIO("x"), None), (None, None), (tty, None)):
+            monkeypatch.setattr(sys, "stdin", stdin)
+            assert cx._forwarded_stdin() is forwarded
+        monkeypatch.setattr(sys, "stdin", null)
+        assert cx._forwarded_stdin() == null.fileno()
