@@ -1025,40 +1025,34 @@ def spawn(
     cgroup: Cgroup | None,
     size: tuple[int, int] | None,
 ) -> tuple[subprocess.Popen[bytes], int | None]:
-    """The leader, in a session of its own: on three pipes, or (``size`` given)
-    on a new pseudo-terminal of that size, its controlling terminal; and the
-    terminal's master."""
-    if size is None:
+    """The leader, in a session of its own (setsid() runs before preexec_fn): on
+    three pipes, or (``size`` given) on a new pseudo-terminal of that size, its
+    controlling terminal; and the terminal's master."""
+    master = slave = None
+    if size is not None:
+        master, slave = os.openpty()
+        set_window_size(master, *size)
+    preexec = functools.partial(take_terminal, cgroup) if size else cgroup and cgroup.join
+    stream = subprocess.PIPE if slave is None else slave
+    try:
         popen = subprocess.Popen(
             argv,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            stdin=stream,
+            stdout=stream,
+            stderr=stream,
             cwd=cwd,
             env=env,
             start_new_session=True,
-            preexec_fn=None if cgroup is None else cgroup.join,
+            preexec_fn=preexec or None,
             bufsize=0,
         )
-        return popen, None
-    master, slave = os.openpty()
-    try:
-        set_window_size(master, *size)
-        popen = subprocess.Popen(
-            argv,
-            stdin=slave,
-            stdout=slave,
-            stderr=slave,
-            cwd=cwd,
-            env=env,
-            start_new_session=True,  # setsid() runs before preexec_fn
-            preexec_fn=functools.partial(take_terminal, cgroup),
-        )
     except BaseException:
-        os.close(master)
+        if master is not None:
+            os.close(master)
         raise
     finally:
-        os.close(slave)  # else the output would never reach EIO
+        if slave is not None:
+            os.close(slave)  # else the output would never reach EIO
     return popen, master
 
 
