@@ -16,6 +16,7 @@ from support import (
     PROCS,
     SANDBOX,
     SB,
+    THREE_TRIES,
     add_connect,
     add_deleted,
     assert_deleted_once,
@@ -130,6 +131,17 @@ def test_the_deadline_and_containment_hold_for_a_terminal(client, server):
     result = client.execute(SANDBOX, "echo started; exec sleep 60", shell=True, pty=True, timeout=2)
     assert result.timed_out and result.stdout == "started\r\n"
     assert server.wait_tree_gone(result.process_id)
+
+
+@pytest.mark.both_readings
+def test_a_terminals_exit_status_is_recovered_out_of_band(server):
+    # Three connects end after the first frame or a heartbeat alone: no progress,
+    # the budget is spent, `wait` gives the status, and a replay what is missing.
+    server.corrupt_stream(b'{"type":"heartbeat"}\n', after_frames=1, last=True)
+    server.corrupt_stream(b'{"type":"heartbeat"}\n', last=True, count=2)
+    with make_client(server, retry=THREE_TRIES) as client:
+        result = client.execute(SANDBOX, "echo done; exit 4", shell=True, pty=True, timeout=60)
+    assert (result.exit_code, result.stdout, result.exit_recovered) == (4, "done\r\n", True)
 
 
 def test_pty_false_is_pipes():
