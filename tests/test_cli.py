@@ -17,6 +17,8 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from typing import Any, List
 
 import pytest
@@ -41,6 +43,7 @@ from support import (
     closed_port,
     data,
     in_ci,
+    make_client,
     nd,
     ok,
 )
@@ -418,3 +421,21 @@ def test_only_a_stdin_that_is_a_real_file_and_no_terminal_is_forwarded(monkeypat
             assert cx._forwarded_stdin() is forwarded
         monkeypatch.setattr(sys, "stdin", null)
         assert cx._forwarded_stdin() == null.fileno()
+
+
+def test_keys_typed_while_a_piece_is_sent_go_together_in_the_next_within_the_rate_limit(server):
+    read, write = os.pipe()
+    failures: List[Any] = []
+    with make_client(server, rate_limit=(5, 1.0)) as client:
+        cat = client.start(SANDBOX, ["cat"], stdin=cx.PIPE)
+        forwarding = threading.Thread(target=cx._forward_stdin, args=(read, cat, failures))
+        forwarding.start()
+        for _ in range(200):  # a key every 3 ms: faster than 5 requests a second
+            os.write(write, b"k")
+            time.sleep(0.003)
+        os.close(write)
+        forwarding.join(30)
+        result = cat.wait(timeout=30)
+    os.close(read)
+    assert result.stdout == "k" * 200 and failures == []
+    assert len(server.requests_to("input")) <= 10  # one at a time, each with what came meanwhile
