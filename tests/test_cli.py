@@ -439,3 +439,33 @@ def test_keys_typed_while_a_piece_is_sent_go_together_in_the_next_within_the_rat
     os.close(read)
     assert result.stdout == "k" * 200 and failures == []
     assert len(server.requests_to("input")) <= 10  # one at a time, each with what came meanwhile
+
+
+class Typed:
+    """A process's stand-in that records what forwarding gives it."""
+
+    def __init__(self, refusal: Any = None) -> None:
+        self.given: List[Any] = []
+        self.refusal = refusal
+
+    def write(self, piece: bytes) -> None:
+        self.given.append(piece)
+        if self.refusal is not None:
+            raise self.refusal
+
+    def close_stdin(self) -> None:
+        self.given.append("EOF")
+
+
+def test_forwarding_ends_quietly_when_the_command_stops_reading_or_stdin_cannot_be_read():
+    read, write = os.pipe()
+    os.write(write, b"x")
+    failures: List[Any] = []
+    stopped = Typed(cx.StdinClosedError())
+    cx._forward_stdin(read, stopped, failures)
+    assert stopped.given == [b"x"] and failures == []
+    os.close(write)
+    os.close(read)
+    unreadable = Typed()
+    cx._forward_stdin(read, unreadable, failures)  # a closed descriptor: as its end
+    assert unreadable.given == ["EOF"] and failures == []
