@@ -83,8 +83,9 @@ def test_a_python_repl_is_driven_by_typing_and_taken_up_by_its_id(client):
     again = client.process(SANDBOX, repl.process_id)
     assert again.pid == repl.pid and isinstance(again.pid, int)
     assert typed_until(again, "42").startswith(">>> 6 * 7\r\n")  # the replay, echo included
-    repl.write(b"exit()\n")
-    result = repl.wait(timeout=30)
+    out, err = repl.communicate(b"exit()\n", timeout=30)  # nothing to close: it exits
+    result = repl.wait()
+    assert (out, err) == (result.stdout, "")
     assert result.exit_code == 0 and result.stderr == ""
     assert result.stdout.startswith(">>> 6 * 7\r\n42\r\n>>> exit()\r\n")
     assert again.wait(timeout=30).stdout == result.stdout
