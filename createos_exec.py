@@ -762,6 +762,7 @@ class _RunKeywords(_FollowKeywords, total=False):
     text: Literal[True]
     stdout: Optional[int]  # subprocess.PIPE or None: captured all the same
     stderr: Optional[int]  # also subprocess.STDOUT: merged into stdout
+    pty: Union[bool, Tuple[int, int], None]  # True or (rows, cols): on a terminal
 
 
 _RUN_KEYWORDS = frozenset(_RunKeywords.__annotations__)
@@ -791,6 +792,7 @@ class _Options:
     text: bool = True
     stdout: Optional[int] = None
     stderr: Optional[int] = None
+    pty: Union[bool, Tuple[int, int], None] = None  # checked: None or (rows, cols)
 
     def __post_init__(self) -> None:
         if self.stdin is not None:
@@ -820,6 +822,13 @@ class _Options:
             raise _codec_error(self.encoding, self.errors) from None
         if self.cancel is not None and not callable(getattr(self.cancel, "is_set", None)):
             raise ConfigError("cancel must be a threading.Event.")
+        if self.pty is not None:
+            object.__setattr__(self, "pty", _terminal_size(self.pty))
+        if self.pty is not None and (self.input is not None or self.stdin not in (None, PIPE)):
+            raise ConfigError(
+                "A terminal's input is typed: start(..., pty=...) takes no stdin data; "
+                "write() it once started."
+            )
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -953,7 +962,12 @@ class Client:
             raise CancelledError(created=False) from None
         args = command if isinstance(command, str) else list(command)
         follower = _Follower(
-            endpoints, checked, args=args, started=started, creation_recovered=recovered
+            endpoints,
+            checked,
+            args=args,
+            started=started,
+            creation_recovered=recovered,
+            terminal=checked.pty is not None,
         )
         return RemoteProcess(follower, deadline, launch)
 
@@ -965,6 +979,7 @@ class Client:
         *,
         after: int = 0,
         stdin: None = None,
+        pty: None = None,
         **options: Unpack[_FollowKeywords],
     ) -> RemoteProcess:
         """A handle on a process started elsewhere or earlier (a restarted kernel,
@@ -972,12 +987,17 @@ class Client:
 
         One request first shows that it exists: a wrong id or region is the
         APIError 404 itself, and nothing needs destroying. `timeout` counts
-        from now; the handle does all that start()'s does.
+        from now; the handle does all that start()'s does, on a terminal too
+        when the record says the process has one.
         """
         started = time.monotonic()
         if stdin is not None:
             raise ConfigError(
                 "process() and attach() take no stdin: they follow a process started elsewhere."
+            )
+        if pty is not None:
+            raise ConfigError(
+                "process() and attach() take no pty: whether a process has a terminal is its own."
             )
         if not _FOLLOW_KEYWORDS.issuperset(options):
             raise _unexpected("process", options, _FOLLOW_KEYWORDS)
@@ -987,8 +1007,15 @@ class Client:
         endpoints = _Endpoints(sandbox, _checked_id("process", process_id))
         if not _is_int(after) or after < 0:
             raise ConfigError("after must be an integer >= 0.")
-        args = _process_info(endpoints.record(deadline)).args
-        follower = _Follower(endpoints, checked, args=args, started=started, cursor=after)
+        record = endpoints.record(deadline)
+        follower = _Follower(
+            endpoints,
+            checked,
+            args=_process_info(record).args,
+            started=started,
+            cursor=after,
+            terminal=record.get("kind") == "pty",
+        )
         return RemoteProcess(follower, deadline)
 
     @_shows(_FollowKeywords)
@@ -999,12 +1026,14 @@ class Client:
         *,
         after: int = 0,
         stdin: None = None,
+        pty: None = None,
         **options: Unpack[_FollowKeywords],
     ) -> ExecResult:
         """Follow a process started elsewhere to its end: process(...).wait()."""
         if not _FOLLOW_KEYWORDS.issuperset(options):
             raise _unexpected("attach", options, _FOLLOW_KEYWORDS)
-        return self.process(sandbox_id, process_id, after=after, stdin=stdin, **options).wait()
+        process = self.process(sandbox_id, process_id, after=after, stdin=stdin, pty=pty, **options)
+        return process.wait()
 
     def processes(self, sandbox_id: str) -> List[ProcessInfo]:
         """Every managed process the sandbox keeps, running or exited."""
@@ -1230,7 +1259,8 @@ class RemoteProcess:
     Popen owns its engine. wait() follows the output stream with every
     guarantee of execute() (execute() is start(...).wait()); iter_output()
     hands the output over as it arrives, with the same guarantees; poll(),
-    terminate(), kill() and send_signal() act on the remote tree; leaving a
+    terminate(), kill() and send_signal() act on the remote tree, write()
+    and resize() on a terminal's (start(..., pty=...)); leaving a
     `with` block terminates a tree that still runs. One thread follows the
     stream at a time; terminate() and kill() from another thread end it for
     that one. The run's deadline was made once, from `timeout`; a wait may
@@ -1256,7 +1286,8 @@ class RemoteProcess:
         self._outcome: Union[ExecResult, BaseException, None] = None  # once the run has ended
         self._exited: Optional[_Exit] = None  # learned by poll()
         self._owner: Optional[Client] = None  # the client of cx.start(), closed at the end
-        piped = isinstance(options.stdin, _Pipe)
+        self._terminal = follower.terminal  # its input is typed, its output one stream, "pty"
+        piped = isinstance(options.stdin, _Pipe) or self._terminal
         self._stdin = _StdinWriter(endpoints, options.encoding) if piped else None
 
     def __repr__(self) -> str:
@@ -1422,8 +1453,24 @@ class RemoteProcess:
         self._write(data, self._deadline)
 
     def close_stdin(self) -> None:
-        """EOF on stdin; idempotent, and nothing to do without stdin=cx.PIPE."""
+        """EOF on stdin; idempotent, and nothing to do without stdin=cx.PIPE.
+        A terminal has none to close: ConfigError."""
+        if self._terminal:
+            raise ConfigError(
+                "A terminal has no stdin to close: its program ends with exit, or Ctrl-D "
+                "typed (write('\\x04'))."
+            )
         self._close_stdin(self._deadline)
+
+    def resize(self, rows: int, cols: int) -> None:
+        """Give the terminal (start(..., pty=...)) a new size: the program gets
+        SIGWINCH and sees it. Nothing is sent once the process has ended."""
+        size = _terminal_size((rows, cols))
+        if not self._terminal:
+            raise ConfigError("resize() needs a process started with pty=True or (rows, cols).")
+        if self._outcome is None and size is not None:
+            with self._interruptible():
+                self._endpoints.resize(size, self._deadline)
 
     def communicate(
         self, input: Union[str, bytes, None] = None, timeout: Optional[float] = None
@@ -1448,7 +1495,7 @@ class RemoteProcess:
             self._stdin.write(data, deadline, ended=self._outcome is not None)
 
     def _close_stdin(self, deadline: _Deadline) -> None:
-        if self._stdin is not None and self._outcome is None:
+        if self._stdin is not None and self._outcome is None and not self._terminal:
             with self._interruptible():
                 self._stdin.close(deadline)
 
@@ -1734,8 +1781,8 @@ class _Handover:
     def __init__(self, longest_line: int) -> None:
         self._pieces: Deque[Tuple[str, str]] = collections.deque()
         self._lines_ready: Deque[Tuple[str, str]] = collections.deque()
-        self._partial: Dict[str, List[str]] = {name: [] for name in _STREAMS}
-        self._partial_size = dict.fromkeys(_STREAMS, 0)
+        self._partial: Dict[str, List[str]] = {name: [] for name in _ALL_STREAMS}
+        self._partial_size = dict.fromkeys(_ALL_STREAMS, 0)
         self._longest_line = longest_line
 
     def keep(self, stream: str, text: str) -> None:
@@ -1744,7 +1791,7 @@ class _Handover:
     def clear(self) -> None:
         self._pieces.clear()
         self._lines_ready.clear()
-        for name in _STREAMS:
+        for name in _ALL_STREAMS:
             self._partial[name].clear()
             self._partial_size[name] = 0
 
@@ -1797,7 +1844,7 @@ class _Handover:
 
     def _unterminated(self, *streams: str) -> None:
         """What the streams hold of a line, made ready as it stands."""
-        for name in streams or _STREAMS:
+        for name in streams or _ALL_STREAMS:
             partial = self._partial[name]
             if partial:
                 self._lines_ready.append((name, "".join(partial)))  # one text is not copied
@@ -1941,6 +1988,7 @@ class _Follower:
         started: float,
         cursor: int = 0,
         creation_recovered: bool = False,
+        terminal: bool = False,
     ) -> None:
         self.endpoints = endpoints
         self.options = options
@@ -1952,7 +2000,7 @@ class _Follower:
             options.on_output,
             merges_stderr=options.stderr == subprocess.STDOUT,
         )
-        self._reader = _Reader(self._output, cursor)
+        self._reader = _Reader(self._output, cursor, terminal=terminal)
         self._budget: Optional[_Budget] = None  # made at the first broken connection
         self._progress_mark = cursor  # the cursor when the budget last saw progress
         self._record: Optional[Dict[str, Any]] = None  # the exited process's, once known
@@ -1962,6 +2010,7 @@ class _Follower:
         self.reconnects = 0
         self.exit_recovered = False
         self.creation_recovered = creation_recovered
+        self.terminal = terminal
 
     @property
     def cursor(self) -> int:
@@ -2171,8 +2220,10 @@ def _plan(command: Command, options: _Options, grace: float = _TERMINATE_GRACE) 
     Env values and stdin are secrets: anyone listing the sandbox's processes
     reads cmd/args. They travel in a private file instead, which the wrapper
     opens as its stdin, reads the variables from and removes at once. With
-    stdin=PIPE the wrapper reads that file on a descriptor of its own and
-    leaves its stdin, the service's pipe, to the command.
+    stdin=PIPE, and on a terminal (`pty`), the wrapper reads that file on a
+    descriptor of its own and leaves its stdin, the service's pipe or the
+    terminal, to the command; a terminal gets TERM=xterm-256color unless
+    `env` gives its own.
 
     With a `timeout`, the wrapper forks a watchdog (see _WATCHDOG) that keeps
     the deadline in the sandbox, with `grace` seconds between SIGTERM and
@@ -2180,11 +2231,13 @@ def _plan(command: Command, options: _Options, grace: float = _TERMINATE_GRACE) 
     """
     marker = _MARKER_PREFIX + secrets.token_hex(12)
     argv = _argv(command, options.shell)
-    piped = isinstance(options.stdin, _Pipe)
+    piped = isinstance(options.stdin, _Pipe) or options.pty is not None
     stdin = None if piped else (options.stdin if options.input is None else options.input)
     staged = _staged_bytes(options.env, stdin) if options.env or stdin is not None else None
     staged_path = f"/tmp/.{marker}" if staged is not None else None
     lines = [_WRAPPER_HEAD]
+    if options.pty is not None and "TERM" not in (options.env or {}):
+        lines.append(_TERMINAL_TYPE)
     if staged_path is not None:
         lines.extend(_reading_staged(staged_path, marker, piped))
     elif not piped:
@@ -2198,7 +2251,9 @@ def _plan(command: Command, options: _Options, grace: float = _TERMINATE_GRACE) 
     if options.timeout is not None:
         lines.extend(_watchdog(options.timeout, grace))
     lines.append(_RUN_SCRIPT if options.shell else _RUN_ARGV)
-    body = {"cmd": "bash", "args": ["-c", "\n".join(lines) + "\n", marker, *argv]}
+    body: Dict[str, Any] = {"cmd": "bash", "args": ["-c", "\n".join(lines) + "\n", marker, *argv]}
+    if isinstance(options.pty, tuple):  # checked: (rows, cols)
+        body["pty"] = dict(zip(("rows", "cols"), options.pty))
     return _Plan(marker, body, staged_path, staged)
 
 
@@ -2463,7 +2518,7 @@ class _Launch:
 #
 # One place for each request and for what each of its statuses means: the
 # sandbox's (creation, the listing, its view, files, exec) and the
-# process's (connect, wait, record, signal, delete, input, stdin). Records
+# process's (connect, wait, record, signal, delete, input, stdin, resize). Records
 # are checked here, before anything reads them.
 
 
@@ -2764,13 +2819,25 @@ class _Endpoints:
     def close_stdin(self, deadline: _Deadline) -> None:
         """EOF on stdin; closing twice does no harm, so unlike a write it is retried.
         404 and 409 (closed already, the process ended) are fine."""
+        # A JSON body: the service's forwarder refuses a POST of no type.
+        self._post_twice_harmless("/stdin/close", "stdin close", {}, deadline)
+
+    def resize(self, size: Tuple[int, int], deadline: _Deadline) -> None:
+        """The terminal's new size (rows, cols); the same size twice is one resize,
+        so it is retried. 404 and 409 (the process ended) are fine."""
+        body = dict(zip(("rows", "cols"), size))
+        self._post_twice_harmless("/resize", "terminal resize", body, deadline)
+
+    def _post_twice_harmless(
+        self, rest: str, operation: str, body: Dict[str, Any], deadline: _Deadline
+    ) -> None:
         self.transport.call(
             "POST",
-            self._path + "/stdin/close",
-            operation="stdin close",
+            self._path + rest,
+            operation=operation,
             deadline=deadline,
             process_id=self.process_id,
-            json_body={},  # a JSON body: the service's forwarder refuses a POST of no type
+            json_body=body,
             ok_statuses=(404, 409),
         ).close()
 
@@ -3451,6 +3518,7 @@ class _Reader:
     output: _Output
     cursor: int = 0  # the seq of the last data frame accepted
     limit: int = _FRAME_LIMIT  # the longest line, in bytes
+    terminal: bool = False  # a PTY process: its one stream is "pty", a pipe's are the others
     heartbeats: int = dataclasses.field(default=0, init=False)
     stepwise: bool = dataclasses.field(default=False, init=False)  # a step after each block
 
@@ -3585,6 +3653,8 @@ class _Reader:
                         continue
                     raise ProtocolError(f"output seq jumped from {cursor} to {number}")
                 if stream != run_stream:
+                    if (stream == "pty") is not self.terminal:
+                        raise ProtocolError("a data frame names a stream of the other kind")
                     if run:
                         done, run = run, []  # never handed out twice, even if that fails
                         self.output.feed(run_stream, b"".join(done))
@@ -3610,15 +3680,18 @@ def _within_limit(block: bytes, limit: int) -> Iterator[bytes]:
     yield block
 
 
-_STREAMS = ("stdout", "stderr")
+_STREAMS = ("stdout", "stderr")  # a pipe process's, and a result's: a terminal's is stdout
+_ALL_STREAMS = _STREAMS + ("pty",)  # and a terminal's one
 
 # A line in the form the service writes (docs/protocol.md 5.4): a data frame or a
 # heartbeat. Such a line is a JSON object whose fields the groups give (a
-# heartbeat has empty groups): digits and one of two words need no unescaping,
+# heartbeat has empty groups): digits and one of three words need no unescaping,
 # and base64 text needs none when the block holds no backslash. The base64 is
 # taken as whatever stands between the quotes (`[^"]*`, a fast path in `re`;
 # a character class costs several times more): _base64 checks it.
-_DATA_HEAD = r'\{"type":"data","seq":([1-9][0-9]{0,17}),"stream":"(stdout|stderr)","data_base64":"'
+_DATA_HEAD = (
+    r'\{"type":"data","seq":([1-9][0-9]{0,17}),"stream":"(stdout|stderr|pty)","data_base64":"'
+)
 _SERVICE_FORM = "(?:" + _DATA_HEAD + r'([^"]*)"\}|\{"type":"heartbeat"\})'
 _SERVICE_LINE = re.compile("^" + _SERVICE_FORM + "$", re.MULTILINE)
 _ONE_SERVICE_LINE = re.compile(_SERVICE_FORM + "\n\\Z")
@@ -3708,7 +3781,7 @@ def _data_frame(frame: Dict[str, Any]) -> Tuple[int, str, str]:
     if not _is_int(seq) or seq < 1:
         raise ProtocolError("a data frame has no positive integer seq")
     stream = frame.get("stream")
-    if stream not in _STREAMS:
+    if stream not in _ALL_STREAMS:
         raise ProtocolError("a data frame names an unknown stream")
     text = frame.get("data_base64")
     if type(text) is not str:
@@ -3881,25 +3954,31 @@ class _Output:
         self._decoder = codecs.getincrementaldecoder(encoding)
         # The stream each stream's text is: with stderr=subprocess.STDOUT, stderr's
         # is stdout's everywhere it goes (decoded apart: each pipe's bytes are whole).
-        self._into = {"stdout": "stdout", "stderr": "stdout" if merges_stderr else "stderr"}
+        # A terminal's is its own, "pty", kept as stdout.
+        self._into = {
+            "stdout": "stdout",
+            "stderr": "stdout" if merges_stderr else "stderr",
+            "pty": "pty",
+        }
         self._errors = errors
         self._limit = limit
         self._on_output = on_output
         self._deliver = on_output  # on_output, a loop's taker, both, or None
         self._part_size = min(_TAIL_PART, limit // 16)
         self.evicted = False  # the service dropped output nobody had read
-        self._decoders = {name: self._decoder(errors) for name in _STREAMS}
+        self._decoders = {name: self._decoder(errors) for name in _ALL_STREAMS}
         self.tails = {name: _Tail(limit) for name in _STREAMS}
         self.combined = _Tail(limit)
         # Texts not yet in the tails: per stream, and of both in order.
-        self._recent: Dict[str, List[str]] = {name: [] for name in _STREAMS}
+        stdout: List[str] = []
+        self._recent = {"stdout": stdout, "stderr": [], "pty": stdout}
         self._recent_both: List[str] = []
         self._recent_size = 0
 
     def drop_all(self) -> None:
         """Forget what was read: the output after it is what is kept now, its head dropped."""
         self.evicted = True
-        self._decoders = {name: self._decoder(self._errors) for name in _STREAMS}
+        self._decoders = {name: self._decoder(self._errors) for name in _ALL_STREAMS}
         self.tails = {name: _Tail(self._limit, dropped=True) for name in _STREAMS}
         self.combined = _Tail(self._limit, dropped=True)
         for texts in self._recent.values():
@@ -3938,7 +4017,8 @@ class _Output:
                 self._deliver(stream, text)
 
     def _file_recent(self) -> None:
-        for name, texts in self._recent.items():
+        for name in _STREAMS:
+            texts = self._recent[name]
             if texts:
                 self.tails[name].append("".join(texts))  # one text is not copied
                 texts.clear()
@@ -3957,7 +4037,7 @@ class _Output:
         handing it out unless `hand_out` is false, and fill the tails."""
         if not hand_out:
             self._on_output = self._deliver = None
-        for name in _STREAMS:
+        for name in _ALL_STREAMS:
             self.feed(name, b"", final=True)
         self._file_recent()
 
@@ -4910,6 +4990,26 @@ def _rate_limit(value: Any) -> Optional[Tuple[int, float]]:
     return limit, float(period)
 
 
+_TERMINAL = (24, 80)  # rows and cols of pty=True
+_WINSIZE_MAX = 65535  # rows and cols are unsigned shorts in a terminal's winsize
+
+
+def _terminal_size(value: Any) -> Optional[Tuple[int, int]]:
+    """pty=: True (24 x 80), (rows, cols), or False (pipes, as None)."""
+    if value is True or value is False:
+        return _TERMINAL if value else None
+    if (
+        isinstance(value, (tuple, list))
+        and len(value) == 2
+        and all(_is_int(number) and 0 < number <= _WINSIZE_MAX for number in value)
+    ):
+        return value[0], value[1]
+    raise ConfigError(
+        f"A terminal's size must be (rows, cols), integers from 1 to {_WINSIZE_MAX}, "
+        f"not {_shown(value)} (pty=True is {_TERMINAL[0]} x {_TERMINAL[1]})."
+    )
+
+
 def _positive_seconds(name: str, value: Any) -> float:
     if not _is_number(value) or not value > 0 or value != value:
         raise ConfigError(f"{name} must be a positive number of seconds, not {_shown(value)}.")
@@ -4995,6 +5095,8 @@ _cx_find_program() {
         *) type -P -- "$1" >/dev/null || _cx_missing "$1" "command not found" ;;
     esac
 }"""
+# A terminal's type, unless the caller's env names one (a service may set none).
+_TERMINAL_TYPE = "export TERM=xterm-256color"
 # The wrapper's last line, for a script (shell=True) or an argv.
 _RUN_SCRIPT = 'exec bash -c -- "$1"'
 _RUN_ARGV = 'exec -- "$@"'
@@ -5442,7 +5544,8 @@ examples:
   {prog} sb_123 -- uname -a
   {prog} --timeout 600 --env CI=1 sb_123 -- make test
   {prog} --shell sb_123 -- 'cd /app && ls | wc -l'
-  echo hello | {prog} --stdin - sb_123 -- cat
+  echo hello | {prog} sb_123 -- cat   # a pipe or a file on stdin is forwarded as it comes
+  {prog} -n sb_123 -- make            # EOF on the command's stdin at once
   {prog} --json sb_123 -- ls /    # one JSON object, for scripts
   {prog} --put src.tar:/app/src.tar --get /app/report.html:report.html \
       sb_123 -- bash -c 'cd /app && tar xf src.tar && make report'
@@ -5487,8 +5590,15 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds the command may run; then its remote tree is terminated (exit status 124)",
     )
     parser.add_argument("--shell", action="store_true", help="COMMAND is one bash script string")
-    parser.add_argument(
-        "--stdin", metavar="FILE|-", help="feed FILE to the command's stdin (-: this tool's stdin)"
+    stdin = parser.add_mutually_exclusive_group()
+    stdin.add_argument(
+        "--stdin",
+        metavar="FILE|-",
+        help="feed FILE to the command's stdin (-: this tool's stdin, read to its end first); "
+        "without it, a stdin that is not a terminal is forwarded as it comes",
+    )
+    stdin.add_argument(
+        "-n", "--no-stdin", action="store_true", help="the command's stdin ends at once (EOF)"
     )
     parser.add_argument(
         "--put",
@@ -5588,6 +5698,42 @@ def _read_stdin_option(name: Optional[str]) -> Optional[bytes]:
         return handle.read()
 
 
+def _forwarded_stdin() -> Optional[int]:
+    """This tool's stdin, to forward as it comes: a pipe or a file, as ssh does;
+    None for a terminal (EOF at once, as without -i), a closed stdin, or one
+    that is no real file (in tests)."""
+    try:
+        fd = sys.stdin.fileno()
+    except (AttributeError, ValueError, OSError):
+        return None
+    return None if os.isatty(fd) else fd
+
+
+def _forward_stdin(fd: int, process: RemoteProcess, failures: List[CreateOSError]) -> None:
+    """Each piece of `fd` as it comes, through write(); its end closes the command's
+    stdin. A command that ended or closed its stdin ends the forwarding, as a
+    pipe's reader going away does, and so does its deadline. Any other failure
+    is kept in `failures`: nothing more is sent, and the command gets EOF."""
+    for step in (functools.partial(_write_pieces, fd, process), process.close_stdin):
+        try:
+            step()
+        except (StdinClosedError, WaitTimeout):
+            return
+        except CreateOSError as failure:
+            failures.append(failure)
+
+
+def _write_pieces(fd: int, process: RemoteProcess) -> None:
+    while True:
+        try:
+            piece = os.read(fd, _INPUT_PIECE)
+        except OSError:
+            return  # unreadable from here on: as its end
+        if not piece:
+            return
+        process.write(piece)
+
+
 def _unreadable_stdin(name: str, error: OSError) -> str:
     why = error.strerror or "it could not be read"
     if name == "-":
@@ -5604,23 +5750,29 @@ def _run_command(
     options: argparse.Namespace,
     command: Command,
     env: Optional[Dict[str, str]],
-    stdin: Optional[bytes],
+    stdin: Union[bytes, int, None],
     started: List[RemoteProcess],
+    failures: List[CreateOSError],
 ) -> ExecResult:
-    """Run the command; `started` gets its process once created (Ctrl-C names it)."""
+    """Run the command; `started` gets its process once created (Ctrl-C names it).
+    `stdin`: its data, or a descriptor forwarded as it comes (`failures` gets
+    what stopped the forwarding)."""
     process = client.start(
         options.sandbox_id,
         command,
         shell=options.shell,
         cwd=options.cwd,
         env=env,
-        stdin=stdin,
+        stdin=PIPE if isinstance(stdin, int) else stdin,
         timeout=options.timeout,
         on_output=None if options.json else _print_live,
         # Live output passes through byte-exact; JSON needs valid text.
         errors="replace" if options.json else "surrogateescape",
     )
     started.append(process)
+    if isinstance(stdin, int):
+        forwarding = (stdin, process, failures)
+        threading.Thread(target=_forward_stdin, args=forwarding, daemon=True).start()
     return process.wait()
 
 
@@ -5628,8 +5780,9 @@ def _run_with_files(
     options: argparse.Namespace,
     command: Optional[Command],
     env: Optional[Dict[str, str]],
-    stdin: Optional[bytes],
+    stdin: Union[bytes, int, None],
     started: List[RemoteProcess],
+    failures: List[CreateOSError],
 ) -> Optional[ExecResult]:
     """The --put files, the command (if any), then the --get files once a command
     that was started has ended, however it ended: the command's error is raised
@@ -5640,7 +5793,7 @@ def _run_with_files(
         result, failure = None, None
         try:
             if command is not None:
-                result = _run_command(client, options, command, env, stdin, started)
+                result = _run_command(client, options, command, env, stdin, started, failures)
         except CreateOSError as error:
             if not started:
                 raise
@@ -5761,14 +5914,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if _key_from_environment() is None:
         return report.failure("ConfigError", _NO_KEY_HERE)
     try:
-        stdin = _read_stdin_option(options.stdin)
+        stdin: Union[bytes, int, None] = _read_stdin_option(options.stdin)
     except OSError as exc:
         return report.failure(type(exc).__name__, _unreadable_stdin(options.stdin, exc))
+    if options.stdin is None and not options.no_stdin:
+        stdin = _forwarded_stdin()
     started: List[RemoteProcess] = []
     interrupts: List[int] = []
+    failures: List[CreateOSError] = []
     try:
         with _counted_interrupts(interrupts):
-            result = _run_with_files(options, command, env, stdin, started)
+            result = _run_with_files(options, command, env, stdin, started, failures)
     except KeyboardInterrupt:
         report.line("interrupted" if len(interrupts) < 2 else _cleanup_cut_short(started))
         return 130
@@ -5781,6 +5937,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return report.failure(type(exc).__name__, str(exc), exc)
     except _TransferFailed as failed:
         return report.failure(type(failed.cause).__name__, str(failed), failed.cause)
+    for failure in failures:
+        report.line(f"this tool's stdin was not all given to the command: {failure}")
     if result is None:
         return 0
     if result.timed_out and options.timeout is not None:

@@ -8,7 +8,8 @@ Sandbox REST API (see ``docs/protocol.md``), and the GET of a sandbox that SDKs
 use to get a handle on one: JSend envelopes, ``X-Api-Key`` auth,
 NDJSON output streams over chunked HTTP/1.1 with heartbeats, a bounded
 replay journal with whole-frame eviction, ``wait`` long-polls and
-termination of the whole tree with a grace period. Tests can also inject faults
+termination of the whole tree with a grace period, and PTY processes on real
+pseudo-terminals (resize, the foreground job). Tests can also inject faults
 (error statuses, dropped / ended / stalled / corrupted streams, eviction, a
 lost create response, a lost answer to a delivered input or to an exec, a file
 upload or download cut or corrupted), and turn on strict
@@ -50,6 +51,8 @@ import collections
 import dataclasses
 import datetime
 import errno
+import fcntl
+import functools
 import hmac
 import ipaddress
 import itertools
@@ -61,9 +64,11 @@ import secrets
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
+import termios
 import threading
 import time
 import traceback
@@ -142,6 +147,7 @@ ENDPOINTS = (
     "connect",
     "input",
     "stdin_close",
+    "resize",
     "signal",
     "wait",
     "delete",
@@ -155,6 +161,7 @@ CREDENTIAL_HEADERS = ("X-Api-Key", "Authorization", "X-Auth-Token", "X-Access-To
 ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 SANDBOX_ID = re.compile(r"[A-Za-z0-9_-]{1,200}\Z")
 UNSIGNED = re.compile(r"[0-9]+\Z")
+WINSIZE_MAX = 65535  # rows and cols are unsigned shorts in the kernel's winsize
 
 _SB = r"/v1/sandboxes/([^/]+)"
 _PROC = _SB + r"/processes/([^/]+)"
@@ -167,6 +174,7 @@ _ENDPOINTS_BY_PATH = {
     _PROC + r"/connect": "GET connect",
     _PROC + r"/input": "POST input",
     _PROC + r"/stdin/close": "POST stdin_close",
+    _PROC + r"/resize": "POST resize",
     _PROC + r"/signal": "POST signal",
     _PROC + r"/wait": "GET wait",
     _SB + r"/files": "GET files_get, PUT files_put",
@@ -222,6 +230,9 @@ class Reading:
     delete_forgets: bool = False  # §11.12
     upload_creates_parents: bool = False  # §11.16
     listing: str = "unpaginated"  # §5.3
+    pty_term: str | None = None  # §11.20
+    pty_default_size: str = "24x80"  # §11.20
+    pty_signal_target: str = "foreground"  # §11.20
 
     def __post_init__(self) -> None:
         for field, choices in READING_CHOICES.items():
@@ -246,6 +257,9 @@ READING_CHOICES = {
     "signal_target": ("group", "leader"),
     "wait_default_scope": ("leader", "tree"),
     "listing": ("unpaginated", "paginated"),
+    "pty_term": (None, "xterm"),
+    "pty_default_size": ("24x80", "0x0"),
+    "pty_signal_target": ("foreground", "leader"),
 }
 
 # The two readings of docs/protocol.md §11 (see LocalServer's docstring): the
@@ -275,6 +289,9 @@ ALTERNATIVE = Reading(
     delete_forgets=True,
     upload_creates_parents=True,
     listing="paginated",
+    pty_term="xterm",
+    pty_default_size="0x0",
+    pty_signal_target="leader",
 )
 READINGS = (CONSERVATIVE, ALTERNATIVE)
 READINGS_BY_NAME = {reading.name: reading for reading in READINGS}
@@ -615,8 +632,7 @@ class Process:
         # process runs, so that finished_at - created_at bounds how long it ran.
         self.created_at = created_at or utc_now()
         self._popen = popen
-        assert popen.stdin and popen.stdout and popen.stderr  # started with three PIPEs
-        self._stdin, self._stdout, self._stderr = popen.stdin, popen.stdout, popen.stderr
+        self._stdin, self._outputs = self._streams(popen)
         self._journal_limit = journal_limit
         self._frame_limit = frame_limit
         self.reading = reading
@@ -633,16 +649,24 @@ class Process:
         self.journal_encoded_bytes = 0  # the same frames' data_base64 lengths
         self.newest_seq = 0
         self.evicted_through = 0  # highest seq dropped from the journal
-        self._open_pipes = 2
+        self._open_pipes = len(self._outputs)
         self._tree_gone = False  # latched: once empty, the group id may be reused
         self.deleted = False  # answered a DELETE (forgotten if reading.delete_forgets)
 
+    kind = "process"
+
+    def _streams(
+        self, popen: subprocess.Popen[bytes]
+    ) -> tuple[IO[bytes], tuple[tuple[IO[bytes], str], ...]]:
+        """Where input goes, and each output with its stream name."""
+        assert popen.stdin and popen.stdout and popen.stderr  # started with three PIPEs
+        return popen.stdin, ((popen.stdout, "stdout"), (popen.stderr, "stderr"))
+
     def start(self) -> None:
-        targets: tuple[tuple[Callable[..., None], tuple[Any, ...]], ...] = (
-            (self._pump, (self._stdout, "stdout")),
-            (self._pump, (self._stderr, "stderr")),
-            (self._reap, ()),
-        )
+        targets: list[tuple[Callable[..., None], tuple[Any, ...]]] = [
+            (self._pump, output) for output in self._outputs
+        ]
+        targets.append((self._reap, ()))
         for target, args in targets:
             thread = threading.Thread(
                 target=target, args=args, daemon=True, name="%s-%s" % (self.id, target.__name__)
@@ -669,8 +693,8 @@ class Process:
                 break
             with self.cond:
                 self._append(stream, data)
-        pipe.close()
-        with self.cond:
+        with self.cond:  # a terminal's foreground is read through its reader under cond
+            pipe.close()
             if self.reading.eof_data_frame:  # an empty data frame marks the end of the stream
                 self._append(stream, b"")
             self._open_pipes -= 1
@@ -804,15 +828,18 @@ class Process:
         """Signal the process group, as the vendor CLI documents for pipe
         processes, or the leader alone (reading.signal_target)."""
         with self.cond:
-            if self.returncode is None:
-                if self.reading.signal_target == "leader":
-                    os.kill(self.pid, signum)
-                else:  # the leader is not reaped yet: its group exists
-                    os.killpg(self.pid, signum)
+            if self.returncode is None:  # the leader is not reaped yet: its group exists
+                self._deliver(signum)
             elif self.reading.signal_after_exit != 200:
                 raise ApiError(
                     self.reading.signal_after_exit, {"process": "the leader has already exited"}
                 )
+
+    def _deliver(self, signum: int) -> None:
+        if self.reading.signal_target == "leader":
+            os.kill(self.pid, signum)
+        else:
+            os.killpg(self.pid, signum)
 
     # -- stdin ---------------------------------------------------------------
 
@@ -829,6 +856,9 @@ class Process:
                     self._close_stdin_pipe()
             self._input_seq += 1
             return self._input_seq
+
+    def resize(self, rows: int, cols: int) -> None:
+        raise ApiError(409, {"process": "not a terminal"})
 
     def close_stdin(self) -> None:
         with self._stdin_lock:
@@ -861,7 +891,7 @@ class Process:
                 state = "terminating" if self.terminating else "running"
             record: dict[str, Any] = {
                 "process_id": self.id,
-                "kind": "process",
+                "kind": self.kind,
                 "pid": self.pid,
                 "state": state,
                 "leader_exited": code is not None,
@@ -877,9 +907,14 @@ class Process:
             }
             if code is not None:
                 record.update(self._exit_status())
+            record.update(self._terminal_view())
         if self.reading.record_omits_empty:  # Go's omitempty: no null, no empty cmd/args/cwd
             record = {key: value for key, value in record.items() if value not in (None, "", [])}
         return record
+
+    def _terminal_view(self) -> dict[str, Any]:
+        """The fields a terminal adds to the record (caller holds cond)."""
+        return {}
 
     def _output_window(self) -> dict[str, int]:
         if self.newest_seq == 0:
@@ -894,6 +929,151 @@ class Process:
             "newest_seq": self.newest_seq,
             "bytes": self.journal_encoded_bytes if encoded else self.journal_bytes,
         }
+
+
+class PtyProcess(Process):
+    """A managed process on a pseudo-terminal (docs/protocol.md §5.5): the leader
+    leads a session whose controlling terminal is the slave; the master takes
+    its input and its resizes, and gives its one output stream, ``"pty"``.
+
+    Input and resizes use the master until the leader exits (as a pipe's stdin
+    does); the output is read through a descriptor of its own until no process
+    holds the slave any more (EIO), and the foreground job is read through
+    that one, under ``cond``.
+    """
+
+    kind = "pty"
+
+    def __init__(self, *args: Any, master: int, **kwargs: Any):
+        self._master = master
+        super().__init__(*args, **kwargs)
+
+    def _streams(
+        self, popen: subprocess.Popen[bytes]
+    ) -> tuple[IO[bytes], tuple[tuple[IO[bytes], str], ...]]:
+        reader = os.fdopen(os.dup(self._master), "rb", buffering=0)
+        return os.fdopen(self._master, "wb", buffering=0), ((reader, "pty"),)
+
+    def close_stdin(self) -> None:
+        raise ApiError(409, {"stdin": "a terminal has no stdin to close"})
+
+    def resize(self, rows: int, cols: int) -> None:
+        with self._stdin_lock:
+            self._check_stdin_open()
+            set_window_size(self._stdin.fileno(), rows, cols)  # the kernel sends SIGWINCH
+
+    def _deliver(self, signum: int) -> None:
+        """The terminal's foreground group, as the vendor CLI's help says, or the
+        leader alone (reading.pty_signal_target, §11.20)."""
+        group = None if self.reading.pty_signal_target == "leader" else self._foreground_group()
+        if group is None:
+            os.kill(self.pid, signum)
+        else:
+            os.killpg(group, signum)
+
+    def _foreground_group(self) -> int | None:
+        """The terminal's foreground process group, while a process holds the
+        terminal (caller holds cond)."""
+        reader = self._outputs[0][0]
+        if reader.closed:
+            return None
+        try:
+            return os.tcgetpgrp(reader.fileno()) or None  # 0: no foreground group
+        except OSError:
+            return None
+
+    def _terminal_view(self) -> dict[str, Any]:
+        group = self._foreground_group()
+        return {"foreground": None if group is None else foreground_job(group)}
+
+
+def foreground_job(group: int) -> dict[str, Any]:
+    """``{pid, cmd, args}`` of a process group's leader, as its argv says."""
+    try:
+        with open("/proc/%d/cmdline" % group, "rb") as file:
+            argv = file.read().decode("utf-8", "replace").split("\0")[:-1]
+    except OSError:  # it has just ended
+        argv = []
+    return {"pid": group, "cmd": argv[0] if argv else "", "args": argv[1:]}
+
+
+def set_window_size(fd: int, rows: int, cols: int) -> None:
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+
+
+def window_size(value: object, default: tuple[int, int] | None = None) -> tuple[int, int]:
+    """``rows`` and ``cols`` of a create's ``pty`` or of a resize's body: integers
+    from 1 to WINSIZE_MAX; one left out takes ``default``'s (400 without it)."""
+    if not isinstance(value, dict):
+        raise ApiError(400, {"pty": "must be an object"})
+    size = []
+    for index, name in enumerate(("rows", "cols")):
+        if name not in value and default is not None:
+            size.append(default[index])
+            continue
+        number = value.get(name)
+        if isinstance(number, bool) or not isinstance(number, int):
+            number = 0
+        if not 0 < number <= WINSIZE_MAX:
+            raise ApiError(400, {name: "must be an integer from 1 to %d" % WINSIZE_MAX})
+        size.append(number)
+    return size[0], size[1]
+
+
+def spawn(
+    argv: list[str],
+    cwd: str,
+    env: dict[str, str],
+    cgroup: Cgroup | None,
+    size: tuple[int, int] | None,
+) -> tuple[subprocess.Popen[bytes], int | None]:
+    """The leader, in a session of its own (setsid() runs before preexec_fn): on
+    three pipes, or (``size`` given) on a new pseudo-terminal of that size, its
+    controlling terminal; and the terminal's master."""
+    master = slave = None
+    if size is not None:
+        master, slave = os.openpty()
+        set_window_size(master, *size)
+    preexec = functools.partial(take_terminal, cgroup) if size else cgroup and cgroup.join
+    stream = subprocess.PIPE if slave is None else slave
+    try:
+        popen = subprocess.Popen(
+            argv,
+            stdin=stream,
+            stdout=stream,
+            stderr=stream,
+            cwd=cwd,
+            env=env,
+            start_new_session=True,
+            preexec_fn=preexec or None,
+            bufsize=0,
+        )
+    except BaseException:
+        if master is not None:
+            os.close(master)
+        raise
+    finally:
+        if slave is not None:
+            os.close(slave)  # else the output would never reach EIO
+    return popen, master
+
+
+def take_terminal(cgroup: Cgroup | None) -> None:
+    """In the child, a session leader: join the cgroup, make stdin's terminal the
+    controlling one."""
+    if cgroup is not None:
+        cgroup.join()
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+def terminal_inheritance(reading: Reading) -> dict[str, str]:
+    """What a terminal's program inherits before the sandbox's and the request's
+    variables: this machine's environment without its TERM, which a guest would
+    not share, then the TERM the reading's service sets, if any (§11.20)."""
+    env = {key: value for key, value in os.environ.items() if key != "TERM"}
+    if reading.pty_term is not None:
+        env["TERM"] = reading.pty_term
+    return env
 
 
 class SlidingWindow:
@@ -1276,8 +1456,11 @@ def command_of(spec: dict[str, Any]) -> tuple[str, list[str]]:
     return cmd, args
 
 
-def environment_of(spec: dict[str, Any], sandbox: Sandbox) -> dict[str, str]:
-    """os.environ + sandbox envs + request env (declared keys only, docs/protocol.md §4)."""
+def environment_of(
+    spec: dict[str, Any], sandbox: Sandbox, inherited: dict[str, str] | None = None
+) -> dict[str, str]:
+    """os.environ (or ``inherited``) + sandbox envs + request env (declared keys
+    only, docs/protocol.md §4)."""
     env = spec.get("env") or {}
     if not isinstance(env, dict) or not all(
         isinstance(key, str) and isinstance(value, str) for key, value in env.items()
@@ -1288,7 +1471,7 @@ def environment_of(spec: dict[str, Any], sandbox: Sandbox) -> dict[str, str]:
         raise ApiError(
             400, {"env": "keys not declared for this sandbox: %s" % ", ".join(undeclared)}
         )
-    merged = dict(os.environ)
+    merged = dict(os.environ if inherited is None else inherited)
     merged.update(sandbox.envs)
     merged.update(env)
     return merged
@@ -1523,7 +1706,14 @@ class LocalServer:
       ``"paginated"`` like the vendor's other listings: ``{"data": [...],
       "pagination": {"limit", "offset", "total"}}``, taking ``limit``
       (default ``list_page_size``, at most ``LIST_LIMIT_MAX``) and
-      ``offset`` (default 0) (§5.3).
+      ``offset`` (default 0) (§5.3);
+    - ``pty_term``: the ``TERM`` a PTY process gets when neither the sandbox
+      nor the request sets one: None (none at all) or ``"xterm"`` (§11.20);
+    - ``pty_default_size``: the size of a terminal created with ``pty: {}``
+      (or without ``rows`` or ``cols``): ``"24x80"`` or ``"0x0"`` (§11.20);
+    - ``pty_signal_target``: ``signal`` to a PTY process reaches the
+      terminal's ``"foreground"`` process group, as the vendor CLI's help
+      says, or the ``"leader"`` alone (§11.20).
 
     ``file_size_limit`` is the largest file an upload may carry (500 MB,
     as the vendor says): a larger one is refused with **413**, before its
@@ -1978,35 +2168,29 @@ class LocalServer:
     def _ep_create(self, req: _Handler, sandbox_id: str) -> dict[str, Any] | None:
         sandbox = self._sandbox(sandbox_id)
         spec = req.json_body()
+        size = None
         if spec.get("pty") is not None:
-            raise ApiError(400, {"pty": "not supported by the local server"})
+            rows, cols = self.reading.pty_default_size.split("x")
+            size = window_size(spec["pty"], (int(rows), int(cols)))
         cmd, args = command_of(spec)
         cwd = spec.get("cwd") or sandbox.workdir()
         if not isinstance(cwd, str) or not cwd.startswith("/"):
             raise ApiError(400, {"cwd": "must be an absolute path"})
         if not os.path.isdir(cwd):
             raise ApiError(400, {"cwd": "no such directory"})
-        env = environment_of(spec, sandbox)
+        inherited = None if size is None else terminal_inheritance(self.reading)
+        env = environment_of(spec, sandbox, inherited)
         created_at = utc_now()
         process_id = "proc_" + secrets.token_urlsafe(16)
         cgroup = None if self._cgroup is None else self._cgroup.child(process_id)
         try:
-            popen = subprocess.Popen(
-                [cmd] + args,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                cwd=cwd,
-                env=env,
-                start_new_session=True,
-                preexec_fn=None if cgroup is None else cgroup.join,
-                bufsize=0,
-            )
+            popen, master = spawn([cmd] + args, cwd, env, cgroup, size)
         except (OSError, ValueError, subprocess.SubprocessError) as exc:
             if cgroup is not None:
                 cgroup.remove()
             raise start_error(exc) from None
-        proc = Process(
+        kind = Process if master is None else functools.partial(PtyProcess, master=master)
+        proc = kind(
             process_id,
             sandbox_id,
             popen,
@@ -2079,6 +2263,11 @@ class LocalServer:
 
     def _ep_stdin_close(self, req: _Handler, sandbox_id: str, process_id: str) -> dict[str, Any]:
         self._process(sandbox_id, process_id).close_stdin()
+        return {"ok": True}
+
+    def _ep_resize(self, req: _Handler, sandbox_id: str, process_id: str) -> dict[str, Any]:
+        proc = self._process(sandbox_id, process_id)
+        proc.resize(*window_size(req.json_body()))
         return {"ok": True}
 
     def _ep_signal(self, req: _Handler, sandbox_id: str, process_id: str) -> dict[str, Any]:

@@ -32,6 +32,7 @@ def scripts() -> Dict[str, Tuple[str, List[str]]]:
         "wrapper, argv with every option": cx._plan(["true"], EVERYTHING),
         "wrapper, shell=True, stdin=PIPE": cx._plan("true", cx._Options(shell=True, stdin=cx.PIPE)),
         "wrapper, nothing added": cx._plan(["true"], cx._Options()),
+        "wrapper, on a terminal": cx._plan(["true"], cx._Options(pty=True, env={"A": "b"})),
     }
     whole = {name: plan.body["args"][1] for name, plan in wrappers.items()}
     whole["port probe"] = cx._PROBE_SCRIPT

@@ -371,10 +371,14 @@ def test_the_typed_keywords_are_the_options():
         (cx.start, {"sandbox_id", "command", "client"}, RUN_KEYWORDS),
         (
             cx.Client.process,
-            {"self", "sandbox_id", "process_id", "after", "stdin"},
+            {"self", "sandbox_id", "process_id", "after", "stdin", "pty"},
             FOLLOW_KEYWORDS,
         ),
-        (cx.Client.attach, {"self", "sandbox_id", "process_id", "after", "stdin"}, FOLLOW_KEYWORDS),
+        (
+            cx.Client.attach,
+            {"self", "sandbox_id", "process_id", "after", "stdin", "pty"},
+            FOLLOW_KEYWORDS,
+        ),
     ],
 )
 def test_help_shows_each_keyword_with_the_options_own_default(function, own, keywords):

@@ -11,11 +11,14 @@ termination of the remote tree (the "Ctrl-C" row) is in tests/test_containment.p
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from typing import Any, List
 
 import pytest
@@ -40,6 +43,7 @@ from support import (
     closed_port,
     data,
     in_ci,
+    make_client,
     nd,
     ok,
 )
@@ -438,3 +442,107 @@ def test_files_come_out_after_a_command_that_failed_once_started(
     assert code == 125
     assert "CreateOS sent an invalid answer" in capfd.readouterr().err
     assert (tmp_path / "here.txt").read_bytes() == b"made\n"
+
+
+def test_a_stdin_that_is_no_terminal_is_forwarded_and_n_gives_eof(server):
+    assert run_cli(server, SANDBOX, "--", "cat", stdin=b"hi\n").stdout == b"hi\n"
+    assert run_cli(server, SANDBOX, "--", "wc", "-l", stdin=b"a\nb\nc\n").stdout.strip() == b"3"
+    assert run_cli(server, "-n", SANDBOX, "--", "cat", stdin=b"hi\n").stdout == b""
+    both = run_cli(server, "-n", "--stdin", "-", SANDBOX, "--", "cat")
+    assert both.returncode == 2 and b"not allowed with" in both.stderr
+
+
+def test_stdin_is_forwarded_as_it_comes_not_read_to_its_end_first(server):
+    script = 'read x; echo "got $x"; read y; echo "got $y"'
+    child = subprocess.Popen(
+        cli_argv(SANDBOX, "--", "sh", "-c", script),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=cli_env(server),
+    )
+    try:
+        child.stdin.write(b"one\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == b"got one\n"  # while this tool's stdin stays open
+        child.stdin.write(b"two\n")
+        child.stdin.close()
+        assert child.stdout.read() == b"got two\n"
+        assert child.wait(timeout=60) == 0
+    finally:
+        child.kill()
+        child.wait()
+
+
+@pytest.mark.parametrize("lost", [0, 1], ids=["delivered", "an answer lost"])
+def test_forwarding_in_process_says_when_stdin_was_not_all_given(server, monkeypatch, capfd, lost):
+    read, write = os.pipe()
+    os.write(write, b"hi\n")
+    os.close(write)
+    for name, value in cli_env(server).items():
+        monkeypatch.setenv(name, value)
+    if lost:
+        server.lose_input_response()
+    with open(read, "rb") as stdin:
+        monkeypatch.setattr(sys, "stdin", stdin)
+        assert cx.main([SANDBOX, "--", "cat"]) == 0
+    out, err = capfd.readouterr()
+    assert out == "hi\n"  # a lost answer's piece arrived all the same, once
+    assert ("stdin was not all given to the command" in err) == bool(lost)
+
+
+def test_only_a_stdin_that_is_a_real_file_and_no_terminal_is_forwarded(monkeypatch):
+    master, terminal = os.openpty()
+    with open(terminal, "rb") as tty, open(os.devnull, "rb") as null, open(master, "rb"):
+        for stdin, forwarded in ((io.StringIO("x"), None), (None, None), (tty, None)):
+            monkeypatch.setattr(sys, "stdin", stdin)
+            assert cx._forwarded_stdin() is forwarded
+        monkeypatch.setattr(sys, "stdin", null)
+        assert cx._forwarded_stdin() == null.fileno()
+
+
+def test_keys_typed_while_a_piece_is_sent_go_together_in_the_next_within_the_rate_limit(server):
+    read, write = os.pipe()
+    failures: List[Any] = []
+    with make_client(server, rate_limit=(5, 1.0)) as client:
+        cat = client.start(SANDBOX, ["cat"], stdin=cx.PIPE)
+        forwarding = threading.Thread(target=cx._forward_stdin, args=(read, cat, failures))
+        forwarding.start()
+        for _ in range(200):  # a key every 3 ms: faster than 5 requests a second
+            os.write(write, b"k")
+            time.sleep(0.003)
+        os.close(write)
+        forwarding.join(30)
+        result = cat.wait(timeout=30)
+    os.close(read)
+    assert result.stdout == "k" * 200 and failures == []
+    assert len(server.requests_to("input")) <= 10  # one at a time, each with what came meanwhile
+
+
+class Typed:
+    """A process's stand-in that records what forwarding gives it."""
+
+    def __init__(self, refusal: Any = None) -> None:
+        self.given: List[Any] = []
+        self.refusal = refusal
+
+    def write(self, piece: bytes) -> None:
+        self.given.append(piece)
+        if self.refusal is not None:
+            raise self.refusal
+
+    def close_stdin(self) -> None:
+        self.given.append("EOF")
+
+
+def test_forwarding_ends_quietly_when_the_command_stops_reading_or_stdin_cannot_be_read():
+    read, write = os.pipe()
+    os.write(write, b"x")
+    failures: List[Any] = []
+    stopped = Typed(cx.StdinClosedError())
+    cx._forward_stdin(read, stopped, failures)
+    assert stopped.given == [b"x"] and failures == []
+    os.close(write)
+    os.close(read)
+    unreadable = Typed()
+    cx._forward_stdin(read, unreadable, failures)  # a closed descriptor: as its end
+    assert unreadable.given == ["EOF"] and failures == []

@@ -288,6 +288,15 @@ BAD_EXECUTE_CALLS = {
     "on_output not callable": ((SB, ["true"]), {"on_output": "print"}),
     "cancel not an event": ((SB, ["true"]), {"cancel": True}),
     "stdin of wrong type": ((SB, ["cat"]), {"stdin": 5}),
+    "pty of one number": ((SB, ["sh"]), {"pty": 24}),
+    "pty of no rows": ((SB, ["sh"]), {"pty": (0, 80)}),
+    "pty too wide": ((SB, ["sh"]), {"pty": (24, 65536)}),
+    "pty of three numbers": ((SB, ["sh"]), {"pty": (24, 80, 1)}),
+    "pty of floats": ((SB, ["sh"]), {"pty": (24.0, 80)}),
+    "pty of bools": ((SB, ["sh"]), {"pty": (True, True)}),
+    "pty as a string": ((SB, ["sh"]), {"pty": "24x80"}),
+    "pty with stdin data": ((SB, ["sh"]), {"pty": True, "stdin": "ls\n"}),
+    "pty with input": ((SB, ["sh"]), {"pty": True, "input": b"ls\n"}),
 }
 
 
@@ -315,6 +324,8 @@ def test_execute_validates_before_any_request(args: Any, kwargs: Dict[str, Any])
         (PID, {"after": True}),
         (PID, {"after": "3"}),
         (PID, {"timeout": 0}),
+        (PID, {"pty": True}),
+        (PID, {"pty": (24, 80)}),
     ],
 )
 def test_attach_validates_before_any_request(process_id: Any, kwargs: Dict[str, Any]) -> None:

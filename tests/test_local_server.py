@@ -235,15 +235,13 @@ def test_unknown_ids_and_bad_requests_are_refused(server, api):
         ({"json": {"cmd": "true", "args": "x"}}, "args"),
         ({"json": {"cmd": "no-such-command-for-the-local-server"}}, "cmd"),
         ({"json": {"cmd": "true", "cwd": "/no/such/dir"}}, "cwd"),
-        ({"json": {"cmd": "true", "pty": {"rows": 24, "cols": 80}}}, "pty"),
+        ({"json": {"cmd": "true", "pty": [24, 80]}}, "pty"),
         ({"json": {"cmd": "true", "env": {"UNDECLARED": "1"}}}, "env"),
     ]
     for kwargs, field in bad_bodies:
         response = api.request("POST", "/processes", **kwargs)
         assert response.status_code == 400, kwargs
         assert response.json()["status"] == "fail" and field in response.json()["data"]
-    pty = api.request("POST", "/processes", json={"cmd": "true", "pty": {}})
-    assert "not supported by the local server" in pty.json()["data"]["pty"]
     assert server.processes() == []
 
 
@@ -977,3 +975,136 @@ def test_cli_no_cgroups_flag():
     with cli_server("--no-cgroups") as api:
         record = api.request("GET", "/processes/%s" % api.create("sleep", "30")).json()["data"]
         assert cgroup_of(record["pid"]) == cgroup_of(os.getpid())
+
+
+# -- PTY processes -------------------------------------------------------------------
+
+
+@pytest.fixture
+def terminal_api(server_reading):
+    """An Api on a server that plays the test's reading (§11.20 for terminals)."""
+    with LocalServer(reading=server_reading) as local:
+        yield Api(local)
+
+
+def send_input(api: Api, process_id: str, data: bytes) -> requests.Response:
+    body = {"data_base64": base64.b64encode(data).decode()}
+    return api.request("POST", "/processes/%s/input" % process_id, json=body)
+
+
+def read_until(lines, wanted: bytes) -> bytes:
+    """The pty bytes of a live stream's lines up to the first that hold `wanted`."""
+    seen = b""
+    for line in lines:
+        frame = json.loads(line)
+        if frame["type"] == "data":
+            assert frame["stream"] == "pty"
+            seen += base64.b64decode(frame["data_base64"])
+            if wanted in seen:
+                return seen
+    raise AssertionError("the stream ended without %r: %r" % (wanted, seen))
+
+
+@pytest.mark.both_readings
+def test_a_pty_process_runs_on_a_terminal_of_its_size_with_input_typed(terminal_api):
+    api = terminal_api
+    script = "tty; stty size; echo TERM=$TERM; read line; echo got $line"
+    record = api.request(
+        "POST",
+        "/processes",
+        json={"cmd": "sh", "args": ["-c", script], "pty": {"rows": 30, "cols": 100}},
+    ).json()["data"]
+    assert record["kind"] == "pty"
+    process_id = record["process_id"]
+    assert b"TERM=" in read_until(api.connect(process_id).iter_lines(), b"TERM=")
+    assert send_input(api, process_id, b"hi\n").json()["data"] == {"input_seq": 1}
+    close = api.request("POST", "/processes/%s/stdin/close" % process_id)
+    assert close.status_code == 409
+    frames = api.frames(process_id)
+    output = b"".join(data for _, stream_name, data in payloads(frames))
+    term = api.server.reading.pty_term or ""
+    assert output == b"/dev/pts/%s\r\n30 100\r\nTERM=%s\r\nhi\r\ngot hi\r\n" % (
+        output.split(b"/dev/pts/")[1].split(b"\r")[0],
+        term.encode(),
+    )
+    assert {name for _, name, _ in payloads(frames)} == {"pty"}
+    assert frames[-1]["type"] == "exit" and frames[-1]["exit_code"] == 0
+    assert api.wait(process_id)["tree_exited"] is True
+    assert (
+        api.request(
+            "POST", "/processes/%s/resize" % process_id, json={"rows": 5, "cols": 5}
+        ).status_code
+        == 409
+    )
+
+
+@pytest.mark.both_readings
+def test_a_pty_size_left_out_is_the_readings_default_and_a_bad_one_is_refused(terminal_api):
+    api = terminal_api
+    for bad in ([], {"rows": 0}, {"rows": True}, {"cols": 70000}, {"rows": "24"}):
+        refused = api.request("POST", "/processes", json={"cmd": "true", "pty": bad})
+        assert refused.status_code == 400, bad
+    process_id = api.create("stty", "size", pty={"cols": 90})
+    output = b"".join(p[2] for p in payloads(api.frames(process_id)))
+    rows = api.server.reading.pty_default_size.split("x")[0]
+    assert output == b"%s 90\r\n" % rows.encode()
+
+
+WINCH_SCRIPT = "trap 'stty size' WINCH; echo ready; while :; do sleep 0.02; done"
+
+
+def test_a_resize_is_seen_by_the_program_and_a_pipe_has_none(server, api):
+    process_id = api.create("bash", "-c", WINCH_SCRIPT, pty={"rows": 24, "cols": 80})
+    stream = api.connect(process_id).iter_lines()
+    read_until(stream, b"ready")
+    resize = "/processes/%s/resize" % process_id
+    for bad in ({"rows": 10}, {"rows": 0, "cols": 5}, {"rows": 1.5, "cols": 5}):
+        assert api.request("POST", resize, json=bad).status_code == 400
+    ok = api.request("POST", resize, json={"rows": 40, "cols": 120})
+    assert ok.json() == {"status": "success", "data": {"ok": True}}
+    assert b"40 120" in read_until(stream, b"40 120")
+    deleted = api.request("DELETE", "/processes/" + process_id).json()["data"]
+    assert deleted["tree_exited"] is True and deleted["foreground"] is None
+    pipe = api.create("sleep", "5")
+    assert (
+        api.request("POST", "/processes/%s/resize" % pipe, json={"rows": 5, "cols": 5}).status_code
+        == 409
+    )
+    assert "foreground" not in api.server.process(pipe)
+
+
+# The leader hands the terminal to a child in a group of its own; a SIGINT then
+# says who got it.
+FOREGROUND_CHILD = """
+import os, signal, sys, time
+def said(who):
+    return lambda *_: (print(who, flush=True), os._exit(0))
+signal.signal(signal.SIGINT, said("leader"))
+child = os.fork()
+if child == 0:
+    signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+    os.setpgid(0, 0)
+    signal.signal(signal.SIGINT, said("child"))
+    os.tcsetpgrp(0, os.getpgrp())
+    print("ready", flush=True)
+    time.sleep(30)
+    os._exit(1)
+os.waitpid(child, 0)
+"""
+
+
+@pytest.mark.both_readings
+def test_the_view_shows_the_foreground_job_and_sigint_reaches_it_or_the_leader(terminal_api):
+    api = terminal_api
+    process_id = api.create(sys.executable, "-c", FOREGROUND_CHILD, pty={"rows": 24, "cols": 80})
+    read_until(api.connect(process_id).iter_lines(), b"ready")
+    record = api.server.process(process_id)
+    foreground = record["foreground"]
+    assert foreground["pid"] != record["pid"]
+    assert (foreground["cmd"], foreground["args"][:1]) == (sys.executable, ["-c"])
+    signal_path = "/processes/%s/signal" % process_id
+    assert api.request("POST", signal_path, json={"signal": "SIGINT"}).status_code == 200
+    output = b"".join(p[2] for p in payloads(api.frames(process_id)))
+    who = b"leader" if api.server.reading.pty_signal_target == "leader" else b"child"
+    assert output.endswith(who + b"\r\n")
+    api.request("DELETE", "/processes/" + process_id)

@@ -613,7 +613,7 @@ def test_plain_data_lines_are_read_exactly_as_json(lines):
                 "stream",
                 "data_base64",
             ]
-            assert int(seq) >= 1 and stream in cx._STREAMS  # what _data_frame checks
+            assert int(seq) >= 1 and stream in cx._ALL_STREAMS  # what _data_frame checks
     for cursor in (0, 1):
         agrees_with_json(block, cursor)
 
