@@ -352,14 +352,15 @@ def test_no_warning_once_the_run_has_ended(client):
 
 
 FOLLOW_KEYWORDS = {
-    "timeout", "on_output", "check", "max_output_chars", "encoding", "errors", "cancel",
+    "timeout", "on_output", "check", "max_output_chars", "encoding", "errors", "cancel", "text",
 }  # fmt: skip
 RUN_KEYWORDS = {field.name for field in dataclasses.fields(cx._Options)}
 
 
-def test_the_typed_keywords_are_the_options():
-    assert set(cx._RunKeywords.__annotations__) == RUN_KEYWORDS
-    assert set(cx._FollowKeywords.__annotations__) == FOLLOW_KEYWORDS
+@pytest.mark.parametrize("output", ["Text", "Bytes", "Any"])  # what each overload takes
+def test_the_typed_keywords_are_the_options(output):
+    assert set(getattr(cx, f"_{output}Run").__annotations__) == RUN_KEYWORDS
+    assert set(getattr(cx, f"_{output}Follow").__annotations__) == FOLLOW_KEYWORDS
 
 
 @pytest.mark.parametrize(
@@ -529,7 +530,7 @@ def test_stderr_into_stdout_is_merged_in_order_wherever_output_goes(client):
     "keywords, part",
     [
         (dict(capture_output=False), "always captured"),
-        (dict(text=False), "always captured"),
+        (dict(text=0), "text must be True or False"),
         (dict(stdin="a", input="b"), "input="),
         (dict(stdout=subprocess.DEVNULL), "stdout can only be subprocess.PIPE or None"),
         (dict(stdout=subprocess.STDOUT), "stdout can only be subprocess.PIPE or None"),
