@@ -430,6 +430,14 @@ def ported_run(run, popen):
     return done.returncode, done.stdout, done.stderr
 
 
+def ported_bytes(run, popen):
+    script = ["sh", "-c", r"printf '\377\000'; cat; printf '\200' >&2; exit 3"]
+    done = run(script, input=bytes(range(256)), capture_output=True, text=False)
+    piped = subprocess.PIPE
+    proc = popen(["cat"], stdin=piped, stdout=piped, stderr=piped, text=False)
+    return done.returncode, done.stdout, done.stderr, proc.communicate(b"\x00\xff")
+
+
 def ported_check(run, popen):
     script = ["sh", "-c", "echo out; echo err >&2; exit 3"]
     try:
