@@ -1179,9 +1179,18 @@ def start(
     return process
 
 
-def echo(stream: str, text: str) -> None:
-    """A ready `on_output`: print output live, stderr to stderr (terminals, notebooks)."""
-    print(text, end="", file=sys.stderr if stream == "stderr" else sys.stdout, flush=True)
+def echo(stream: str, text: Union[str, bytes]) -> None:
+    """A ready `on_output`: print output live, stderr to stderr (terminals, notebooks).
+    Bytes (text=False) go through as they are where the stream takes bytes."""
+    out = sys.stderr if stream == "stderr" else sys.stdout
+    binary = getattr(out, "buffer", None) if isinstance(text, bytes) else None
+    if binary is None:
+        shown = text if isinstance(text, str) else text.decode("utf-8", "replace")
+        print(shown, end="", file=out, flush=True)
+    else:
+        out.flush()  # what was printed before comes first
+        binary.write(text)
+        binary.flush()
 
 
 def _unexpected(function: str, given: Mapping[str, Any], keywords: AbstractSet[str]) -> TypeError:

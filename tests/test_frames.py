@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import io
 import itertools
 import json
 import random
 import string
+import sys
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -932,3 +934,18 @@ def test_communicate_and_the_errors_of_a_bytes_run_carry_bytes(client, server):
         failing.wait()
     assert (waited.value.output, waited.value.stderr) == (b"\xff", b"")
     assert (failed.value.stdout, failed.value.stderr) == (b"\xff", b"\xfe")
+
+
+def test_echo_prints_bytes_through_where_the_stream_takes_bytes(monkeypatch):
+    binary, notebook = io.BytesIO(), io.StringIO()  # a terminal's stdout; a stderr without bytes
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(binary, encoding="utf-8"))
+    monkeypatch.setattr(sys, "stderr", notebook)
+    for stream, piece in [
+        ("stdout", "tö "),
+        ("stdout", b"\xff\n"),
+        ("stderr", b"\xff!"),
+        ("stderr", "ok"),
+    ]:
+        cx.echo(stream, piece)
+    assert binary.getvalue() == "tö ".encode() + b"\xff\n"
+    assert notebook.getvalue() == "\ufffd!ok"
