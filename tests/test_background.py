@@ -432,10 +432,13 @@ def ported_run(run, popen):
 
 def ported_bytes(run, popen):
     script = ["sh", "-c", r"printf '\377\000'; cat; printf '\200' >&2; exit 3"]
-    done = run(script, input=bytes(range(256)), capture_output=True, text=False)
+    try:
+        run(script, input=bytes(range(256)), capture_output=True, text=False, check=True)
+    except subprocess.CalledProcessError as failed:
+        ran = failed.returncode, failed.stdout, failed.stderr
     piped = subprocess.PIPE
     proc = popen(["cat"], stdin=piped, stdout=piped, stderr=piped, text=False)
-    return done.returncode, done.stdout, done.stderr, proc.communicate(b"\x00\xff")
+    return ran, proc.communicate(b"\x00\xff")
 
 
 def ported_check(run, popen):

@@ -901,6 +901,7 @@ def test_every_byte_arrives_once_in_order_through_result_loop_and_callback(clien
     assert looped == called and b"".join(data for _, data in looped) == result.output
     assert result.reconnects == len(server.requests_to("connect")) - 1
     assert result.reconnects >= (fault != "unbroken")
+    assert client.attach(SANDBOX, proc.process_id, text=False).stdout == out  # taken up again
 
 
 def test_lines_of_bytes_split_on_newline_and_the_tail_counts_bytes(client):
