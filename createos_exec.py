@@ -1995,8 +1995,8 @@ class _Follower:
         self._progress_mark = cursor  # the cursor when the budget last saw progress
         self._record: Optional[Dict[str, Any]] = None  # the exited process's, once known
         self.started = started
-        self.first_seq = cursor
-        self.args = args
+        self.first_seq: int = cursor
+        self.args: Any = args
         self.reconnects = 0
         self.exit_recovered = False
         self.creation_recovered = creation_recovered
