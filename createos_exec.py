@@ -114,7 +114,7 @@ if sys.version_info >= (3, 11):
 elif TYPE_CHECKING:
     from typing_extensions import Unpack
 if TYPE_CHECKING:
-    from typing_extensions import Required  # novermin: for type checkers only
+    from typing_extensions import Required
 
 try:
     import fcntl
