@@ -926,7 +926,7 @@ def test_communicate_and_the_errors_of_a_bytes_run_carry_bytes(client, server):
         proc.write("text")  # as Popen's binary stdin: refused, nothing sent
     assert server.requests_to("input") == []
     assert proc.communicate(b"\x00\xff\n") == (b"\x00\xff\n", b"")
-    script = r"printf '\377'; sleep 0.5; printf '\376' >&2; exit 3"
+    script = r"printf '\377'; sleep 2; printf '\376' >&2; exit 3"
     failing = client.start(SANDBOX, script, shell=True, text=False, check=True)
     next(failing.iter_output())
     with pytest.raises(cx.WaitTimeout) as waited:
