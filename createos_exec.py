@@ -94,6 +94,7 @@ from typing import (
     Deque,
     Dict,
     Generator,
+    Generic,
     Iterable,
     Iterator,
     List,
@@ -119,6 +120,8 @@ if sys.version_info >= (3, 11):
     from typing import Unpack  # novermin: the branch runs on 3.11 and later only
 elif TYPE_CHECKING:
     from typing_extensions import Unpack
+if TYPE_CHECKING:
+    from typing_extensions import Required
 
 try:
     import fcntl
@@ -161,7 +164,8 @@ __all__ = [
 
 logger = logging.getLogger("createos_exec")
 
-OutputCallback = Callable[[str, str], Any]
+# on_output's type: (stream, text), or (stream, bytes) with text=False.
+OutputCallback = Callable[[str, Any], Any]
 Command = Union[str, Sequence[str]]
 # put()'s source: a local path, bytes-like, or a binary file object; get()'s
 # destination: None (bytes returned), a local path, or a binary file object.
@@ -185,6 +189,14 @@ Stdin = Union[str, bytes, None, _Pipe]
 
 
 _T = TypeVar("_T")
+# What the output is: str, or bytes with text=False. Type checkers see str as its
+# default, so that a bare ExecResult or RemoteProcess in users' code means text.
+if TYPE_CHECKING:
+    from typing_extensions import TypeVar as _DefaultedTypeVar
+
+    _AnyStr = _DefaultedTypeVar("_AnyStr", str, bytes, default=str)
+else:
+    _AnyStr = TypeVar("_AnyStr", str, bytes)
 
 # The numbers a reader may want to change, in one place.
 _FRAME_LIMIT = 1024 * 1024  # longest NDJSON line accepted, in bytes
@@ -210,20 +222,21 @@ _LISTING_PAGES = 20  # pages of the process listing read at most: 10,000 process
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class ExecResult:
+class ExecResult(Generic[_AnyStr]):
     """How a remote command ended, and the tail of what it printed.
 
-    `stdout` and `stderr` each keep their last `max_output_chars` characters;
-    `output` keeps the last `max_output_chars` of both, interleaved by sequence
-    number: the order CreateOS received them from the two pipes.
+    `stdout` and `stderr` each keep their last `max_output_chars` characters
+    (bytes with text=False, as ExecResult[bytes]); `output` keeps the last
+    `max_output_chars` of both, interleaved by sequence number: the order
+    CreateOS received them from the two pipes.
     """
 
     args: Any
     exit_code: Optional[int]
     signal: Optional[str]
     timed_out: bool
-    stdout: str
-    stderr: str
+    stdout: _AnyStr
+    stderr: _AnyStr
     stdout_truncated: bool = False
     stderr_truncated: bool = False
     process_id: Optional[str] = None
@@ -231,7 +244,7 @@ class ExecResult:
     exit_recovered: bool = False
     creation_recovered: bool = False
     duration: float = 0.0
-    output: str = ""
+    output: _AnyStr = ""  # type: ignore[assignment]  # a result built by hand is text
     combined_truncated: bool = False
     output_evicted: bool = False
 
@@ -257,11 +270,12 @@ class ExecResult:
 
     def __repr__(self) -> str:
         # The output can be megabytes: show its size, never its text.
+        unit = "chars" if isinstance(self.stdout, str) else "bytes"
         return (
             f"ExecResult(args={self.args!r}, exit_code={self.exit_code!r}, "
             f"signal={self.signal!r}, timed_out={self.timed_out!r}, "
-            f"stdout=<{len(self.stdout)} chars>, stderr=<{len(self.stderr)} chars>, "
-            f"output=<{len(self.output)} chars>, "
+            f"stdout=<{len(self.stdout)} {unit}>, stderr=<{len(self.stderr)} {unit}>, "
+            f"output=<{len(self.output)} {unit}>, "
             f"process_id={self.process_id!r}, reconnects={self.reconnects!r})"
         )
 
@@ -320,7 +334,7 @@ class CreateOSError(Exception):
         message: str,
         *,
         process_id: Optional[str] = None,
-        result: Optional[ExecResult] = None,
+        result: Optional[ExecResult[Any]] = None,
     ) -> None:
         # Exception.__init__ directly: a co-base such as CalledProcessError
         # must not receive our message as its own arguments.
@@ -450,7 +464,7 @@ class OutputIncompleteError(StreamEndedError):
     """The exit status is known, but the output after the cursor could not be read."""
 
     def __init__(
-        self, *, process_id: Optional[str] = None, result: Optional[ExecResult] = None
+        self, *, process_id: Optional[str] = None, result: Optional[ExecResult[Any]] = None
     ) -> None:
         super().__init__(process_id=process_id)
         self.result = result
@@ -529,7 +543,7 @@ class CancelledError(CreateOSError):
 class CommandError(CreateOSError, subprocess.CalledProcessError):
     """check=True and the command did not exit 0 (including timeout and signal)."""
 
-    def __init__(self, result: ExecResult, *, timeout: Optional[float] = None) -> None:
+    def __init__(self, result: ExecResult[Any], *, timeout: Optional[float] = None) -> None:
         who = _command_named(result.args, result.process_id)
         if result.timed_out:
             after = f" after {timeout:g} s" if timeout is not None else ""
@@ -576,8 +590,8 @@ class WaitTimeout(CreateOSError, subprocess.TimeoutExpired):
         timeout: float,
         *,
         process_id: Optional[str] = None,
-        output: Optional[str] = None,
-        stderr: Optional[str] = None,
+        output: Union[str, bytes, None] = None,
+        stderr: Union[str, bytes, None] = None,
         port: Optional[int] = None,
     ) -> None:
         waited = (
@@ -641,7 +655,7 @@ class ProcessEndedError(CreateOSError):
         port: Optional[int] = None,
         *,
         process_id: Optional[str] = None,
-        result: Optional[ExecResult] = None,
+        result: Optional[ExecResult[Any]] = None,
     ) -> None:
         the_port = "the port" if port is None else f"port {port}"
         message = f"The process ended before {the_port} accepted a connection."
@@ -696,7 +710,7 @@ _TRANSFER_FAILURES = {
 }
 
 
-def _how_it_ended(result: ExecResult) -> str:
+def _how_it_ended(result: ExecResult[Any]) -> str:
     if result.timed_out:
         return "timed out"
     if result.signal is not None:
@@ -728,7 +742,10 @@ class RetryPolicy:
 # ==========================================================================
 #
 # Every keyword of a run is written once, typed, in _RunKeywords (with its
-# default and its check in _Options) and checked before any request is sent.
+# default and its check in _Options) and checked before any request is sent;
+# `text` and `on_output`, whose types follow from the output being str or
+# bytes, are written once per kind (_TextOutput, _BytesOutput, _EitherOutput),
+# on which the overloads of each entry point key.
 # start() plans the run, launches it and hands it to a RemoteProcess;
 # execute() is start(...).wait(); process() and attach() take up a process
 # started elsewhere. The module-level functions build a client from the
@@ -736,10 +753,10 @@ class RetryPolicy:
 
 
 class _FollowKeywords(TypedDict, total=False):
-    """The keywords of a run that follows a process: those of process() and attach()."""
+    """The keywords of a run that follows a process: those of process() and attach(),
+    with `text` and `on_output` from one of the kinds of output below."""
 
     timeout: Optional[float]
-    on_output: Optional[OutputCallback]
     check: bool
     max_output_chars: int
     encoding: str
@@ -758,15 +775,54 @@ class _RunKeywords(_FollowKeywords, total=False):
     env: Optional[Dict[str, str]]
     stdin: Stdin
     input: Union[str, bytes, None]
-    capture_output: Literal[True]  # subprocess's; output is always captured, as text
-    text: Literal[True]
+    capture_output: Literal[True]  # subprocess's; output is always captured
     stdout: Optional[int]  # subprocess.PIPE or None: captured all the same
     stderr: Optional[int]  # also subprocess.STDOUT: merged into stdout
     pty: Union[bool, Tuple[int, int], None]  # True or (rows, cols): on a terminal
 
 
-_RUN_KEYWORDS = frozenset(_RunKeywords.__annotations__)
-_FOLLOW_KEYWORDS = frozenset(_FollowKeywords.__annotations__)
+class _TextOutput(TypedDict, total=False):
+    """Text mode, the default: the output is decoded to str."""
+
+    text: Literal[True]
+    on_output: Optional[Callable[[str, str], Any]]
+
+
+class _BytesOutput(TypedDict, total=False):
+    """text=False, as subprocess's: the output is the bytes the process wrote."""
+
+    text: Required[Literal[False]]
+    on_output: Optional[Callable[[str, bytes], Any]]
+
+
+class _EitherOutput(TypedDict, total=False):
+    """`text` known only when the program runs: on_output must take either."""
+
+    text: bool
+    on_output: Optional[Callable[[str, Union[str, bytes]], Any]]
+
+
+# The keywords of each entry point for each kind of output, as its overloads take them.
+class _TextFollow(_FollowKeywords, _TextOutput): ...
+
+
+class _BytesFollow(_FollowKeywords, _BytesOutput): ...
+
+
+class _AnyFollow(_FollowKeywords, _EitherOutput): ...
+
+
+class _TextRun(_RunKeywords, _TextOutput): ...
+
+
+class _BytesRun(_RunKeywords, _BytesOutput): ...
+
+
+class _AnyRun(_RunKeywords, _EitherOutput): ...
+
+
+_RUN_KEYWORDS = frozenset(_AnyRun.__annotations__)
+_FOLLOW_KEYWORDS = frozenset(_AnyFollow.__annotations__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -806,11 +862,12 @@ class _Options:
             raise ConfigError("env must be a dict of str to str.")
         if self.stdin is not None and self.input is not None:
             raise ConfigError("Give the stdin data once: stdin= or input= (its subprocess name).")
-        if not self.capture_output or not self.text:
-            raise ConfigError(
-                "Output is always captured, as text: capture_output and text can only be "
-                'True (errors="surrogateescape" keeps bytes recoverable).'
-            )
+        if not self.capture_output:
+            raise ConfigError("Output is always captured: capture_output can only be True.")
+        if not isinstance(self.text, bool):
+            raise ConfigError(f"text must be True or False, not {_shown(self.text)}.")
+        if not self.text:
+            self._check_bytes_mode()
         if self.on_output is not None and not callable(self.on_output):
             raise ConfigError("on_output must be callable.")
         if not _is_int(self.max_output_chars) or self.max_output_chars < 0:
@@ -828,6 +885,19 @@ class _Options:
             raise ConfigError(
                 "A terminal's input is typed: start(..., pty=...) takes no stdin data; "
                 "write() it once started."
+            )
+
+    def _check_bytes_mode(self) -> None:
+        """text=False: bytes in and out, as in subprocess's binary mode; nothing is decoded."""
+        if (self.encoding, self.errors) != (_Options.encoding, _Options.errors):
+            raise ConfigError(
+                "text=False gives the bytes the process wrote, decoded by nothing: "
+                "encoding and errors are for text mode only."
+            )
+        if isinstance(self.stdin, str) or isinstance(self.input, str):
+            raise ConfigError(
+                "With text=False, stdin data is bytes (as subprocess's binary mode): "
+                "pass input=data.encode()."
             )
 
 
@@ -923,10 +993,20 @@ class Client:
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
 
-    @_shows(_RunKeywords)
+    @overload
     def execute(
-        self, sandbox_id: str, command: Command, **options: Unpack[_RunKeywords]
-    ) -> ExecResult:
+        self, sandbox_id: str, command: Command, **options: Unpack[_TextRun]
+    ) -> ExecResult[str]: ...
+    @overload
+    def execute(
+        self, sandbox_id: str, command: Command, **options: Unpack[_BytesRun]
+    ) -> ExecResult[bytes]: ...
+    @overload
+    def execute(
+        self, sandbox_id: str, command: Command, **options: Unpack[_AnyRun]
+    ) -> ExecResult[Any]: ...
+    @_shows(_AnyRun)
+    def execute(self, sandbox_id: str, command: Command, **options: Any) -> ExecResult[Any]:
         """Run `command` in the sandbox and return how it ended: start(...).wait()."""
         if not _RUN_KEYWORDS.issuperset(options):
             raise _unexpected("execute", options, _RUN_KEYWORDS)
@@ -936,10 +1016,20 @@ class Client:
             )
         return self.start(sandbox_id, command, **options).wait()
 
-    @_shows(_RunKeywords)
+    @overload
     def start(
-        self, sandbox_id: str, command: Command, **options: Unpack[_RunKeywords]
-    ) -> RemoteProcess:
+        self, sandbox_id: str, command: Command, **options: Unpack[_TextRun]
+    ) -> RemoteProcess[str]: ...
+    @overload
+    def start(
+        self, sandbox_id: str, command: Command, **options: Unpack[_BytesRun]
+    ) -> RemoteProcess[bytes]: ...
+    @overload
+    def start(
+        self, sandbox_id: str, command: Command, **options: Unpack[_AnyRun]
+    ) -> RemoteProcess[Any]: ...
+    @_shows(_AnyRun)
+    def start(self, sandbox_id: str, command: Command, **options: Any) -> RemoteProcess[Any]:
         """Create the process (exactly once) and return at once, as subprocess.Popen does.
 
         The options are execute()'s; `timeout` counts from now: staging,
@@ -971,7 +1061,17 @@ class Client:
         )
         return RemoteProcess(follower, deadline, launch)
 
-    @_shows(_FollowKeywords)
+    @overload
+    def process(
+        self,
+        sandbox_id: str,
+        process_id: str,
+        *,
+        after: int = 0,
+        stdin: None = None,
+        **options: Unpack[_TextFollow],
+    ) -> RemoteProcess[str]: ...
+    @overload
     def process(
         self,
         sandbox_id: str,
@@ -980,8 +1080,30 @@ class Client:
         after: int = 0,
         stdin: None = None,
         pty: None = None,
-        **options: Unpack[_FollowKeywords],
-    ) -> RemoteProcess:
+        **options: Unpack[_BytesFollow],
+    ) -> RemoteProcess[bytes]: ...
+    @overload
+    def process(
+        self,
+        sandbox_id: str,
+        process_id: str,
+        *,
+        after: int = 0,
+        stdin: None = None,
+        pty: None = None,
+        **options: Unpack[_AnyFollow],
+    ) -> RemoteProcess[Any]: ...
+    @_shows(_AnyFollow)
+    def process(
+        self,
+        sandbox_id: str,
+        process_id: str,
+        *,
+        after: int = 0,
+        stdin: None = None,
+        pty: None = None,
+        **options: Any,
+    ) -> RemoteProcess[Any]:
         """A handle on a process started elsewhere or earlier (a restarted kernel,
         another script), its output read from seq `after` + 1.
 
@@ -1018,7 +1140,17 @@ class Client:
         )
         return RemoteProcess(follower, deadline)
 
-    @_shows(_FollowKeywords)
+    @overload
+    def attach(
+        self,
+        sandbox_id: str,
+        process_id: str,
+        *,
+        after: int = 0,
+        stdin: None = None,
+        **options: Unpack[_TextFollow],
+    ) -> ExecResult[str]: ...
+    @overload
     def attach(
         self,
         sandbox_id: str,
@@ -1027,8 +1159,30 @@ class Client:
         after: int = 0,
         stdin: None = None,
         pty: None = None,
-        **options: Unpack[_FollowKeywords],
-    ) -> ExecResult:
+        **options: Unpack[_BytesFollow],
+    ) -> ExecResult[bytes]: ...
+    @overload
+    def attach(
+        self,
+        sandbox_id: str,
+        process_id: str,
+        *,
+        after: int = 0,
+        stdin: None = None,
+        pty: None = None,
+        **options: Unpack[_AnyFollow],
+    ) -> ExecResult[Any]: ...
+    @_shows(_AnyFollow)
+    def attach(
+        self,
+        sandbox_id: str,
+        process_id: str,
+        *,
+        after: int = 0,
+        stdin: None = None,
+        pty: None = None,
+        **options: Any,
+    ) -> ExecResult[Any]:
         """Follow a process started elsewhere to its end: process(...).wait()."""
         if not _FOLLOW_KEYWORDS.issuperset(options):
             raise _unexpected("attach", options, _FOLLOW_KEYWORDS)
@@ -1095,14 +1249,38 @@ class Client:
             sink.discard()
 
 
-@_shows(_RunKeywords)
+@overload
 def execute(
     sandbox_id: str,
     command: Command,
     *,
     client: Optional[Client] = None,
-    **options: Unpack[_RunKeywords],
-) -> ExecResult:
+    **options: Unpack[_TextRun],
+) -> ExecResult[str]: ...
+@overload
+def execute(
+    sandbox_id: str,
+    command: Command,
+    *,
+    client: Optional[Client] = None,
+    **options: Unpack[_BytesRun],
+) -> ExecResult[bytes]: ...
+@overload
+def execute(
+    sandbox_id: str,
+    command: Command,
+    *,
+    client: Optional[Client] = None,
+    **options: Unpack[_AnyRun],
+) -> ExecResult[Any]: ...
+@_shows(_AnyRun)
+def execute(
+    sandbox_id: str,
+    command: Command,
+    *,
+    client: Optional[Client] = None,
+    **options: Any,
+) -> ExecResult[Any]:
     """Client.execute() with a client built from the environment (or the one given)."""
     if client is not None:
         return client.execute(sandbox_id, command, **options)
@@ -1110,14 +1288,38 @@ def execute(
         return own.execute(sandbox_id, command, **options)
 
 
-@_shows(_RunKeywords)
+@overload
 def start(
     sandbox_id: str,
     command: Command,
     *,
     client: Optional[Client] = None,
-    **options: Unpack[_RunKeywords],
-) -> RemoteProcess:
+    **options: Unpack[_TextRun],
+) -> RemoteProcess[str]: ...
+@overload
+def start(
+    sandbox_id: str,
+    command: Command,
+    *,
+    client: Optional[Client] = None,
+    **options: Unpack[_BytesRun],
+) -> RemoteProcess[bytes]: ...
+@overload
+def start(
+    sandbox_id: str,
+    command: Command,
+    *,
+    client: Optional[Client] = None,
+    **options: Unpack[_AnyRun],
+) -> RemoteProcess[Any]: ...
+@_shows(_AnyRun)
+def start(
+    sandbox_id: str,
+    command: Command,
+    *,
+    client: Optional[Client] = None,
+    **options: Any,
+) -> RemoteProcess[Any]:
     """Client.start() with a client built from the environment (or the one given).
 
     A client built here belongs to the process: it is closed once the run has
@@ -1187,9 +1389,18 @@ def _on_a_client(client: Optional[Client], call: Callable[[Client], _T]) -> _T:
         return call(own)
 
 
-def echo(stream: str, text: str) -> None:
-    """A ready `on_output`: print output live, stderr to stderr (terminals, notebooks)."""
-    print(text, end="", file=sys.stderr if stream == "stderr" else sys.stdout, flush=True)
+def echo(stream: str, text: Union[str, bytes]) -> None:
+    """A ready `on_output`: print output live, stderr to stderr (terminals, notebooks).
+    Bytes (text=False) go through as they are where the stream takes bytes."""
+    out = sys.stderr if stream == "stderr" else sys.stdout
+    binary = getattr(out, "buffer", None) if isinstance(text, bytes) else None
+    if binary is None:
+        shown = text if isinstance(text, str) else text.decode("utf-8", "replace")
+        print(shown, end="", file=out, flush=True)
+    else:
+        out.flush()  # what was printed before comes first
+        binary.write(text)
+        binary.flush()
 
 
 def _unexpected(function: str, given: Mapping[str, Any], keywords: AbstractSet[str]) -> TypeError:
@@ -1216,19 +1427,14 @@ def _check_ported(name: str, value: Any, accepted: Tuple[int, ...]) -> None:
 
 
 def _codec_error(encoding: Any, errors: Any) -> ConfigError:
-    """What is wrong with `encoding` or `errors`: output is always decoded to text."""
-    bytes_kept = (
-        'errors="surrogateescape" keeps undecodable bytes recoverable '
-        '(text.encode("utf-8", "surrogateescape") gives them back)'
-    )
+    """What is wrong with `encoding` or `errors` of text mode."""
     if encoding is None:
-        return ConfigError(
-            f"encoding=None does not give bytes here: output is always text; {bytes_kept}."
-        )
+        return ConfigError("encoding=None does not give bytes here: text=False does.")
     if not _codec_known(codecs.getincrementaldecoder, encoding):
         return ConfigError(f'Unknown encoding {_shown(encoding)}: name a codec such as "utf-8".')
     return ConfigError(
-        f'Unknown error handler {_shown(errors)}: use "replace", "strict", or {bytes_kept}.'
+        f'Unknown error handler {_shown(errors)}: use "replace", "strict" or '
+        '"surrogateescape" (or text=False for the bytes themselves).'
     )
 
 
@@ -1252,8 +1458,9 @@ def _codec_known(lookup: Callable[[Any], Any], name: Any) -> bool:
 # result, or the error with the partial result attached.
 
 
-class RemoteProcess:
-    """A command running in a sandbox, the counterpart of subprocess.Popen.
+class RemoteProcess(Generic[_AnyStr]):
+    """A command running in a sandbox, the counterpart of subprocess.Popen
+    (RemoteProcess[bytes] with text=False, as Popen[bytes]).
 
     Made by start() or Client.process(); it owns the process's whole run, as
     Popen owns its engine. wait() follows the output stream with every
@@ -1272,23 +1479,27 @@ class RemoteProcess:
         self, follower: _Follower, deadline: _Deadline, launch: Optional[_Launch] = None
     ) -> None:
         options = follower.options
-        endpoints = self._endpoints = follower.endpoints
-        self.sandbox_id = endpoints.sandbox_id
-        self.process_id = endpoints.process_id
+        # Typed: mypy checks the body once per kind of output (str, bytes).
+        self._endpoints: _Endpoints = follower.endpoints
+        endpoints = self._endpoints
+        self.sandbox_id: str = endpoints.sandbox_id
+        self.process_id: str = endpoints.process_id
         self.args = follower.args
-        self._follower = follower
-        self._check = options.check
-        self._deadline = deadline
-        self._launch = launch  # its staged file is removed when the run fails
+        self._follower: _Follower = follower
+        self._check: bool = options.check
+        self._deadline: _Deadline = deadline
+        self._launch: Optional[_Launch] = launch  # its staged file is removed when the run fails
         self._handover: Optional[_Handover] = None  # made by the first loop over the output
-        self._longest_line = max(options.max_output_chars, _TAIL_PART)
-        self._turn = _Turn()  # to read the stream
-        self._outcome: Union[ExecResult, BaseException, None] = None  # once the run has ended
+        self._longest_line: int = max(options.max_output_chars, _TAIL_PART)
+        self._text: bool = options.text
+        self._turn: _Turn = _Turn()  # to read the stream
+        self._outcome: Union[ExecResult[Any], BaseException, None] = None  # once the run has ended
         self._exited: Optional[_Exit] = None  # learned by poll()
         self._owner: Optional[Client] = None  # the client of cx.start(), closed at the end
         self._terminal = follower.terminal  # its input is typed, its output one stream, "pty"
         piped = isinstance(options.stdin, _Pipe) or self._terminal
-        self._stdin = _StdinWriter(endpoints, options.encoding) if piped else None
+        encoding = options.encoding if options.text else None  # None: bytes only, as Popen's
+        self._stdin = _StdinWriter(endpoints, encoding) if piped else None
 
     def __repr__(self) -> str:
         return (
@@ -1323,7 +1534,7 @@ class RemoteProcess:
             return _Exit(result.exit_code, result.signal)
         return self._exited
 
-    def wait(self, timeout: Optional[float] = None) -> ExecResult:
+    def wait(self, timeout: Optional[float] = None) -> ExecResult[_AnyStr]:
         """Follow the process to its end and return its result (see execute()).
 
         A `timeout` only stops waiting, as Popen.wait's does: WaitTimeout (also
@@ -1334,7 +1545,7 @@ class RemoteProcess:
         """
         return self._wait(_Deadline.after(timeout, "wait", time.monotonic()))
 
-    def _wait(self, until: _Deadline) -> ExecResult:
+    def _wait(self, until: _Deadline) -> ExecResult[Any]:
         with self._turn.held(until) as mine:
             if not mine:
                 raise self._wait_timeout(until, read=False)
@@ -1353,7 +1564,7 @@ class RemoteProcess:
 
     def iter_output(
         self, timeout: Optional[float] = None, *, lines: bool = False
-    ) -> Iterator[Tuple[str, str]]:
+    ) -> Iterator[Tuple[str, _AnyStr]]:
         """(stream, text) as the output arrives, in order, each piece once.
 
         Every guarantee of wait() holds while it runs. Leaving the loop only
@@ -1362,7 +1573,8 @@ class RemoteProcess:
         process runs on. Once the loop is exhausted the run has ended and
         wait() gives its result at once. `lines=True` gives whole lines per
         stream, "\\n" kept (an unterminated last line at the end; a line over
-        max_output_chars in pieces of that size).
+        max_output_chars in pieces of that size). With text=False, bytes
+        (split on b"\\n").
         """
         until = _Deadline.after(timeout, "wait", time.monotonic())
         me: List[Any] = []  # the loop, weakly: the loop must die with its last reference
@@ -1370,8 +1582,8 @@ class RemoteProcess:
         me.append(weakref.ref(loop))
         return loop
 
-    def _iterate(self, until: _Deadline, lines: bool, me: List[Any]) -> Iterator[Tuple[str, str]]:
-        handover = self._handover = self._handover or _Handover(self._longest_line)
+    def _iterate(self, until: _Deadline, lines: bool, me: List[Any]) -> Iterator[_Piece]:
+        handover = self._handover = self._handover or _Handover(self._longest_line, self._text)
         with self._turn.held(until, loop=me[0]) as mine:
             if not mine:
                 raise self._wait_timeout(until, read=False)
@@ -1474,7 +1686,7 @@ class RemoteProcess:
 
     def communicate(
         self, input: Union[str, bytes, None] = None, timeout: Optional[float] = None
-    ) -> Tuple[str, str]:
+    ) -> Tuple[_AnyStr, _AnyStr]:
         """Write `input`, close stdin and wait(timeout); (stdout, stderr), as
         Popen.communicate returns them (closing stdin also lets a process that
         stopped reading it end as it ends). wait() then gives the ExecResult at once.
@@ -1520,7 +1732,7 @@ class RemoteProcess:
         with self._interruptible():
             probe.until_open(self.wait, self._deadline.cancel)
 
-    def __enter__(self) -> "RemoteProcess":
+    def __enter__(self) -> RemoteProcess[_AnyStr]:
         return self
 
     def __exit__(self, kind: Any, error: Optional[BaseException], traceback: Any) -> None:
@@ -1551,7 +1763,7 @@ class RemoteProcess:
 
     # -- the run: followed to its end, then contained --------------------------
 
-    def _run(self, until: _Deadline) -> _Steps[Optional[ExecResult]]:
+    def _run(self, until: _Deadline) -> _Steps[Optional[ExecResult[Any]]]:
         """Follow the process to its end; None when `until` (a wait's own limit)
         passed first: the process goes on running, and the run with it."""
         run = self._deadline
@@ -1572,7 +1784,7 @@ class RemoteProcess:
             ending = _Ending(error=exc)
         return (yield from self._end(ending))
 
-    def _end(self, ending: _Ending) -> _Steps[Optional[ExecResult]]:
+    def _end(self, ending: _Ending) -> _Steps[Optional[ExecResult[Any]]]:
         """The one way a run ends. Unless the process ended by itself, its tree
         is terminated and that confirmed first; then the result, or the error
         with the partial result attached: the outcome every later wait gives."""
@@ -1769,23 +1981,28 @@ class _Termination:
         return self._failure
 
 
+_Piece = Tuple[str, Any]  # (stream, its text, or bytes with text=False)
+
+
 class _Handover:
     """Output read while a loop over iter_output() runs, until the loop takes it:
-    the pieces as they came, or whole lines per stream.
+    the pieces as they came, or whole lines per stream (of text or of bytes).
 
     A piece or line leaves the handover before it is handed out, and nothing
     is held between two of them but here: a loop left at any point (`break`)
     leaves the next loop what it did not hand out, nothing twice.
     """
 
-    def __init__(self, longest_line: int) -> None:
-        self._pieces: Deque[Tuple[str, str]] = collections.deque()
-        self._lines_ready: Deque[Tuple[str, str]] = collections.deque()
-        self._partial: Dict[str, List[str]] = {name: [] for name in _ALL_STREAMS}
+    def __init__(self, longest_line: int, text: bool) -> None:
+        self._pieces: Deque[_Piece] = collections.deque()
+        self._lines_ready: Deque[_Piece] = collections.deque()
+        self._partial: Dict[str, List[Any]] = {name: [] for name in _ALL_STREAMS}
         self._partial_size = dict.fromkeys(_ALL_STREAMS, 0)
         self._longest_line = longest_line
+        self._newline: Any = "\n" if text else b"\n"
+        self._nothing = self._newline[:0]
 
-    def keep(self, stream: str, text: str) -> None:
+    def keep(self, stream: str, text: Any) -> None:
         self._pieces.append((stream, text))
 
     def clear(self) -> None:
@@ -1795,7 +2012,7 @@ class _Handover:
             self._partial[name].clear()
             self._partial_size[name] = 0
 
-    def as_read(self, steps: Iterator[None], lines: bool) -> Iterator[Tuple[str, str]]:
+    def as_read(self, steps: Iterator[None], lines: bool) -> Iterator[_Piece]:
         """What each step takes, handed on after it (a step is one block read)."""
         if lines:
             for _ in steps:
@@ -1806,7 +2023,7 @@ class _Handover:
             while pending:
                 yield pending.popleft()
 
-    def pieces(self, lines: bool, end: bool = False) -> Iterator[Tuple[str, str]]:
+    def pieces(self, lines: bool, end: bool = False) -> Iterator[_Piece]:
         """What was taken, in order; with `end`, the unterminated last lines too."""
         ready, pending = self._lines_ready, self._pieces
         if not lines:
@@ -1823,11 +2040,11 @@ class _Handover:
             while ready:
                 yield ready.popleft()
 
-    def _split(self, stream: str, text: str) -> None:
+    def _split(self, stream: str, text: Any) -> None:
         """The whole lines of `text` (after what the stream left unterminated) made ready."""
-        partial = self._partial[stream]
+        partial, newline = self._partial[stream], self._newline
         start = 0
-        end = text.find("\n") + 1
+        end = text.find(newline) + 1
         while end:
             if partial:
                 partial.append(text[start:end])
@@ -1835,7 +2052,7 @@ class _Handover:
             else:
                 self._lines_ready.append((stream, text[start:end]))
             start = end
-            end = text.find("\n", start) + 1
+            end = text.find(newline, start) + 1
         if start < len(text):
             partial.append(text[start:] if start else text)
             self._partial_size[stream] += len(text) - start
@@ -1847,7 +2064,7 @@ class _Handover:
         for name in streams or _ALL_STREAMS:
             partial = self._partial[name]
             if partial:
-                self._lines_ready.append((name, "".join(partial)))  # one text is not copied
+                self._lines_ready.append((name, self._nothing.join(partial)))  # one is not copied
                 partial.clear()
                 self._partial_size[name] = 0
 
@@ -1894,7 +2111,7 @@ class _PortWait:
         self._host = host
 
     def until_open(
-        self, finish: Callable[[float], ExecResult], cancel: Optional[threading.Event]
+        self, finish: Callable[[float], ExecResult[Any]], cancel: Optional[threading.Event]
     ) -> None:
         """Return once the port accepts a connection. ProcessEndedError, with the
         result `finish` (the process's wait) gives, when the process ends first;
@@ -1946,8 +2163,10 @@ class _PortWait:
             with contextlib.suppress(CleanupError):  # logged; the probe's limit ends it
                 probe.delete(grace=0.0)
 
-    def _raise_ended(self, finish: Callable[[float], ExecResult], deadline: _Deadline) -> NoReturn:
-        result: Optional[ExecResult]
+    def _raise_ended(
+        self, finish: Callable[[float], ExecResult[Any]], deadline: _Deadline
+    ) -> NoReturn:
+        result: Optional[ExecResult[Any]]
         try:
             result = finish(max(_ENDED_GRACE, deadline.remaining() or 0.0))
         except CommandError as failed:  # check=True: the result all the same
@@ -1994,7 +2213,7 @@ class _Follower:
         self.options = options
         self.process_id = endpoints.process_id
         self._output = _Output(
-            options.encoding,
+            options.encoding if options.text else None,
             options.errors,
             options.max_output_chars,
             options.on_output,
@@ -2005,8 +2224,8 @@ class _Follower:
         self._progress_mark = cursor  # the cursor when the budget last saw progress
         self._record: Optional[Dict[str, Any]] = None  # the exited process's, once known
         self.started = started
-        self.first_seq = cursor
-        self.args = args
+        self.first_seq: int = cursor
+        self.args: Any = args
         self.reconnects = 0
         self.exit_recovered = False
         self.creation_recovered = creation_recovered
@@ -2024,13 +2243,13 @@ class _Follower:
         self._output.hand_to(consumer)
         self._reader.stepwise = consumer is not None
 
-    def texts(self) -> Tuple[str, str]:
-        """stdout and stderr as read so far; the run goes on."""
+    def texts(self) -> Tuple[Any, Any]:
+        """stdout and stderr as read so far (str, or bytes with text=False); the run goes on."""
         return self._output.texts()
 
     def result(
         self, exited: Optional[_Exit], *, timed_out: bool = False, partial: bool = False
-    ) -> ExecResult:
+    ) -> ExecResult[Any]:
         """The output's result, with what following the process learned."""
         return self._output.result(
             exited,
@@ -2893,7 +3112,7 @@ class _StdinWriter:
     a repr or a log record.
     """
 
-    def __init__(self, endpoints: _Endpoints, encoding: str) -> None:
+    def __init__(self, endpoints: _Endpoints, encoding: Optional[str]) -> None:
         self._endpoints = endpoints
         self._process_id = endpoints.process_id
         self._encoding = encoding
@@ -2960,10 +3179,13 @@ class _StdinWriter:
             raise StdinClosedError(process_id=self._process_id)
 
 
-def _input_bytes(data: Any, encoding: str) -> bytes:
-    """The bytes of a write(); the error for text that cannot be encoded does not carry it."""
+def _input_bytes(data: Any, encoding: Optional[str]) -> bytes:
+    """The bytes of a write() (None: a run of text=False takes bytes only); the
+    error for text that cannot be encoded does not carry it."""
     if isinstance(data, (bytes, bytearray, memoryview)):
         return bytes(data)
+    if encoding is None:
+        raise ConfigError("write() takes bytes with text=False, as Popen's binary stdin.")
     if not isinstance(data, str):
         raise ConfigError("write() takes str or bytes.")
     complaint = "The input cannot be encoded with the run's encoding; pass bytes."
@@ -3939,7 +4161,9 @@ def _signal_number(name: str) -> Optional[int]:
 # Each stream has its own incremental decoder, so a character split across
 # frames or reconnects decodes once, and a tail of at most max_output_chars,
 # kept in O(1) amortised per character: memory stays bounded whatever the
-# output's size. The output object builds the result from its tails.
+# output's size. The output object builds the result from its tails. With
+# text=False the decoder hands the bytes on as they came, and the tails
+# count and join bytes: the same path, nothing decoded.
 
 
 _TAIL_PART = 16384  # characters; shorter texts are gathered into one part for the tails
@@ -3957,13 +4181,18 @@ class _Output:
 
     def __init__(
         self,
-        encoding: str,
+        encoding: Optional[str],  # None: text=False, bytes as they came
         errors: str,
         limit: int,
         on_output: Optional[OutputCallback],
         merges_stderr: bool = False,
     ) -> None:
-        self._decoder = codecs.getincrementaldecoder(encoding)
+        self._decoder: Callable[[], Any] = (
+            _Undecoded
+            if encoding is None
+            else functools.partial(codecs.getincrementaldecoder(encoding), errors)
+        )
+        self._nothing: Any = "" if encoding is not None else b""  # what the tails join with
         # The stream each stream's text is: with stderr=subprocess.STDOUT, stderr's
         # is stdout's everywhere it goes (decoded apart: each pipe's bytes are whole).
         # A terminal's is its own, "pty", kept as stdout.
@@ -3972,27 +4201,26 @@ class _Output:
             "stderr": "stdout" if merges_stderr else "stderr",
             "pty": "pty",
         }
-        self._errors = errors
         self._limit = limit
         self._on_output = on_output
         self._deliver = on_output  # on_output, a loop's taker, both, or None
         self._part_size = min(_TAIL_PART, limit // 16)
         self.evicted = False  # the service dropped output nobody had read
-        self._decoders = {name: self._decoder(errors) for name in _ALL_STREAMS}
-        self.tails = {name: _Tail(limit) for name in _STREAMS}
-        self.combined = _Tail(limit)
-        # Texts not yet in the tails: per stream, and of both in order.
-        stdout: List[str] = []
-        self._recent = {"stdout": stdout, "stderr": [], "pty": stdout}
-        self._recent_both: List[str] = []
+        self._decoders = {name: self._decoder() for name in _ALL_STREAMS}
+        self.tails = {name: _Tail(limit, self._nothing) for name in _STREAMS}
+        self.combined = _Tail(limit, self._nothing)
+        # Texts not yet in the tails: per stream (a terminal's are stdout's), and of both in order.
+        stdout: List[Any] = []
+        self._recent: Dict[str, List[Any]] = {"stdout": stdout, "stderr": [], "pty": stdout}
+        self._recent_both: List[Any] = []
         self._recent_size = 0
 
     def drop_all(self) -> None:
         """Forget what was read: the output after it is what is kept now, its head dropped."""
         self.evicted = True
-        self._decoders = {name: self._decoder(self._errors) for name in _ALL_STREAMS}
-        self.tails = {name: _Tail(self._limit, dropped=True) for name in _STREAMS}
-        self.combined = _Tail(self._limit, dropped=True)
+        self._decoders = {name: self._decoder() for name in _ALL_STREAMS}
+        self.tails = {name: _Tail(self._limit, self._nothing, dropped=True) for name in _STREAMS}
+        self.combined = _Tail(self._limit, self._nothing, dropped=True)
         for texts in self._recent.values():
             texts.clear()
         self._recent_both.clear()
@@ -4010,14 +4238,14 @@ class _Output:
             self._deliver = taker or on_output
             return
 
-        def both(stream: str, text: str) -> None:
+        def both(stream: str, text: Any) -> None:
             on_output(stream, text)
             taker(stream, text)
 
         self._deliver = both
 
     def feed(self, stream: str, payload: bytes, final: bool = False) -> None:
-        text: str = self._decoders[stream].decode(payload, final)
+        text = self._decoders[stream].decode(payload, final)
         if text:
             stream = self._into[stream]
             self._recent[stream].append(text)
@@ -4032,14 +4260,14 @@ class _Output:
         for name in _STREAMS:
             texts = self._recent[name]
             if texts:
-                self.tails[name].append("".join(texts))  # one text is not copied
+                self.tails[name].append(self._nothing.join(texts))  # one text is not copied
                 texts.clear()
         if self._recent_both:
-            self.combined.append("".join(self._recent_both))
+            self.combined.append(self._nothing.join(self._recent_both))
             self._recent_both.clear()
         self._recent_size = 0
 
-    def texts(self) -> Tuple[str, str]:
+    def texts(self) -> Tuple[Any, Any]:
         """The tails of stdout and stderr as they stand; the decoders keep what they hold."""
         self._file_recent()
         return self.tails["stdout"].text(), self.tails["stderr"].text()
@@ -4055,7 +4283,7 @@ class _Output:
 
     def result(
         self, exited: Optional[_Exit], *, timed_out: bool, partial: bool, **about: Any
-    ) -> ExecResult:
+    ) -> ExecResult[Any]:
         """The result of a run that ended with `status` (None: not known) or at its
         deadline: the tails, once the decoders gave up what they held (handed out
         unless the result is `partial`), and `about` the run, ExecResult's other fields."""
@@ -4076,22 +4304,30 @@ class _Output:
         )
 
 
+class _Undecoded:
+    """The decoder of text=False: the bytes as they came, nothing held back."""
+
+    def decode(self, payload: bytes, final: bool = False) -> bytes:
+        return payload
+
+
 class _Tail:
-    """The last `limit` characters of a stream, O(1) amortised per character.
+    """The last `limit` characters (or bytes) of a stream, O(1) amortised per character.
 
     It is handed parts, not single frames (_Output gathers them), and drops
     its head in whole parts, a quarter of `limit` at a time: the deque sees
-    one part per thousands of characters.
+    one part per thousands of characters. `nothing` ("" or b"") joins them.
     """
 
-    def __init__(self, limit: int, dropped: bool = False) -> None:
+    def __init__(self, limit: int, nothing: Any = "", dropped: bool = False) -> None:
         self._limit = limit
+        self._nothing = nothing
         self._high = limit + limit // 4  # held at most, beyond the part just appended
-        self._parts: Deque[str] = collections.deque()
+        self._parts: Deque[Any] = collections.deque()
         self._size = 0  # characters in _parts
         self.truncated = dropped  # its head was dropped, or will be: it outgrew the limit
 
-    def append(self, part: str) -> None:
+    def append(self, part: Any) -> None:
         self._parts.append(part)
         self._size += len(part)
         if self._size > self._limit:
@@ -4105,12 +4341,13 @@ class _Tail:
         while parts and self._size - len(parts[0]) >= self._limit:
             self._size -= len(parts.popleft())
 
-    def text(self) -> str:
+    def text(self) -> Any:
+        """What it keeps, joined (str, or bytes with text=False)."""
         if self._size > self._limit:
             self._drop_head()
         parts = iter(self._parts)
-        head = next(parts, "")[max(0, self._size - self._limit) :]
-        return "".join(itertools.chain((head,), parts))  # one copy of the tail, no more
+        head = next(parts, self._nothing)[max(0, self._size - self._limit) :]
+        return self._nothing.join(itertools.chain((head,), parts))  # one copy of the tail
 
 
 # ==========================================================================
@@ -5826,15 +6063,17 @@ def _run_command(
     session; `started` gets its process once there is one (Ctrl-C names it).
     `stdin`: its data, or a descriptor forwarded as it comes (`failures` gets
     what stopped the forwarding)."""
-    session = _Session(sys.stdin.fileno()) if options.tty else None
     output: Dict[str, Any] = {
         "timeout": options.timeout,
-        "on_output": None if options.json else _print_live if session is None else session.show,
+        "on_output": None if options.json else _print_live,
         # Live output passes through byte-exact; JSON needs valid text.
         "errors": "replace" if options.json else "surrogateescape",
     }
-    if session is not None and "TERM" in os.environ:
-        env = {"TERM": os.environ["TERM"], **(env or {})}
+    session = _Session(sys.stdin.fileno()) if options.tty else None
+    if session is not None:
+        output = {"timeout": options.timeout, "on_output": session.show, "text": False}
+        if "TERM" in os.environ:
+            env = {"TERM": os.environ["TERM"], **(env or {})}
     if command is None:
         process = client.process(options.sandbox_id, options.attach, after=options.after, **output)
     else:
@@ -5892,9 +6131,9 @@ class _Session:
         columns, lines = os.get_terminal_size(self._fd)
         return (lines, columns) if lines and columns else _TERMINAL
 
-    def show(self, stream: str, text: str) -> None:
+    def show(self, stream: str, data: bytes) -> None:
         self._status.clear()
-        _print_live(stream, text)
+        _write_through(sys.stdout, data)
 
     def run(self, process: RemoteProcess, rebuild: bool) -> ExecResult:
         """The session to its end: the process's result, or _Detached."""

@@ -9,7 +9,7 @@
   lines (``[line,line,…]``).
 - ``ExecuteReader``: ``createos_exec.Client.execute`` end to end, with an
   ``on_output`` callback that counts characters; or ``start()`` and a loop
-  over ``iter_output()`` that counts them.
+  over ``iter_output()`` that counts them; or, with ``text=False``, the bytes.
 - ``SdkReader``: the official SDK (``createos``): ``processes.create`` and the
   ``processes.connect`` iteration, decoding each data event with the same
   incremental UTF-8 decoder.
@@ -45,7 +45,7 @@ class Received(NamedTuple):
     """What a reader got, per stream name (stdout, stderr)."""
 
     stream_bytes: Optional[Dict[str, int]]  # None: the reader does not see bytes (execute)
-    chars: Dict[str, int]
+    chars: Optional[Dict[str, int]]  # None: the reader does not decode (execute(text=False))
     tails: Dict[str, str]  # the last characters the reader decoded of each stream
     exit_code: Optional[int]
     heartbeats: Optional[int] = None  # None: the reader does not see them
@@ -59,7 +59,7 @@ def verify(reader: str, got: Received, expected: Expected) -> None:
                 "%d %s payload bytes, expected %d"
                 % (got.stream_bytes[name], name, expected.stream_bytes[name])
             )
-        if got.chars[name] != expected.chars[name]:
+        if got.chars is not None and got.chars[name] != expected.chars[name]:
             problems.append(
                 "%d %s characters, expected %d" % (got.chars[name], name, expected.chars[name])
             )
@@ -331,14 +331,17 @@ class ExecuteReader:
 
     With `iterate`, the same command through start() and a loop over
     iter_output() that counts, then wait(): the two routes to live output.
+    With `text` false, execute(text=False): it counts bytes, and the last
+    characters are those its last bytes decode to.
     """
 
-    def __init__(self, url: str, iterate: bool = False) -> None:
+    def __init__(self, url: str, iterate: bool = False, text: bool = True) -> None:
         import createos_exec
 
         self.client = createos_exec.Client(url, API_KEY)
         self.iterate = iterate
-        self.label = "iter_output" if iterate else "execute"
+        self.text = text
+        self.label = "iter_output" if iterate else "execute" if text else "execute(text=False)"
 
     def read(self, shape_name: str) -> Received:
         out_chars = err_chars = 0
@@ -359,7 +362,7 @@ class ExecuteReader:
                 count(stream, text)
             result = process.wait()
         else:
-            result = self.client.execute(SANDBOX, shape_name, on_output=count)
+            result = self.client.execute(SANDBOX, shape_name, on_output=count, text=self.text)
         kept = {"stdout": result.stdout, "stderr": result.stderr, "output": result.output}
         counted = {"stdout": out_chars, "stderr": err_chars, "output": out_chars + err_chars}
         for name, text in kept.items():
@@ -373,9 +376,15 @@ class ExecuteReader:
                 "%s: output of streams %r, %d reconnects"
                 % (self.label, strangers, result.reconnects)
             )
+        counts = {"stdout": out_chars, "stderr": err_chars}
+        if not self.text:  # a character cut at the start of the last bytes is left out
+            last = {
+                name: kept[name][-4 * TAIL_CHARS :].decode("utf-8", "ignore") for name in counts
+            }
+            return Received(counts, None, last, result.exit_code)
         return Received(
             None,
-            {"stdout": out_chars, "stderr": err_chars},
+            counts,
             {"stdout": result.stdout[-TAIL_CHARS:], "stderr": result.stderr[-TAIL_CHARS:]},
             result.exit_code,
         )

@@ -32,7 +32,10 @@ throughput  A synthetic CreateOS server (stream_server.py, a process of its
             per block of lines), createos_exec's Client.execute() end to end,
             and the official SDK's processes.connect(), and start() with a
             loop over iter_output() (at least 0.9x of execute()'s on_output
-            on the 64 KiB and the 100-byte frames). Every reader's output
+            on the 64 KiB and the 100-byte frames), and execute(text=False),
+            the bytes decoded by nothing (at least as fast as text mode on
+            the 64 KiB frames and the 100-byte frames in 64 KiB chunks). Every
+            reader's output
             is verified, each stream on its own. MB/s = 10^6 bytes of decoded
             payload (both streams) per second. Besides execute() against
             the other readers on each shape, a target compares execute()
@@ -140,6 +143,7 @@ SERVER_ALONE = "server alone (drain, no parsing)"
 PER_LINE = "per-line ceiling (raw socket)"
 BATCHED = "batched ceiling (raw socket)"
 EXECUTE = "createos_exec Client.execute()"
+EXECUTE_BYTES = "createos_exec execute(text=False)"
 ITERATE = "createos_exec iter_output() loop"
 SDK = "official SDK processes.connect()"
 
@@ -282,6 +286,7 @@ def make_readers(
     server: StreamServer,
     execute: readers.ExecuteReader,
     iterate: readers.ExecuteReader,
+    in_bytes: readers.ExecuteReader,
     sdk: Optional[readers.SdkReader],
 ) -> Dict[str, Optional[Callable[[str], readers.Received]]]:
     """Each reader as a function of the shape name (None: not available)."""
@@ -295,6 +300,7 @@ def make_readers(
         PER_LINE: lambda name: readers.read_per_line(address, connect_path(name)),
         BATCHED: lambda name: readers.read_batched(address, connect_path(name)),
         EXECUTE: execute.read,
+        EXECUTE_BYTES: in_bytes.read,
         ITERATE: iterate.read,
         SDK: sdk.read if sdk is not None else None,
     }
@@ -311,10 +317,11 @@ def run_throughput(report: Report, repeat: int, scale: float) -> None:
     with StreamServer(list(WARMUP_SHAPES) + shapes) as server:
         execute = readers.ExecuteReader(server.url)
         iterate = readers.ExecuteReader(server.url, iterate=True)
+        in_bytes = readers.ExecuteReader(server.url, text=False)
         sdk_module = readers.load_sdk()
         sdk = readers.SdkReader(sdk_module, server.url) if sdk_module is not None else None
         try:
-            reader_of = make_readers(server, execute, iterate, sdk)
+            reader_of = make_readers(server, execute, iterate, in_bytes, sdk)
             warm_up(report, reader_of, server)
             timings = {shape.name: Timings(reader_of) for shape in shapes}
             for rep in range(repeat):
@@ -326,6 +333,7 @@ def run_throughput(report: Report, repeat: int, scale: float) -> None:
         finally:
             execute.close()
             iterate.close()
+            in_bytes.close()
             if sdk is not None:
                 sdk.close()
     throughput_targets(report, medians)
@@ -440,6 +448,7 @@ def ratio_texts(medians: Dict[str, Optional[float]]) -> List[str]:
         ("execute/batched", EXECUTE, BATCHED),
         ("execute/SDK", EXECUTE, SDK),
         ("iter_output/execute", ITERATE, EXECUTE),
+        ("text=False/execute", EXECUTE_BYTES, EXECUTE),
         ("server alone/per-line", SERVER_ALONE, PER_LINE),
     )
     texts = []
@@ -477,6 +486,16 @@ ITERATE_TARGETS = (
         0.9,
     ),
 )
+# execute(text=False) against execute() in text mode, on one shape: bytes,
+# decoded by nothing, at least as fast.
+BYTES_TARGETS = (
+    ("execute(text=False) / execute() in text mode, 64 KiB frames", SHAPE_64K, 1.0),
+    (
+        "execute(text=False) / execute() in text mode, 100-byte frames in 64 KiB chunks",
+        SHAPE_100B_CHUNKED,
+        1.0,
+    ),
+)
 # One reader on two shapes: (text, reader, shape, reference shape, bound) for
 # reader's MB/s on shape / its MB/s on the reference shape.
 SHAPE_TARGETS = (
@@ -498,6 +517,8 @@ def throughput_targets(report: Report, medians: Dict[str, Dict[str, Optional[flo
         report.target(Target(text, ratio(medians[shape_name], EXECUTE, bottom), bound))
     for text, shape_name, bound in ITERATE_TARGETS:
         report.target(Target(text, ratio(medians[shape_name], ITERATE, EXECUTE), bound))
+    for text, shape_name, bound in BYTES_TARGETS:
+        report.target(Target(text, ratio(medians[shape_name], EXECUTE_BYTES, EXECUTE), bound))
     for text, reader, shape_name, reference, bound in SHAPE_TARGETS:
         value = shape_ratio(medians, reader, shape_name, reference)
         report.target(Target(text, value, bound))

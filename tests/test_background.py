@@ -352,14 +352,15 @@ def test_no_warning_once_the_run_has_ended(client):
 
 
 FOLLOW_KEYWORDS = {
-    "timeout", "on_output", "check", "max_output_chars", "encoding", "errors", "cancel",
+    "timeout", "on_output", "check", "max_output_chars", "encoding", "errors", "cancel", "text",
 }  # fmt: skip
 RUN_KEYWORDS = {field.name for field in dataclasses.fields(cx._Options)}
 
 
-def test_the_typed_keywords_are_the_options():
-    assert set(cx._RunKeywords.__annotations__) == RUN_KEYWORDS
-    assert set(cx._FollowKeywords.__annotations__) == FOLLOW_KEYWORDS
+@pytest.mark.parametrize("output", ["Text", "Bytes", "Any"])  # what each overload takes
+def test_the_typed_keywords_are_the_options(output):
+    assert set(getattr(cx, f"_{output}Run").__annotations__) == RUN_KEYWORDS
+    assert set(getattr(cx, f"_{output}Follow").__annotations__) == FOLLOW_KEYWORDS
 
 
 @pytest.mark.parametrize(
@@ -431,6 +432,17 @@ def ported_run(run, popen):
     piped, script = subprocess.PIPE, ["sh", "-c", "cat; echo err >&2"]
     done = run(script, input="in\n", stdout=piped, stderr=piped, text=True)
     return done.returncode, done.stdout, done.stderr
+
+
+def ported_bytes(run, popen):
+    script = ["sh", "-c", r"printf '\377\000'; cat; printf '\200' >&2; exit 3"]
+    try:
+        run(script, input=bytes(range(256)), capture_output=True, text=False, check=True)
+    except subprocess.CalledProcessError as failed:
+        ran = failed.returncode, failed.stdout, failed.stderr
+    piped = subprocess.PIPE
+    proc = popen(["cat"], stdin=piped, stdout=piped, stderr=piped, text=False)
+    return ran, proc.communicate(b"\x00\xff")
 
 
 def ported_check(run, popen):
@@ -533,7 +545,7 @@ def test_stderr_into_stdout_is_merged_in_order_wherever_output_goes(client):
     "keywords, part",
     [
         (dict(capture_output=False), "always captured"),
-        (dict(text=False), "always captured"),
+        (dict(text=0), "text must be True or False"),
         (dict(stdin="a", input="b"), "input="),
         (dict(stdout=subprocess.DEVNULL), "stdout can only be subprocess.PIPE or None"),
         (dict(stdout=subprocess.STDOUT), "stdout can only be subprocess.PIPE or None"),

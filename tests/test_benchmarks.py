@@ -32,6 +32,7 @@ READERS = (
     "per-line ceiling (raw socket)",
     "batched ceiling (raw socket)",
     "createos_exec Client.execute()",
+    "createos_exec execute(text=False)",
     "official SDK processes.connect()",
 )
 HEADINGS = (
@@ -84,6 +85,8 @@ def test_the_tiny_benchmark_reports_every_section_and_reader():
         "on_output", "on_output", "iter_output", "iter_output"
     ]  # fmt: skip
     assert re.search(r"\] iter_output\(\) loop / on_output callback .*: %sx" % NUMBER, report)
+    in_bytes = r"\] (execute\(text=False\) / execute\(\) in text mode, .*): %sx" % NUMBER
+    assert len(set(re.findall(in_bytes, report))) == 2  # each shape's (the summary repeats)
     assert len(re.findall(r"characters: +%s ns/char" % NUMBER, report)) == 3
     assert re.search(r"naive .* %s ns/char" % NUMBER, report)
     assert re.search(r'one execute\("true"\) after a warm-up: [0-9]+ requests', report)

@@ -297,6 +297,11 @@ BAD_EXECUTE_CALLS = {
     "pty as a string": ((SB, ["sh"]), {"pty": "24x80"}),
     "pty with stdin data": ((SB, ["sh"]), {"pty": True, "stdin": "ls\n"}),
     "pty with input": ((SB, ["sh"]), {"pty": True, "input": b"ls\n"}),
+    "text not a bool": ((SB, ["true"]), {"text": None}),
+    "text=False with an encoding": ((SB, ["true"]), {"text": False, "encoding": "latin-1"}),
+    "text=False with errors": ((SB, ["true"]), {"text": False, "errors": "surrogateescape"}),
+    "text=False with str input": ((SB, ["cat"]), {"text": False, "input": "x"}),
+    "text=False with str stdin": ((SB, ["cat"]), {"text": False, "stdin": "x"}),
 }
 
 
@@ -326,6 +331,7 @@ def test_execute_validates_before_any_request(args: Any, kwargs: Dict[str, Any])
         (PID, {"timeout": 0}),
         (PID, {"pty": True}),
         (PID, {"pty": (24, 80)}),
+        (PID, {"text": False, "errors": "strict"}),
     ],
 )
 def test_attach_validates_before_any_request(process_id: Any, kwargs: Dict[str, Any]) -> None:
@@ -773,12 +779,13 @@ def nothing_sent(rsps):
     assert len(rsps.calls) == 0
 
 
-def test_encoding_none_says_output_is_always_text(nothing_sent):
-    with pytest.raises(cx.ConfigError) as raised:
+def test_encoding_none_says_text_false_gives_bytes(nothing_sent):
+    with pytest.raises(cx.ConfigError, match="encoding=None .* text=False does"):
         nothing_sent.execute(SB, ["cat"], encoding=None)
-    message = str(raised.value)
-    assert "encoding=None" in message and "always text" in message
-    assert 'errors="surrogateescape"' in message
+    with pytest.raises(cx.ConfigError, match="encoding and errors are for text mode only"):
+        nothing_sent.execute(SB, ["cat"], text=False, encoding=None)
+    with pytest.raises(cx.ConfigError, match=r"input=data\.encode\(\)"):
+        nothing_sent.start(SB, ["cat"], text=False, input="secret")
 
 
 def test_an_unknown_codec_or_handler_is_named(nothing_sent):
@@ -786,7 +793,8 @@ def test_an_unknown_codec_or_handler_is_named(nothing_sent):
         nothing_sent.execute(SB, ["cat"], encoding="utf-9")
     with pytest.raises(cx.ConfigError) as raised:
         nothing_sent.execute(SB, ["cat"], errors="bogus")
-    assert "'bogus'" in str(raised.value) and "surrogateescape" in str(raised.value)
+    message = str(raised.value)
+    assert "'bogus'" in message and "surrogateescape" in message and "text=False" in message
 
 
 def test_invalid_arguments_are_named(nothing_sent):

@@ -3,7 +3,7 @@ from the service" table (every row but the last, which tests/test_recovery.py
 holds) and the rows "invalid frame", "HTTP 410 or an output_offset_expired
 frame" and "exit frame without a status" of the failure table (docs/design.md
 rules 2 and 5: drop a replay, fail closed on a gap or a bad frame; 7 and 8:
-exact text, bounded memory).
+exact text, bounded memory; 15: bytes are bytes, with text=False).
 
 Canned streams (responses) first; then the reader, base64, exit statuses and
 the output capture (tails and decoders), called directly.
@@ -12,10 +12,13 @@ the output capture (tails and decoders), called directly.
 from __future__ import annotations
 
 import base64
+import hashlib
+import io
 import itertools
 import json
 import random
 import string
+import sys
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -631,8 +634,8 @@ def test_tail_keeps_exactly_the_last_chars(limit: int) -> None:
     assert tail.text() == (reference[-limit:] if limit else "")
 
 
-def last(text: str, limit: int) -> str:
-    return text[-limit:] if limit else ""
+def last(text: Any, limit: int) -> Any:
+    return text[-limit:] if limit else text[:0]
 
 
 # Pieces are cut from one random text drawn once: drawing each character anew
@@ -642,13 +645,17 @@ CAPTURE_TEXT = "".join(random.Random(5).choices("ab€\n\U0001d11e", k=1 << 16))
 
 
 # Limits below and above 16 parts; lengths that end on a part and between parts.
+# Decoded (UTF-8), or with text=False (encoding None) the bytes, counted as bytes.
+@pytest.mark.parametrize("encoding", ["utf-8", None])
 @pytest.mark.parametrize("limit", [0, 1, 5, 64, 1000, 70_000])
 @pytest.mark.parametrize("pieces", [1, 37, 1200, 5000])
-def test_capture_keeps_the_last_chars_of_each_stream_and_both(limit: int, pieces: int) -> None:
+def test_capture_keeps_the_last_chars_of_each_stream_and_both(
+    limit: int, pieces: int, encoding: Optional[str]
+) -> None:
     rng = random.Random(limit * 7919 + pieces)
-    handed_out: List[Tuple[str, str]] = []
-    capture = cx._Output("utf-8", "strict", limit, lambda *args: handed_out.append(args))
-    written: List[Tuple[str, str]] = []
+    handed_out: List[Tuple[str, Any]] = []
+    capture = cx._Output(encoding, "strict", limit, lambda *args: handed_out.append(args))
+    written: List[Tuple[str, Any]] = []
     for _ in range(pieces):
         stream = rng.choice(cx._STREAMS)
         size = rng.choice([0, 1, 12, 100, 5000])
@@ -657,14 +664,15 @@ def test_capture_keeps_the_last_chars_of_each_stream_and_both(limit: int, pieces
         piece = CAPTURE_TEXT[start : start + length]
         capture.feed(stream, piece.encode("utf-8"))
         if piece:
-            written.append((stream, piece))
+            written.append((stream, piece if encoding else piece.encode("utf-8")))
     capture.finish(hand_out=True)
     assert handed_out == written  # as it came, nothing held back
-    both = "".join(text for _, text in written)
+    nothing = "" if encoding else b""
+    both = nothing.join(text for _, text in written)
     assert capture.combined.text() == last(both, limit)
     assert capture.combined.truncated == (len(both) > limit)
     for name, tail in capture.tails.items():
-        mine = "".join(text for stream, text in written if stream == name)
+        mine = nothing.join(text for stream, text in written if stream == name)
         assert tail.text() == last(mine, limit)
         assert tail.truncated == (len(mine) > limit)
 
@@ -843,3 +851,102 @@ def test_a_reader_left_behind_by_the_journal_gets_output_evicted(reading):
         assert connects == [200, 410]
         oldest = caught.value.oldest_available_seq
         assert oldest is None or oldest > 2
+
+
+# --------------------------------------------------------------------------
+# Against the local server: bytes are bytes (docs/design.md item 15), every
+# byte once, in order, through the result, a loop and the callback alike,
+# across reconnects
+# --------------------------------------------------------------------------
+
+EVERY_BYTE = bytes(range(256))
+# The 256 values from stdin, then random bytes the sandbox draws, whose SHA-256 it
+# prints to stderr; the local server makes a frame of each read of a pipe.
+BINARY = (
+    'cat; f=$(mktemp); head -c 300000 /dev/urandom > "$f"; cat "$f"; '
+    'sha256sum < "$f" | cut -c1-64 >&2; rm -f "$f"'
+)
+
+
+FAULTS = {
+    "unbroken": lambda s: None,
+    "mid-frame": lambda s: s.drop_stream(after_frames=1, mid_frame=True),
+    "clean-eof": lambda s: s.end_stream(after_frames=2),
+    "replay-ignores-after": lambda s: (
+        s.replay_ignoring_after(count=2) or s.drop_stream(after_frames=3)
+    ),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_every_byte_arrives_once_in_order_through_result_loop_and_callback(client, server, fault):
+    FAULTS[fault](server)
+    called: List[Tuple[str, bytes]] = []
+    proc = client.start(
+        SANDBOX,
+        BINARY,
+        shell=True,
+        input=EVERY_BYTE * 3,
+        text=False,
+        on_output=lambda *piece: called.append(piece),
+    )
+    looped = list(proc.iter_output())
+    result = proc.wait()
+    out = result.stdout
+    assert out[:768] == EVERY_BYTE * 3 and len(out) == 768 + 300_000
+    assert hashlib.sha256(out[768:]).hexdigest().encode() + b"\n" == result.stderr
+    for pieces in (looped, called):
+        assert all(type(data) is bytes and data for _, data in pieces)
+        assert b"".join(data for stream, data in pieces if stream == "stdout") == out
+    assert looped == called and b"".join(data for _, data in looped) == result.output
+    assert result.reconnects == len(server.requests_to("connect")) - 1
+    assert result.reconnects >= (fault != "unbroken")
+    assert client.attach(SANDBOX, proc.process_id, text=False).stdout == out  # taken up again
+
+
+def test_lines_of_bytes_split_on_newline_and_the_tail_counts_bytes(client):
+    script = r"printf 'one\ntw\377\n\000\200 no end'; printf '€€€€' >&2"
+    proc = client.start(SANDBOX, script, shell=True, text=False, max_output_chars=10)
+    lines = list(proc.iter_output(lines=True))
+    result = proc.wait()
+    assert lines == [
+        ("stdout", b"one\n"),
+        ("stdout", b"tw\xff\n"),
+        ("stdout", b"\x00\x80 no end"),
+        ("stderr", "€€€€".encode()),
+    ]
+    assert result.stdout == b"\n\x00\x80 no end" and result.stdout_truncated
+    assert result.stderr == "€€€€".encode()[-10:] and len(result.output) == 10
+    assert "stdout=<10 bytes>" in repr(result)
+
+
+def test_communicate_and_the_errors_of_a_bytes_run_carry_bytes(client, server):
+    proc = client.start(SANDBOX, ["cat"], stdin=cx.PIPE, text=False)
+    with pytest.raises(cx.ConfigError, match="bytes with text=False"):
+        proc.write("text")  # as Popen's binary stdin: refused, nothing sent
+    assert server.requests_to("input") == []
+    assert proc.communicate(b"\x00\xff\n") == (b"\x00\xff\n", b"")
+    script = r"printf '\377'; sleep 2; printf '\376' >&2; exit 3"
+    failing = client.start(SANDBOX, script, shell=True, text=False, check=True)
+    next(failing.iter_output())
+    with pytest.raises(cx.WaitTimeout) as waited:
+        failing.wait(timeout=0.1)
+    with pytest.raises(cx.CommandError) as failed:
+        failing.wait()
+    assert (waited.value.output, waited.value.stderr) == (b"\xff", b"")
+    assert (failed.value.stdout, failed.value.stderr) == (b"\xff", b"\xfe")
+
+
+def test_echo_prints_bytes_through_where_the_stream_takes_bytes(monkeypatch):
+    binary, notebook = io.BytesIO(), io.StringIO()  # a terminal's stdout; a stderr without bytes
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(binary, encoding="utf-8"))
+    monkeypatch.setattr(sys, "stderr", notebook)
+    for stream, piece in [
+        ("stdout", "tö "),
+        ("stdout", b"\xff\n"),
+        ("stderr", b"\xff!"),
+        ("stderr", "ok"),
+    ]:
+        cx.echo(stream, piece)
+    assert binary.getvalue() == "tö ".encode() + b"\xff\n"
+    assert notebook.getvalue() == "\ufffd!ok"

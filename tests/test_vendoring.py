@@ -138,7 +138,7 @@ def test_a_copy_of_the_module_alone_runs_a_command_in_a_fresh_venv(server, tmp_p
 USER_CODE_CORRECT = """\
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import createos_exec as cx
 
@@ -165,8 +165,23 @@ def report(client: cx.Client) -> bytes:
     info: cx.FileInfo = cx.put("sb_123", b"print(1)", "/app/main.py", mode=0o644, client=client)
     assert client.get("sb_123", "/app/out.tar", "out.tar").sha256 != info.sha256
     return client.get("sb_123", "/app/report.html")
+
+
+def archived(client: cx.Client, sandbox_id: str) -> bytes:
+    def keep(stream: str, data: bytes) -> None:
+        print(stream, len(data))
+
+    tar: bytes = client.execute(sandbox_id, ["tar", "c", "."], text=False, on_output=keep).stdout
+    listed: str = client.execute(sandbox_id, ["ls"], text=True).stdout
+    loop = cx.start(sandbox_id, ["cat", "f"], text=False).iter_output(lines=True)
+    pieces: List[bytes] = [data for _, data in loop]
+    lines: List[str] = [line for _, line in client.process(sandbox_id, "proc_1").iter_output()]
+    again: cx.ExecResult[bytes] = client.attach(sandbox_id, "proc_1", text=False)
+    return tar + b"".join(pieces) + again.stdout + (listed + "".join(lines)).encode()
 """
 USER_CODE_WRONG = """\
+from typing import List
+
 import createos_exec as cx
 
 
@@ -176,6 +191,14 @@ def greeting(sandbox_id: str) -> int:
 
 def started(sandbox_id: str) -> cx.RemoteProcess:
     return cx.start(sandbox_id, "make", detach=True)
+
+
+def archived(sandbox_id: str) -> str:
+    return cx.execute(sandbox_id, ["tar", "c", "."], text=False).stdout
+
+
+def lines(process: cx.RemoteProcess[bytes]) -> List[str]:
+    return [line for _, line in process.iter_output(lines=True)]
 """
 DISTRIBUTION = (
     "createos_exec.py",
@@ -224,11 +247,20 @@ def test_the_installed_package_types_users_code_and_has_its_command(tmp_path):
         cwd=str(tmp_path), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert checked.returncode == 1, (mypy.__file__, checked.stdout)
-    assert [line for line in checked.stdout.splitlines() if ": error:" in line] == [
-        'wrong.py:5: error: Incompatible return value type (got "str", expected "int")  '
-        "[return-value]",
-        'wrong.py:9: error: Unexpected keyword argument "detach" for "start"  [call-arg]',
+    errors = [line for line in checked.stdout.splitlines() if ": error:" in line]
+    assert errors[:1] + errors[-2:] == [
+        'wrong.py:7: error: Incompatible return value type (got "str", expected "int")  '
+        "[return-value]",  # text by default
+        'wrong.py:15: error: Incompatible return value type (got "bytes", expected "str")  '
+        "[return-value]",  # bytes with text=False
+        "wrong.py:19: error: List comprehension has incompatible type List[bytes]; expected "
+        "List[str]  [misc]",
     ]
+    # The unknown keyword matches none of start()'s overloads (one for each kind of output).
+    assert errors[1:-2] and all(
+        line.startswith("wrong.py:11: ") and '"start"' in line or "[no-any-return]" in line
+        for line in errors[1:-2]
+    )
     assert "import-untyped" not in checked.stdout  # and nothing said of the package's own
     # lines, but where the keyword's function is (an older mypy's note on the unknown keyword):
     assert all(
