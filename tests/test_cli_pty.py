@@ -11,15 +11,18 @@ tests/test_cli.py.
 
 from __future__ import annotations
 
+import collections
 import io
 import os
+import random
 import re
 import signal
 import sys
 import time
 
 import pytest
-from support import ROOT, SANDBOX, cli_argv, cli_env, require
+from local_server import LocalServer
+from support import ROOT, SANDBOX, campaign_size, cli_argv, cli_env, require
 
 if sys.platform == "win32":  # pragma: no cover - the local server is Linux only
     pytest.skip("pseudo-terminals are POSIX", allow_module_level=True)
@@ -308,3 +311,84 @@ def test_t_on_a_process_without_a_terminal_is_an_error_and_leaves_it(session, se
     assert b"has no terminal: attach without -t" in made.shown()
     assert process.poll() is None
     process.terminate()
+
+
+# -- the campaign: terminal sessions under injected faults (RELIABILITY.md item 14) --
+
+TERMINAL_RUNS = campaign_size("CREATEOS_TERMINAL_RUNS", 4, 40)
+TERMINAL_SEED = int(os.environ.get("CREATEOS_TERMINAL_SEED", "20261202"))
+BURST = 400  # lines the remote program prints at its end
+# Raw, it records each byte it receives and says so; `q` ends it with its size and a burst.
+RECORDER = """
+import os, signal, sys, tty
+tty.setraw(0)
+signal.signal(signal.SIGWINCH, lambda *_: None)
+received = open(sys.argv[1], "ab", buffering=0)
+os.write(1, b"ready\\r\\n")
+while True:
+    for key in os.read(0, 4096):
+        if key == ord("q"):
+            size = os.get_terminal_size(0)
+            os.write(1, b"size %d %d\\r\\n" % (size.lines, size.columns))
+            os.write(1, b"".join(b"line %d\\r\\n" % n for n in range(1, BURST + 1)))
+            sys.exit(0)
+        received.write(bytes([key]))
+        os.write(1, b"got %02x\\r\\n" % key)
+""".replace("BURST", str(BURST))
+KEYS = bytes(range(1, 128)).replace(b"q", b"").replace(b"\x1d", b"")  # Ctrl-C among them
+
+
+def _schedule(seed):
+    rng = random.Random(seed)
+    cuts = [(rng.randrange(0, 12), rng.random() < 0.5) for _ in range(rng.randrange(1, 4))]
+    typing = []  # (keys, pause after, size to set then or None)
+    for _ in range(rng.randrange(5, 15)):
+        keys = bytes(rng.choice(KEYS) for _ in range(rng.randrange(1, 6)))
+        size = (rng.randrange(10, 60), rng.randrange(40, 200)) if rng.random() < 0.3 else None
+        typing.append((keys, rng.uniform(0, 0.05), size))
+    return cuts, rng.randrange(0, 3), typing
+
+
+def _run_session(seed, tmp_path):
+    cuts, lost_answers, typing = _schedule(seed)
+    received = tmp_path / "received.bin"
+    with LocalServer(heartbeat_interval=0.5) as server:
+        for after_frames, mid_frame in cuts:
+            server.drop_stream(after_frames=after_frames, mid_frame=mid_frame)
+        if lost_answers:
+            server.lose_input_response(count=lost_answers)
+        args = (SANDBOX, "--", sys.executable, "-c", RECORDER, str(received))
+        made = Session(server, tmp_path, *args)
+        try:
+            made.child.expect_exact(b"ready")
+            size = (24, 80)
+            for keys, pause, new_size in typing:
+                made.child.send(keys)
+                if new_size is not None:
+                    size = new_size
+                    made.child.setwinsize(*size)
+                time.sleep(pause)
+            made.child.send(b"q")
+            assert made.ended() == 0, seed
+            reconnects = len(server.requests_to("connect")) - 1
+        finally:
+            made.child.close(force=True)
+    typed = b"".join(keys for keys, _, _ in typing)
+    assert received.read_bytes() == typed, seed  # every key once, in order
+    shown = re.sub(rb"\x1b7.*?\x1b\[m|\x1b8\x1b\[K", b"", made.shown()).split(b"ended")[0]
+    lines = re.findall(rb"(?m)^(got ..|size \d+ \d+|line \d+)\r$", shown)
+    expected = [b"got %02x" % key for key in typed] + [b"size %d %d" % size]
+    assert lines == expected + [b"line %d" % n for n in range(1, BURST + 1)], seed
+    return len(cuts) + lost_answers, reconnects, len(typed)
+
+
+def test_sessions_under_random_faults_double_and_lose_nothing(tmp_path, figures):
+    totals = collections.Counter()
+    for index in range(TERMINAL_RUNS):
+        seed = TERMINAL_SEED + index
+        directory = tmp_path / str(seed)
+        directory.mkdir()
+        faults, reconnects, keys = _run_session(seed, directory)
+        totals.update(runs=1, faults=faults, reconnects=reconnects, keys=keys)
+    assert totals["reconnects"] > 0
+    figures.record("14. terminal sessions", seed=TERMINAL_SEED, **totals)
