@@ -27,7 +27,8 @@ counterpart of subprocess.Popen; execute() is start(...).wait(), and
 client.process() is a handle on a process started earlier. put() and get()
 move files in and out: streamed, checked by SHA-256 on both sides, renamed
 into place only once whole.
-`createos-exec --help` (or `python -m createos_exec --help`) is the command line.
+`createos-exec --help` (or `python -m createos_exec --help`) is the command line;
+with -t, a terminal session that survives the network.
 
 Contents, in the order a call runs through them (each section opens with its contract):
 
@@ -43,7 +44,7 @@ Contents, in the order a call runs through them (each section opens with its con
     10. Deadlines and pacing
     11. Configuration checks: the URL, the key, ids, numbers
     12. Sandbox-side scripts
-    13. The command line
+    13. The command line, and its terminal sessions (-t)
 """
 
 from __future__ import annotations
@@ -5780,12 +5781,13 @@ _DESCRIBE_FAILURES = {3: "missing", 4: "no_tools", 5: "not_a_file", 6: "unreadab
 
 
 # ==========================================================================
-# 13. The command line
+# 13. The command line, and its terminal sessions (-t)
 # ==========================================================================
 #
 # createos-exec: its messages speak to a shell user (the variable to set, the
 # program typed, never a Python keyword); main() is the one place that prints
-# or exits, and it comes last.
+# or exits, and it comes last. A -t session (_Session) makes this terminal
+# the remote one; whatever ends it, the terminal's settings come back first.
 
 
 _EXAMPLES = """\
