@@ -147,6 +147,10 @@ ENDPOINTS = (
     "files_put",
     "exec",
     "sandbox",
+    "sandbox_create",
+    "sandbox_pause",
+    "sandbox_resume",
+    "sandbox_destroy",
 )
 # The headers that carry a credential: X-Api-Key, and those read before it.
 CREDENTIAL_HEADERS = ("X-Api-Key", "Authorization", "X-Auth-Token", "X-Access-Token")
@@ -159,7 +163,10 @@ _PROC = _SB + r"/processes/([^/]+)"
 # "METHOD endpoint name" by path pattern; path groups are URL-decoded ids.
 _ENDPOINTS_BY_PATH = {
     r"/healthz": "GET healthz",
-    _SB: "GET sandbox",
+    r"/v1/sandboxes": "POST sandbox_create",
+    _SB: "GET sandbox, DELETE sandbox_destroy",
+    _SB + r"/pause": "POST sandbox_pause",
+    _SB + r"/resume": "POST sandbox_resume",
     _SB + r"/processes": "POST create, GET list",
     _PROC: "GET get, DELETE delete",
     _PROC + r"/connect": "GET connect",
@@ -185,7 +192,10 @@ ROUTES = tuple(
 # drop_stream() then fail("connect", 503) breaks the first stream and answers
 # 503 to the next connect. A replay fault only moves a connect's starting
 # point: it has a FIFO of its own and combines with the fault of that connect.
-STREAM_FAULTS = ("drop", "end", "stall", "corrupt")
+# A lifecycle fault pauses or destroys the sandbox at a request's start, or,
+# on a connect, as a stream fault; the request then meets the sandbox so.
+LIFECYCLE_FAULTS = ("pause", "destroy")
+STREAM_FAULTS = ("drop", "end", "stall", "corrupt") + LIFECYCLE_FAULTS
 
 
 # How the server answers each open question of docs/protocol.md §11: one field per
@@ -220,6 +230,11 @@ class Reading:
     delete_forgets: bool = False  # §11.12
     upload_creates_parents: bool = True  # §11.16
     listing: str = "unpaginated"  # §5.3
+    idle_activity: str = "requests"  # §11.14
+    paused_answer: int = 409  # §11.17
+    paused_stream: str = "reset"  # §11.17
+    resume_keeps_processes: bool = True  # §11.18
+    destroyed_view: int = 404  # §11.19
 
     def __post_init__(self) -> None:
         for field, choices in READING_CHOICES.items():
@@ -244,6 +259,10 @@ READING_CHOICES = {
     "signal_target": ("group", "leader"),
     "wait_default_scope": ("leader", "tree"),
     "listing": ("unpaginated", "paginated"),
+    "idle_activity": ("requests", "streams"),
+    "paused_answer": (409, 404, 503),
+    "paused_stream": ("reset", "eof"),
+    "destroyed_view": (404, 200),
 }
 
 # The two readings of docs/protocol.md §11 (see LocalServer's docstring): the
@@ -273,6 +292,11 @@ ALTERNATIVE = Reading(
     delete_forgets=True,
     upload_creates_parents=False,
     listing="paginated",
+    idle_activity="streams",
+    paused_answer=404,
+    paused_stream="eof",
+    resume_keeps_processes=False,
+    destroyed_view=200,
 )
 READINGS = (CONSERVATIVE, ALTERNATIVE)
 READINGS_BY_NAME = {reading.name: reading for reading in READINGS}
@@ -436,13 +460,28 @@ END = object()  # "end the body cleanly without an exit frame" marker of OutputS
 
 
 class Sandbox:
-    """A named sandbox: declared env variables and a lazily created work dir."""
+    """A named sandbox: declared env variables, a lazily created work dir, and
+    its lifecycle (docs/protocol.md §4.1): its ``status``, when it was last
+    active and how many connect streams it serves (for the idle auto-pause)."""
 
     def __init__(self, sandbox_id: str, envs: dict[str, str]):
         self.id = sandbox_id
         self.envs = envs
+        self.created_at = utc_now()
+        self.status = "running"  # running, paused, resuming, destroyed
+        self.last_active = time.monotonic()
+        self.open_streams = 0
         self._workdir: str | None = None
         self._lock = threading.Lock()
+
+    def view(self) -> dict[str, Any]:
+        # Only the names of the declared variables, as the real GET (docs/protocol.md §4).
+        return {
+            "id": self.id,
+            "status": self.status,
+            "created_at": self.created_at,
+            "envs": sorted(self.envs),
+        }
 
     def workdir(self) -> str:
         with self._lock:
@@ -473,6 +512,10 @@ class ProcessGroup:
             os.killpg(self.pgid, signum)
         except ProcessLookupError:
             pass
+
+    def freeze(self, frozen: bool) -> None:
+        """Stop (SIGSTOP) or continue (SIGCONT) every member, as a paused VM does."""
+        self.signal_all(signal.SIGSTOP if frozen else signal.SIGCONT)
 
     def empty(self, groups: set[int] | None = None) -> bool:
         """No live member left (`groups`: a scan of live_process_groups() already made)."""
@@ -514,6 +557,11 @@ class Cgroup:
                 os.kill(pid, signum)
             except ProcessLookupError:  # ended since the listing
                 pass
+
+    def freeze(self, frozen: bool) -> None:
+        """Freeze or thaw the whole cgroup at once (``cgroup.freeze``: no signal
+        that a shell could see as a stopped job, nothing forked escapes)."""
+        self._write("cgroup.freeze", b"1" if frozen else b"0")
 
     def members(self) -> list[int]:
         """The pids in it (an exited process, a zombie, is no longer listed)."""
@@ -634,6 +682,7 @@ class Process:
         self._open_pipes = 2
         self._tree_gone = False  # latched: once empty, the group id may be reused
         self.deleted = False  # answered a DELETE (forgotten if reading.delete_forgets)
+        self.lost = False  # forgotten by a resume (reading.resume_keeps_processes False)
 
     def start(self) -> None:
         targets: tuple[tuple[Callable[..., None], tuple[Any, ...]], ...] = (
@@ -797,6 +846,13 @@ class Process:
         with self.cond:
             if not self._tree_gone:
                 self.tree.signal_all(signum)
+
+    def freeze(self, frozen: bool) -> None:
+        """Freeze or thaw the tree; wake its streams, which look at the sandbox."""
+        with self.cond:
+            if not self._tree_gone:
+                self.tree.freeze(frozen)
+            self.cond.notify_all()
 
     def send_signal(self, signum: int) -> None:
         """Signal the process group, as the vendor CLI documents for pipe
@@ -1302,6 +1358,7 @@ class OutputStream:
         self.data_frames = 0
         self.last_write = time.monotonic()
         self.reading = proc.reading
+        self.sandbox = app._sandbox(proc.sandbox_id, running=False)
         lifetime = self.reading.stream_lifetime  # recycled after a while, or never
         self.expires = None if lifetime is None else self.last_write + lifetime
 
@@ -1341,13 +1398,15 @@ class OutputStream:
 
         Returns (data frames, final): final is None after data frames, else
         HEARTBEAT_LINE, a terminal (exit / error) line, STOP when the server
-        is stopping, END when the stream has lived its time
-        (reading.stream_lifetime) and CUT when a live reader fell behind the
-        journal (reading.live_eviction).
+        is stopping, halted() once the sandbox is paused or destroyed, END
+        when the stream has lived its time (reading.stream_lifetime) and CUT
+        when a live reader fell behind the journal (reading.live_eviction).
         """
         proc = self.proc
         with proc.cond:
             while True:
+                if self.sandbox.status != "running":  # paused or destroyed: the host is gone
+                    return [], self.halted()
                 if self.cursor < proc.evicted_through:
                     if self.reading.live_eviction == "cut" and self.data_frames:
                         return [], CUT  # the reader learns of it when it reconnects
@@ -1390,6 +1449,13 @@ class OutputStream:
                 self.app._stopping.wait(fault.seconds)
                 self.req.abort()
                 return False
+            elif fault.kind in LIFECYCLE_FAULTS:
+                self.app.change_sandbox(fault.kind, self.proc.sandbox_id)
+                if self.halted() is END:
+                    self.req.end_chunked()
+                else:
+                    self.req.abort()
+                return False
             else:  # drop
                 if fault.mid_frame:
                     self.req.write_half_chunk(line)
@@ -1401,6 +1467,10 @@ class OutputStream:
     def _write(self, line: bytes) -> None:
         self.req.write_chunk(line)
         self.last_write = time.monotonic()
+
+    def halted(self) -> object:
+        """How a stream ends when its sandbox stops running (reading.paused_stream)."""
+        return CUT if self.reading.paused_stream == "reset" else END
 
 
 # --------------------------------------------------------------------------
@@ -1534,9 +1604,15 @@ class LocalServer:
         strict: bool = False,
         rate_limit: tuple[int, float] | None = None,
         cgroups: bool = True,
+        auto_pause_after: float | None = None,
+        resume_seconds: float = 0.2,
         verbose: bool = False,
     ):
         reading = reading_of(reading)
+        if auto_pause_after is not None and not auto_pause_after > 0:
+            raise ValueError("auto_pause_after must be positive")
+        if not resume_seconds >= 0:
+            raise ValueError("resume_seconds must be >= 0")
         if heartbeat_interval is None:
             heartbeat_interval = reading.heartbeat_interval
         if not 1 <= list_page_size <= LIST_LIMIT_MAX:
@@ -1567,6 +1643,8 @@ class LocalServer:
         self.strict = strict
         self._rate_window = None if rate_limit is None else SlidingWindow(*rate_limit)
         self.cgroups = cgroups
+        self.auto_pause_after = auto_pause_after
+        self.resume_seconds = resume_seconds
         self._cgroup: Cgroup | None = None  # the parent of the processes' cgroups, once started
         self.verbose = verbose
         self.url = ""
@@ -1599,6 +1677,8 @@ class LocalServer:
             name="local-server",
         )
         self._thread.start()
+        if self.auto_pause_after is not None:
+            threading.Thread(target=self._auto_pause, daemon=True, name="auto-pause").start()
         return self
 
     @property
@@ -1699,6 +1779,80 @@ class LocalServer:
         with self._lock:
             return self._processes[process_id]
 
+    def sandbox_status(self, sandbox_id: str = DEFAULT_SANDBOX) -> str:
+        with self._lock:
+            return self._sandboxes[sandbox_id].status
+
+    # -- the sandbox's lifecycle (docs/protocol.md §4.1) ---------------------------
+
+    def pause(self, sandbox_id: str = DEFAULT_SANDBOX) -> bool:
+        """Freeze every tree of a running sandbox and cut its streams (False: not running)."""
+        if not self._move(sandbox_id, ("running",), "paused"):
+            return False
+        for proc in self._processes_of(sandbox_id):
+            proc.freeze(True)
+        return True
+
+    def resume(self, sandbox_id: str = DEFAULT_SANDBOX) -> bool:
+        """Bring a paused sandbox back, ``resume_seconds`` later (False: not paused).
+        Its trees go on, or, when the reading loses the process registry, are gone."""
+        if not self._move(sandbox_id, ("paused",), "resuming"):
+            return False
+        timer = threading.Timer(self.resume_seconds, self._resumed, (sandbox_id,))
+        timer.daemon = True
+        timer.start()
+        return True
+
+    def destroy(self, sandbox_id: str = DEFAULT_SANDBOX) -> bool:
+        """Kill every tree of the sandbox and cut its streams (False: destroyed already)."""
+        if not self._move(sandbox_id, ("running", "paused", "resuming"), "destroyed"):
+            return False
+        for proc in self._processes_of(sandbox_id):
+            proc.kill_tree(signal.SIGKILL)
+            proc.freeze(False)  # a frozen tree dies once thawed
+        return True
+
+    def change_sandbox(self, change: str, sandbox_id: str = DEFAULT_SANDBOX) -> bool:
+        """``pause``, ``resume`` or ``destroy`` the sandbox (a lifecycle fault's change)."""
+        return bool(getattr(self, change)(sandbox_id))
+
+    def _resumed(self, sandbox_id: str) -> None:
+        procs = self._processes_of(sandbox_id)
+        if not self.reading.resume_keeps_processes:
+            for proc in procs:
+                proc.lost = True  # as E2B users saw: the registry is empty after a resume
+                proc.kill_tree(signal.SIGKILL)
+        for proc in procs:
+            proc.freeze(False)
+        self._move(sandbox_id, ("resuming",), "running")
+
+    def _move(self, sandbox_id: str, sources: tuple[str, ...], target: str) -> bool:
+        with self._lock:
+            sandbox = self._sandboxes[sandbox_id]
+            if sandbox.status not in sources:
+                return False
+            sandbox.status = target
+            sandbox.last_active = time.monotonic()
+            return True
+
+    def _processes_of(self, sandbox_id: str) -> list[Process]:
+        with self._lock:
+            return [p for p in self._processes.values() if p.sandbox_id == sandbox_id]
+
+    def _auto_pause(self) -> None:
+        """Pause every running sandbox idle for auto_pause_after seconds: no request,
+        nor (reading.idle_activity "streams") an open stream, meanwhile."""
+        limit = self.auto_pause_after or 0.0
+        while not self._stopping.wait(min(limit / 10, POLL_INTERVAL * 5)):
+            now = time.monotonic()
+            with self._lock:
+                sandboxes = list(self._sandboxes.values())
+            for sandbox in sandboxes:
+                if sandbox.open_streams and self.reading.idle_activity == "streams":
+                    sandbox.last_active = now
+                elif sandbox.status == "running" and now - sandbox.last_active >= limit:
+                    self.pause(sandbox.id)
+
     # -- fault injection -----------------------------------------------------
 
     def fail(
@@ -1765,6 +1919,15 @@ class LocalServer:
             raise ValueError("seconds must be >= 0")
         self._queue("input", Fault("lose", count, seconds=seconds))
 
+    def pause_at(self, endpoint: str, *, after_frames: int = 0, count: int = 1) -> None:
+        """Pause the sandbox when the next `count` requests of `endpoint` arrive, which
+        then meet it paused; on `connect`, with drop_stream's trigger, cutting the stream."""
+        self._queue(endpoint, Fault("pause", count, after_frames=after_frames))
+
+    def destroy_at(self, endpoint: str, *, after_frames: int = 0) -> None:
+        """As pause_at, but destroy the sandbox."""
+        self._queue(endpoint, Fault("destroy", 1, after_frames=after_frames))
+
     def evict(self, process_id: str) -> None:
         """Drop every retained data frame of the process (older cursors then get 410)."""
         self._get_process(process_id).evict_all()
@@ -1821,8 +1984,11 @@ class LocalServer:
             req.send_json(200, envelope(200, {"up": True}))
             return
         self._authenticate(req)
-        fault = self._take_fault(endpoint, ("status",))
-        if fault is not None:
+        kinds = ("status",) if endpoint == "connect" else ("status",) + LIFECYCLE_FAULTS
+        fault = self._take_fault(endpoint, kinds)
+        if fault is not None and fault.kind in LIFECYCLE_FAULTS:
+            self.change_sandbox(fault.kind, ids[0])
+        elif fault is not None:
             self._send_fault(req, fault)
             return
         result = getattr(self, "_ep_" + endpoint)(req, *ids)
@@ -1869,12 +2035,25 @@ class LocalServer:
             )
         req.send_json(fault.status, payload, headers)
 
-    def _sandbox(self, sandbox_id: str) -> Sandbox:
+    def _sandbox(self, sandbox_id: str, *, running: bool = True) -> Sandbox:
+        """The sandbox a request names; it is active now. Unless the request is
+        about the sandbox itself (not `running`), one that does not run answers
+        as the reading says (docs/protocol.md §11.17)."""
         with self._lock:
             sandbox = self._sandboxes.get(sandbox_id)
         if sandbox is None:
             raise ApiError(404, {"sandbox": "not found"})
+        sandbox.last_active = time.monotonic()
+        if running or self.reading.destroyed_view == 404:
+            self._check_running(sandbox, running)
         return sandbox
+
+    def _check_running(self, sandbox: Sandbox, running: bool = True) -> None:
+        if sandbox.status == "destroyed":
+            raise ApiError(404, {"sandbox": "not found"})
+        if running and sandbox.status != "running":
+            status = self.reading.paused_answer
+            raise ApiError(status, {"sandbox": "sandbox is not running; resume it first"})
 
     def _process(self, sandbox_id: str, process_id: str) -> Process:
         self._sandbox(sandbox_id)
@@ -1883,6 +2062,7 @@ class LocalServer:
         if (
             proc is None
             or proc.sandbox_id != sandbox_id
+            or proc.lost
             or (proc.deleted and self.reading.delete_forgets)
         ):
             raise ApiError(404, {"process": "not found"})
@@ -1986,7 +2166,15 @@ class LocalServer:
             after = evicted_through  # replay from the oldest retained frame
         elif after < evicted_through:
             raise_expired(self.reading, evicted_through + 1, finished)
-        OutputStream(self, req, proc, after, self._take_fault("connect", STREAM_FAULTS)).run()
+        stream = OutputStream(self, req, proc, after, self._take_fault("connect", STREAM_FAULTS))
+        sandbox = stream.sandbox
+        with self._lock:
+            sandbox.open_streams += 1
+        try:
+            stream.run()
+        finally:
+            with self._lock:
+                sandbox.open_streams -= 1
 
     def _ep_input(self, req: _Handler, sandbox_id: str, process_id: str) -> dict[str, Any] | None:
         proc = self._process(sandbox_id, process_id)
@@ -2032,8 +2220,10 @@ class LocalServer:
         if self.reading.wait_cap is not None:
             timeout = min(timeout, self.reading.wait_cap)
         condition = proc.leader_exited if scope == "leader" else proc.settled
-        if not self._await(condition, timeout):
+        sandbox = self._sandbox(sandbox_id)
+        if not self._await(lambda: condition() or sandbox.status != "running", timeout):
             raise ApiError(408, {"timeout": "the %s has not exited yet" % scope})
+        self._check_running(sandbox)  # paused or destroyed during the long-poll
         return proc.record()
 
     def _ep_delete(self, req: _Handler, sandbox_id: str, process_id: str) -> dict[str, Any]:
@@ -2054,9 +2244,43 @@ class LocalServer:
     # -- endpoints: sandboxes ------------------------------------------------------
 
     def _ep_sandbox(self, req: _Handler, sandbox_id: str) -> dict[str, Any]:
-        sandbox = self._sandbox(sandbox_id)
-        # Only the names of the declared variables, as the real GET (docs/protocol.md §4).
-        return {"id": sandbox.id, "status": "running", "envs": sorted(sandbox.envs)}
+        return self._sandbox(sandbox_id, running=False).view()
+
+    def _ep_sandbox_create(self, req: _Handler) -> None:
+        envs = req.json_body().get("envs") or {}
+        sandbox_id = "sb_" + secrets.token_hex(8)
+        try:
+            self.add_sandbox(sandbox_id, envs=envs)
+        except ValueError:
+            raise ApiError(400, {"envs": "invalid env entry"}) from None
+        req.send_json(201, envelope(201, self._sandbox(sandbox_id).view()))
+
+    def _ep_sandbox_pause(self, req: _Handler, sandbox_id: str) -> dict[str, Any] | None:
+        return self._lifecycle(req, sandbox_id, self.pause, "paused", "pausing")
+
+    def _ep_sandbox_resume(self, req: _Handler, sandbox_id: str) -> dict[str, Any] | None:
+        return self._lifecycle(req, sandbox_id, self.resume, "running", "resuming")
+
+    def _ep_sandbox_destroy(self, req: _Handler, sandbox_id: str) -> dict[str, Any] | None:
+        return self._lifecycle(req, sandbox_id, self.destroy, "destroyed", "destroying")
+
+    def _lifecycle(
+        self,
+        req: _Handler,
+        sandbox_id: str,
+        change: Callable[[str], bool],
+        done: str,
+        moving: str,
+    ) -> dict[str, Any] | None:
+        """200 and the view when the sandbox is there already; 202 and the transitional
+        status once the change is under way; 409 when it cannot be made from here."""
+        sandbox = self._sandbox(sandbox_id, running=False)
+        if sandbox.status == done or (sandbox.status == moving == "resuming"):
+            return sandbox.view()
+        if not change(sandbox_id):
+            raise ApiError(409, {"sandbox": "sandbox is %s" % sandbox.status})
+        req.send_json(202, envelope(202, dict(sandbox.view(), status=moving)))
+        return None
 
     # -- endpoints: files and exec -------------------------------------------------
 
@@ -2226,6 +2450,21 @@ def main(argv: list[str] | None = None) -> int:
         help="make no cgroup: a process's tree is its process group, even where a cgroup "
         "could be made",
     )
+    parser.add_argument(
+        "--auto-pause",
+        type=float,
+        metavar="SECONDS",
+        help="pause a sandbox idle that long (reading field idle_activity says what counts); "
+        "POST /v1/sandboxes/{id}/pause, /resume and DELETE /v1/sandboxes/{id} act at once "
+        "(default: never)",
+    )
+    parser.add_argument(
+        "--resume-seconds",
+        type=float,
+        default=0.2,
+        metavar="SECONDS",
+        help="how long a sandbox stays 'resuming' before it runs again (default 0.2)",
+    )
     parser.add_argument("--verbose", action="store_true", help="log requests to stderr")
     options = parser.parse_args(argv)
     try:
@@ -2242,6 +2481,8 @@ def main(argv: list[str] | None = None) -> int:
             strict=options.strict,
             rate_limit=options.rate_limit,
             cgroups=options.cgroups,
+            auto_pause_after=options.auto_pause,
+            resume_seconds=options.resume_seconds,
             verbose=options.verbose,
         )
     except ValueError as exc:
