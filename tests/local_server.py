@@ -1557,7 +1557,30 @@ class LocalServer:
       ``"paginated"`` like the vendor's other listings: ``{"data": [...],
       "pagination": {"limit", "offset", "total"}}``, taking ``limit``
       (default ``list_page_size``, at most ``LIST_LIMIT_MAX``) and
-      ``offset`` (default 0) (§5.3).
+      ``offset`` (default 0) (§5.3);
+    - ``idle_activity``: what keeps a sandbox from its idle auto-pause
+      (``auto_pause_after``): ``"requests"`` naming it only, or open
+      ``"streams"`` too (§11.14);
+    - ``paused_answer``: what process, files and exec endpoints answer while
+      the sandbox is paused or resuming: 409 or **404** (503 by ``--set``)
+      (§11.17);
+    - ``paused_stream``: an open connect stream, when its sandbox is paused or
+      destroyed, is ``"reset"`` or ends cleanly (``"eof"``) without an exit
+      frame (§11.17);
+    - ``resume_keeps_processes``: after a resume the trees go on with their
+      journals and seq, or (False) the process registry is lost: its trees
+      are killed and their endpoints answer 404 (§11.18);
+    - ``destroyed_view``: the view of a destroyed sandbox is 404, or **200**
+      with ``status: "destroyed"`` (§11.19); its process endpoints are 404
+      in both.
+
+    The sandbox's lifecycle (docs/protocol.md §4.1): ``pause()`` freezes every
+    tree (``cgroup.freeze``, or SIGSTOP to a process group) and cuts its
+    streams; ``resume()`` makes it ``resuming`` for ``resume_seconds``, then
+    running; ``destroy()`` kills every tree; ``pause_at()`` and
+    ``destroy_at()`` do it at a chosen moment; the HTTP endpoints do the same.
+    ``auto_pause_after``: None, or seconds of idleness after which a running
+    sandbox is paused.
 
     ``list_page_size`` is the default page size of that paginated listing
     (100), small in tests so that a few processes fill several pages.
