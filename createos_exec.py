@@ -137,6 +137,10 @@ __all__ = [
     "ProtocolError",
     "RemoteProcess",
     "RetryPolicy",
+    "SandboxError",
+    "SandboxGoneError",
+    "SandboxInfo",
+    "SandboxPausedError",
     "StdinClosedError",
     "StreamEndedError",
     "TransportError",
@@ -180,6 +184,8 @@ _LIVENESS_POLL_MS = 1_000  # the `wait` that tells a quiet process from an exite
 _KILLED_POLL_MS = 2_000  # the `wait` for the leader's end after kill()'s SIGKILL
 _LISTING_PAGE_SIZE = 500  # the most the service's paginated lists hold in a page
 _LISTING_PAGES = 20  # pages of the process listing read at most: 10,000 processes
+_RESUME_POLL = 0.25  # seconds before the first look at a resuming sandbox; it doubles
+_RESUME_POLL_MAX = 2.0  # seconds between looks at most (a resume takes 10-13 s)
 
 
 # ==========================================================================
@@ -269,6 +275,17 @@ class ProcessInfo:
     pid: Optional[int] = None
 
 
+@dataclasses.dataclass(frozen=True)
+class SandboxInfo:
+    """A sandbox as its view shows it (Client.sandbox()): `status` is the service's
+    word ("running", "paused", "destroyed"... or one new to this client);
+    `running` says whether its processes run, exec and files are served."""
+
+    sandbox_id: str
+    status: str
+    running: bool
+
+
 def _returncode(exit_code: Optional[int], signal: Optional[str]) -> Optional[int]:
     if signal is not None:
         number = _signal_number(signal)
@@ -352,12 +369,19 @@ _SANDBOX_OPERATIONS = (
     "sandbox lookup",
 )
 _NO_SANDBOX = "no sandbox with this id here (a wrong id, or a sandbox in another region)"
+_AFTER_RESUME = "process lookup after the sandbox's resume"
+_LOST_IN_PAUSE = (
+    "the service lost the process across the sandbox's pause; what it printed after "
+    ".result, and how it ended, are unknown"
+)
 
 
 def _advice(status: int, operation: str) -> str:
     """The sentence that says what a status means for an operation ("" when none fits)."""
     if status == 404 and operation in _SANDBOX_OPERATIONS:
         return _NO_SANDBOX
+    if status == 404 and operation == _AFTER_RESUME:
+        return _LOST_IN_PAUSE
     if 300 <= status < 400:
         return "a redirect was refused (a proxy in between, or a wrong API URL?)"
     if status >= 500:
@@ -622,6 +646,94 @@ class ProcessEndedError(CreateOSError):
         super().__init__(message, process_id=process_id, result=result)
 
 
+class SandboxError(APIError):
+    """The sandbox itself is not running: what happened to it, not to the process."""
+
+    # `.sandbox_status` is the service's word for it ("not found" when it
+    # answered 404); `.status` and `.operation` are those of the answer that
+    # made the client look at the sandbox (0 after a stream that could not be
+    # resumed). The message is built from these, and from `.after` (the
+    # cursor) where there is a process to take up again.
+
+    def __init__(
+        self,
+        sandbox_id: str,
+        sandbox_status: str,
+        *,
+        status: int,
+        operation: str,
+        process_id: Optional[str] = None,
+        after: Optional[int] = None,
+    ) -> None:
+        super().__init__(status, operation, process_id=process_id)
+        self.sandbox_id = sandbox_id
+        self.sandbox_status = sandbox_status
+        self.after = after
+        self.args = (str(self),)
+
+    def __str__(self) -> str:
+        return self._sentence()
+
+    def _sentence(self) -> str:
+        return f"The sandbox {self.sandbox_id} {self._is()}: it does not run."
+
+    def _is(self) -> str:
+        return _sandbox_is(self.sandbox_status)
+
+
+class SandboxPausedError(SandboxError):
+    """The sandbox is paused: the process is frozen with it, not ended; `.after` is the cursor."""
+
+    def _sentence(self) -> str:
+        sandbox = self.sandbox_id
+        if self.process_id is None:
+            return (
+                f"The sandbox {sandbox} {self._is()}: no process was started. Resume it "
+                f"(client.resume({sandbox!r})) and run the command again, or pass resume=True."
+            )
+        return (
+            f"The sandbox {sandbox} {self._is()}: process {self.process_id} is frozen with "
+            "it, not ended, and nothing was terminated. Resume the sandbox "
+            f"(client.resume({sandbox!r})), then take the process up again with "
+            f"client.process({sandbox!r}, {self.process_id!r}, after={self.after or 0}).wait(); "
+            "or pass resume=True."
+        )
+
+
+class SandboxGoneError(SandboxError):
+    """The sandbox is destroyed, failed or unknown: its processes went with it."""
+
+    def _sentence(self) -> str:
+        return f"The sandbox {self.sandbox_id} {self._is()}: {_GONE_ADVICE[self._unknown()]}."
+
+    def _unknown(self) -> bool:
+        return self.sandbox_status == "not found"
+
+
+# The sandbox's statuses (docs/protocol.md 4): those in which its processes are
+# frozen, those in which they are gone, and every word this client knows.
+_SANDBOX_PAUSED = ("pausing", "paused", "resuming")
+_SANDBOX_GONE = ("destroying", "destroyed", "failed", "error", "not found")
+_SANDBOX_STATUSES = ("creating", "running", "forking") + _SANDBOX_PAUSED + _SANDBOX_GONE
+
+
+# What a sandbox gone means, and what to do: one that was there (False), one not found (True).
+_GONE_ADVICE = {
+    False: "its processes went with it, and nothing of this run is left running. Run the "
+    "command in another sandbox",
+    True: "nothing of this run runs there. Check the sandbox id, or run the command in "
+    "another sandbox",
+}
+
+
+def _sandbox_is(word: str) -> str:
+    """The sandbox's status in a sentence ("is paused", "was not found"...); a word
+    new to this client is not repeated: it comes from a response."""
+    if word == "not found":
+        return "was not found (a wrong id, another region's, or one destroyed)"
+    return f"is {word}" if word in _SANDBOX_STATUSES else "is in a state this client does not know"
+
+
 def _how_it_ended(result: ExecResult) -> str:
     if result.timed_out:
         return "timed out"
@@ -671,6 +783,7 @@ class _FollowKeywords(TypedDict, total=False):
     encoding: str
     errors: str
     cancel: Optional[threading.Event]
+    resume: bool
 
 
 class _RunKeywords(_FollowKeywords, total=False):
@@ -713,6 +826,7 @@ class _Options:
     encoding: str = "utf-8"
     errors: str = "replace"
     cancel: Optional[threading.Event] = None
+    resume: bool = False
     capture_output: bool = True
     text: bool = True
     stdout: Optional[int] = None
@@ -746,6 +860,8 @@ class _Options:
             raise _codec_error(self.encoding, self.errors) from None
         if self.cancel is not None and not callable(getattr(self.cancel, "is_set", None)):
             raise ConfigError("cancel must be a threading.Event.")
+        if not isinstance(self.resume, bool):
+            raise ConfigError("resume must be True or False.")
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -871,12 +987,16 @@ class Client:
         sandbox = _Sandbox(self._transport, sandbox_id)
         plan = _plan(command, checked, self._transport.termination_grace)
         launch = _Launch(sandbox, plan)
-        try:
-            endpoints, recovered = launch.create(deadline)
-        except CancelledError as cancelled:
-            if cancelled.process_id is not None:
-                raise
-            raise CancelledError(created=False) from None
+        while True:
+            try:
+                endpoints, recovered = launch.create(deadline)
+                break
+            except CancelledError as cancelled:
+                if cancelled.process_id is not None:
+                    raise
+                raise CancelledError(created=False) from None
+            except APIError as refused:
+                _after_refused_creation(sandbox, refused, checked.resume, deadline)  # noqa: B904
         args = command if isinstance(command, str) else list(command)
         follower = _Follower(
             endpoints, checked, args=args, started=started, creation_recovered=recovered
@@ -913,7 +1033,12 @@ class Client:
         endpoints = _Endpoints(sandbox, _checked_id("process", process_id))
         if not _is_int(after) or after < 0:
             raise ConfigError("after must be an integer >= 0.")
-        args = _process_info(endpoints.record(deadline)).args
+        try:
+            args = _process_info(endpoints.record(deadline)).args
+        except APIError as refused:
+            if refused.status not in (404, 409):
+                raise
+            raise sandbox.diagnosed(refused, endpoints.process_id, after)  # noqa: B904
         follower = _Follower(endpoints, checked, args=args, started=started, cursor=after)
         return RemoteProcess(follower, deadline)
 
@@ -938,6 +1063,26 @@ class Client:
             _process_info(record)
             for record in _Sandbox(self._transport, sandbox_id).processes(_ENDLESS)
         ]
+
+    def sandbox(self, sandbox_id: str) -> SandboxInfo:
+        """The sandbox as its view shows it: running, paused, destroyed... ("not found"
+        when the service does not know it)."""
+        return _Sandbox(self._transport, sandbox_id).info(_ENDLESS)
+
+    def resume(self, sandbox_id: str, *, timeout: float = 120.0) -> SandboxInfo:
+        """Resume a paused sandbox; return once it runs (at once when it does).
+
+        SandboxGoneError when it is gone; SandboxPausedError when it does not
+        run within `timeout` seconds. Its processes go on where they stopped:
+        client.process(sandbox_id, error.process_id, after=error.after) takes one up.
+        """
+        sandbox = _Sandbox(self._transport, sandbox_id)
+        try:
+            return sandbox.resume(_Deadline.after(timeout, "wait", time.monotonic()))
+        except _TimedOut:
+            raise SandboxPausedError(
+                sandbox.sandbox_id, "resuming", status=0, operation="sandbox resume"
+            ) from None
 
 
 @_shows(_RunKeywords)
@@ -978,6 +1123,23 @@ def start(
         raise
     process._owner = own
     return process
+
+
+def _after_refused_creation(
+    sandbox: _Sandbox, refused: APIError, resume: bool, deadline: _Deadline
+) -> None:
+    """Creation was refused (no process): return to send it again once a paused
+    sandbox runs again (`resume`); otherwise raise what happened to the sandbox."""
+    if refused.status not in (404, 409) or isinstance(refused, SandboxError):
+        raise refused
+    looked = sandbox.diagnosed(refused)
+    if not (resume and isinstance(looked, SandboxPausedError)):
+        raise looked
+    logger.info("Sandbox %s is %s; resuming it", sandbox.sandbox_id, looked.sandbox_status)
+    try:
+        sandbox.resume(deadline)
+    except _TimedOut:
+        raise looked from None
 
 
 def echo(stream: str, text: str) -> None:
@@ -1345,6 +1507,11 @@ class RemoteProcess:
             raise
         except BaseException as exc:  # contained by _end, then raised again
             ending = _Ending(error=exc)
+            if _blames_the_sandbox(exc):
+                resumed = self._after_resume(self._looked_at(ending))
+                if resumed is None:
+                    return (yield from self._run(until))  # the run goes on
+                ending = resumed
         return (yield from self._end(ending))
 
     def _end(self, ending: _Ending) -> _Steps[Optional[ExecResult]]:
@@ -1366,6 +1533,47 @@ class RemoteProcess:
             if self._outcome is not None and self._owner is not None:
                 self._owner.close()  # the client of cx.start(): the run has ended
         return self._outcome
+
+    def _looked_at(self, ending: _Ending) -> _Ending:
+        """A failure that may be the sandbox's doing, once its view was asked: a
+        sandbox paused or gone is the error, and leaves nothing to terminate
+        (no DELETE while it is paused, none into a sandbox gone)."""
+        follower = self._follower
+        assert isinstance(ending.error, CreateOSError)  # see _blames_the_sandbox
+        error = self._endpoints.sandbox.diagnosed(ending.error, self.process_id, follower.cursor)
+        if not isinstance(error, SandboxError):
+            return ending._replace(error=error)
+        error.result = follower.result(None, partial=True)
+        return _Ending(error=error, gone=True)
+
+    def _after_resume(self, ending: _Ending) -> Optional[_Ending]:
+        """With resume=True, a paused sandbox resumed within the run's deadline:
+        None when it runs again with this process still served and its journal
+        going on at the cursor (the run goes on). Otherwise how the run ends:
+        `ending` (still paused at the deadline, or not to be resumed), or what
+        went wrong meanwhile (a process the service lost across the pause is
+        an APIError that says so)."""
+        paused = ending.error
+        if not (isinstance(paused, SandboxPausedError) and self._follower.options.resume):
+            return ending
+        endpoints = self._endpoints
+        logger.info("Sandbox %s is %s; resuming it", self.sandbox_id, paused.sandbox_status)
+        try:
+            endpoints.sandbox.resume(self._deadline)
+            record = endpoints.record(self._deadline)
+            if _output_seq(record, "newest_seq") < self._follower.cursor:
+                raise ProtocolError("the journal ends before output already read")
+        except _TimedOut:
+            return ending  # still paused: nothing to terminate
+        except APIError as refused:
+            if refused.status != 404:
+                return _Ending(error=refused)
+            lost = APIError(404, _AFTER_RESUME, process_id=self.process_id)
+            lost.result = paused.result
+            return _Ending(error=lost)
+        except BaseException as exc:  # contained by _end, then raised again
+            return _Ending(error=exc)
+        return None
 
     def _contain(self, ending: _Ending) -> _Steps[_Ending]:
         """Terminate the tree and confirm it, then say how the run ended.
@@ -1432,7 +1640,7 @@ class RemoteProcess:
             return ending._replace(error=exc)
         return ending._replace(exited=exited)
 
-    def _contained(self, ending: _Ending, unconfirmed: Optional[CleanupError]) -> _Ending:
+    def _contained(self, ending: _Ending, unconfirmed: Optional[CreateOSError]) -> _Ending:
         """How a run ended once its termination was waited for: its error names the
         process and carries what was read; an unconfirmed termination is the error
         then, chained from the first (but for Ctrl-C, which is raised itself)."""
@@ -1457,6 +1665,14 @@ class RemoteProcess:
 
 
 _Steps = Generator[None, None, _T]  # a run's steps: one after each block a loop takes
+
+
+def _blames_the_sandbox(error: BaseException) -> bool:
+    """Whether `error` may be the sandbox's doing, to be looked at before it is
+    raised: a 404 or 409 answer, or an output stream that could not be resumed."""
+    if isinstance(error, APIError):
+        return error.status in (404, 409) and not isinstance(error, SandboxError)
+    return isinstance(error, StreamEndedError) and not isinstance(error, OutputIncompleteError)
 
 
 def _to_end(steps: _Steps[_T]) -> _T:
@@ -1536,10 +1752,13 @@ class _Termination:
         except BaseException as exc:  # handed over by unconfirmed()
             self._failure = exc
 
-    def unconfirmed(self) -> Optional[CleanupError]:
-        """The CleanupError when termination is unconfirmed, None once it is."""
+    def unconfirmed(self) -> Optional[CreateOSError]:
+        """The CleanupError when termination is unconfirmed, the SandboxError when
+        the sandbox left nothing to terminate, None once it is confirmed."""
         self._thread.join()
-        if self._failure is not None and not isinstance(self._failure, CleanupError):
+        if self._failure is not None and not isinstance(
+            self._failure, (CleanupError, SandboxError)
+        ):
             raise self._failure  # not a cleanup failure: a fault of this module
         return self._failure
 
@@ -2325,6 +2544,94 @@ class _Sandbox:
             raise ProtocolError("the sandbox's view is not an object")
         return view
 
+    def info(self, deadline: _Deadline) -> SandboxInfo:
+        """Its view as a SandboxInfo; one that the service does not know is "not found"."""
+        try:
+            status = self.view(deadline).get("status")
+        except APIError as refused:
+            if refused.status != 404:
+                raise
+            status = "not found"
+        if not isinstance(status, str):
+            raise ProtocolError("the sandbox's view has no status")
+        return SandboxInfo(self.sandbox_id, status, status == "running")
+
+    def resume(self, deadline: _Deadline) -> SandboxInfo:
+        """Resume it if it is paused, and return once it runs: its view asked at a
+        growing pace within `deadline` (_TimedOut; its cancel, CancelledError).
+        SandboxGoneError when it is gone, or goes meanwhile."""
+        pace = _RESUME_POLL
+        while True:
+            info = self.info(deadline)
+            if info.running:
+                return info
+            if info.status in _SANDBOX_GONE:
+                raise SandboxGoneError(
+                    self.sandbox_id, info.status, status=404, operation="sandbox resume"
+                )
+            if info.status == "paused":  # 409: it moved meanwhile; its view says how
+                self.transport.call(
+                    "POST",
+                    self.path + "/resume",
+                    operation="sandbox resume",
+                    deadline=deadline,
+                    json_body={},
+                    ok_statuses=(409,),
+                ).close()
+            deadline.pause(pace)
+            deadline.check()
+            pace = min(2 * pace, _RESUME_POLL_MAX)
+
+    def diagnosed(
+        self, error: CreateOSError, process_id: Optional[str] = None, after: Optional[int] = None
+    ) -> CreateOSError:
+        """What `error` (a 404 or 409 from a request to the sandbox, a stream that
+        could not be resumed) means, once its view was asked, once: a
+        SandboxPausedError (with the cursor, `after`), a SandboxGoneError, or
+        `error` itself, whose message then says how the sandbox is. A lookup that
+        fails changes nothing."""
+        word = self._status_once()
+        if word is None:
+            return error
+        kind = (
+            SandboxPausedError
+            if word in _SANDBOX_PAUSED
+            else SandboxGoneError
+            if word in _SANDBOX_GONE
+            else None
+        )
+        if kind is None:
+            error.args = (f"{error} The sandbox {self.sandbox_id} {_sandbox_is(word)}.",)
+            return error
+        found = kind(
+            self.sandbox_id,
+            word,
+            status=getattr(error, "status", 0),
+            operation=getattr(error, "operation", "output connection"),
+            process_id=process_id or error.process_id,
+            after=after,
+        )
+        found.__cause__ = error
+        return found
+
+    def _status_once(self) -> Optional[str]:
+        """Its status word, from one request ("not found" after a 404); None when
+        the request fails or the answer does not say."""
+        try:
+            answer = self.transport.attempt(
+                "GET", self.path, operation="sandbox lookup", deadline=_ENDLESS, ok_statuses=(404,)
+            )
+            if isinstance(answer, _Retryable):
+                return None
+            if answer.status_code == 404:
+                answer.close()
+                return "not found"
+            view = _jsend_data(answer, "sandbox lookup")
+        except CreateOSError:
+            return None
+        status = view.get("status") if isinstance(view, dict) else None
+        return status if isinstance(status, str) else None
+
     def create(self, body: Dict[str, Any], deadline: _Deadline) -> Union[_Endpoints, _Retryable]:
         """One attempt to create a process, its timeouts cut to what remains of
         `deadline`: the new process, or the failure. ProtocolError when the
@@ -2512,12 +2819,17 @@ class _Endpoints:
                 process_id=self.process_id,
                 read_timeout=grace + transport.request_timeout,
                 params={"grace_ms": int(grace * 1000)},
-                ok_statuses=(404,),
+                ok_statuses=(404, 409),
             )
-            if response.status_code == 404:
+            if response.status_code in (404, 409):
                 response.close()
+                refused = self.sandbox_runs(APIError(response.status_code, "process cleanup"))
+                if refused.status == 409:
+                    raise refused
                 return None
             record = _jsend_data(response, "process cleanup")
+        except SandboxError:
+            raise
         except CreateOSError as exc:
             logger.warning("Termination of %s failed", self.process_id)
             raise CleanupError(process_id=self.process_id) from exc
@@ -2525,6 +2837,14 @@ class _Endpoints:
             logger.warning("Termination of %s is unconfirmed", self.process_id)
             raise CleanupError(process_id=self.process_id)
         return record
+
+    def sandbox_runs(self, refused: APIError) -> APIError:
+        """`refused` (a 404 or 409 of this process), once the sandbox's view said it
+        runs (or could not say); the SandboxError is raised when it does not."""
+        looked = self.sandbox.diagnosed(refused, self.process_id)
+        if isinstance(looked, SandboxError):
+            raise looked
+        return refused
 
     def input(self, body: bytes, deadline: _Deadline) -> Union[requests.Response, _Retryable]:
         """One attempt to write a piece to stdin (a JSON body): never sent twice here.
@@ -2653,9 +2973,11 @@ class _StdinWriter:
             deadline.pause(delay)
 
     def _accepted(self, response: requests.Response) -> None:
-        """A 2xx accepted the piece (its input_seq is not needed); 404 or 409: no pipe."""
+        """A 2xx accepted the piece (its input_seq is not needed); 404 or 409: no pipe,
+        when the sandbox runs (a SandboxError otherwise)."""
         response.close()
         if response.status_code in (404, 409):
+            self._endpoints.sandbox_runs(APIError(response.status_code, "stdin write"))
             self._closed = True
             raise StdinClosedError(process_id=self._process_id)
 
@@ -4810,6 +5132,11 @@ def _parser() -> argparse.ArgumentParser:
         "--stdin", metavar="FILE|-", help="feed FILE to the command's stdin (-: this tool's stdin)"
     )
     parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="resume the sandbox when it is found paused (before or during the run) and go on",
+    )
+    parser.add_argument(
         "--json",
         action="store_true",
         help="no live output; print the result (or the error) as one JSON object",
@@ -4894,6 +5221,7 @@ def _run_command(
             on_output=None if options.json else _print_live,
             # Live output passes through byte-exact; JSON needs valid text.
             errors="replace" if options.json else "surrogateescape",
+            resume=options.resume,
         )
         started.append(process)
         return process.wait()
@@ -4942,6 +5270,22 @@ def _print_live(stream: str, text: str) -> None:
         out.flush()
         binary.write(text.encode("utf-8", "surrogateescape"))
         binary.flush()
+
+
+def _in_shell_words(error: CreateOSError) -> str:
+    """The error's sentence, in a shell user's words where the library's names a Python call."""
+    if not isinstance(error, SandboxError):
+        return str(error)
+    sandbox = f"the sandbox {error.sandbox_id} {_sandbox_is(error.sandbox_status)}"
+    if isinstance(error, SandboxGoneError):
+        return f"{sandbox}: {_GONE_ADVICE[error._unknown()]}."
+    if error.process_id is None:
+        return f"{sandbox}: no process was started; resume it, or run again with --resume."
+    return (
+        f"{sandbox}: process {error.process_id} is frozen with it, not ended, and no longer "
+        "followed here; resuming the sandbox lets it go on (--resume has this tool "
+        "resume it and follow on)."
+    )
 
 
 def _cli_exit_code(result: ExecResult) -> int:
@@ -5007,7 +5351,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + 13  # SIGPIPE, as a shell reports it
     except CreateOSError as exc:
-        return report.failure(type(exc).__name__, str(exc), exc)
+        return report.failure(type(exc).__name__, _in_shell_words(exc), exc)
     if result.timed_out and options.timeout is not None:
         report.line(
             f"the command timed out after {options.timeout:g} s; "

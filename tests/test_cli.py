@@ -340,11 +340,12 @@ def test_json_reports_errors_as_one_object(server):
     done = run_cli(server, "--json", "sb_missing", "--", "true")
     assert done.returncode == 125
     error = json.loads(done.stdout)["error"]
-    assert (error["type"], error["status"]) == ("APIError", 404)
+    assert (error["type"], error["status"]) == ("SandboxGoneError", 404)
     assert error["operation"] == "process creation"
     assert error["message"] == (
-        "CreateOS answered HTTP 404 to process creation: no sandbox with this id here "
-        "(a wrong id, or a sandbox in another region)."
+        "the sandbox sb_missing was not found (a wrong id, another region's, or one "
+        "destroyed): nothing of this run runs there. Check the sandbox id, or run the "
+        "command in another sandbox."
     )
     closed = f"http://127.0.0.1:{closed_port()}"
     unreachable = run_cli(server, "--json", SANDBOX, "--", "true", CREATEOS_API_URL=closed)

@@ -395,7 +395,7 @@ def test_output_that_cannot_be_replayed_is_output_incomplete_with_the_known_stat
 
 def test_stream_ended_error_keeps_its_message_when_wait_cannot_tell_the_status(server):
     # Promise 4 (guard): StreamEndedError, with its fixed message, only when no
-    # status could be learned at all.
+    # status could be learned at all; the sandbox's view, asked once, adds that it runs.
     server.drop_stream(after_frames=1)
     server.fail("connect", 503, count=100)
     server.fail("wait", 503, count=100)
@@ -404,7 +404,8 @@ def test_stream_ended_error_keeps_its_message_when_wait_cannot_tell_the_status(s
             client.execute(SANDBOX, THREE_LINES, shell=True)
     error = caught.value
     assert type(error) is cx.StreamEndedError
-    assert str(error) == NO_STATUS
+    assert str(error) == NO_STATUS + " The sandbox %s is running." % SANDBOX
+    assert len(server.requests_to("sandbox")) == 1
     assert error.result is not None and error.result.stdout == "one\n"
     assert error.result.exit_code is None
     assert server.wait_tree_gone(error.process_id)
