@@ -487,24 +487,46 @@ class OutputEvictedError(ProtocolError):
 
 
 class CleanupError(CreateOSError):
-    """The remote process may still exist: destroy the sandbox before reusing it."""
+    """The remote process may still exist: take it up again, or destroy the sandbox."""
+
+    # `unreachable`: the API could not be reached to terminate it. The process
+    # is then known and may simply run on: `.sandbox_id`, `.process_id` and
+    # `.after` (the cursor) say how to take it up again once the API answers.
 
     def __init__(
-        self, *, process_id: Optional[str] = None, creation_unconfirmed: bool = False
+        self,
+        *,
+        process_id: Optional[str] = None,
+        creation_unconfirmed: bool = False,
+        sandbox_id: Optional[str] = None,
+        unreachable: bool = False,
     ) -> None:
+        super().__init__("", process_id=process_id)
         self.creation_unconfirmed = creation_unconfirmed
-        of = f" of {process_id}" if process_id else ""
-        if creation_unconfirmed:
-            message = (
+        self.sandbox_id = sandbox_id
+        self.unreachable = unreachable
+        self.after: Optional[int] = None
+        self.args = (str(self),)
+
+    def __str__(self) -> str:
+        if self.creation_unconfirmed:
+            return (
                 "Process creation could not be confirmed: the process may run unseen; destroy "
                 "the sandbox (or audit its processes) before reusing it."
             )
-        else:
-            message = (
-                f"Termination of the remote process tree{of} could not be confirmed: it may "
-                "still run; destroy the sandbox before reusing it."
+        if self.unreachable and self.process_id and self.sandbox_id:
+            return (
+                f"CreateOS could not be reached to terminate process {self.process_id}: it "
+                "may still run. Once the API answers, "
+                f"client.process({self.sandbox_id!r}, {self.process_id!r}, "
+                f"after={self.after or 0}) takes it up again: wait() for the rest of its "
+                "output, or terminate()."
             )
-        super().__init__(message, process_id=process_id)
+        of = f" of {self.process_id}" if self.process_id else ""
+        return (
+            f"Termination of the remote process tree{of} could not be confirmed: it may "
+            "still run; destroy the sandbox before reusing it."
+        )
 
 
 class CancelledError(CreateOSError):
@@ -1654,6 +1676,8 @@ class RemoteProcess:
                 )
         if unconfirmed is None or isinstance(error, KeyboardInterrupt):
             return ending  # Ctrl-C is raised itself; a failed cleanup was logged
+        if isinstance(unconfirmed, CleanupError):
+            unconfirmed.after = follower.cursor
         if error is None:
             unconfirmed.result = follower.result(
                 ending.exited, timed_out=ending.timed_out, partial=True
@@ -2832,7 +2856,11 @@ class _Endpoints:
             raise
         except CreateOSError as exc:
             logger.warning("Termination of %s failed", self.process_id)
-            raise CleanupError(process_id=self.process_id) from exc
+            raise CleanupError(
+                process_id=self.process_id,
+                sandbox_id=self.sandbox_id,
+                unreachable=isinstance(exc, TransportError),
+            ) from exc
         if not isinstance(record, dict) or record.get("tree_exited") is not True:
             logger.warning("Termination of %s is unconfirmed", self.process_id)
             raise CleanupError(process_id=self.process_id)
@@ -4095,7 +4123,14 @@ def _retry_after(value: Optional[str]) -> Optional[float]:
 
 
 class _Budget:
-    """The failures of one run without progress; it resets whenever progress is made."""
+    """The failures of one run without progress; it resets whenever progress is made.
+
+    Spent after max_attempts failures in a row, or `budget` seconds after the
+    first of them. From the second failure in a row on, the waits spread the
+    attempts left over what remains of the budget (none longer than twice
+    max_backoff): with the defaults, 8 attempts over 60 s, an outage of the
+    API shorter than the budget costs a run nothing.
+    """
 
     def __init__(self, policy: RetryPolicy) -> None:
         self._policy = policy
@@ -4115,16 +4150,22 @@ class _Budget:
         left = self._policy.budget - (now - self._since)
         if self._failures >= self._policy.max_attempts or left <= 0:
             return None
+        policy = self._policy
         if retry_after is not None:
-            delay = min(retry_after, self._policy.max_retry_after)
+            delay = min(retry_after, policy.max_retry_after)
         elif self._failures == 1:
             # A connection that breaks after progress (a recycled proxy
             # connection, a reset) is most likely fine at once; back off
             # only when failures follow each other.
             delay = 0.0
         else:
-            ceiling = self._policy.initial_backoff * 2 ** (self._failures - 2)
-            delay = random.uniform(0, min(self._policy.max_backoff, ceiling))
+            ceiling = policy.initial_backoff * 2 ** (self._failures - 2)
+            delay = random.uniform(0, min(policy.max_backoff, ceiling))
+            # Attempts are not spent faster than the budget: the attempts left
+            # share what remains of it, so that an outage of the API as long as
+            # the budget passes (each wait at most twice max_backoff).
+            share = left / (policy.max_attempts - self._failures)
+            delay = max(delay, min(share, 2 * policy.max_backoff))
         return min(delay, left)
 
     def delay_within(self, retry_after: Optional[float], deadline: _Deadline) -> Optional[float]:

@@ -46,6 +46,7 @@ import argparse
 import base64
 import binascii
 import collections
+import contextlib
 import dataclasses
 import datetime
 import errno
@@ -1687,12 +1688,18 @@ class LocalServer:
     def start(self) -> LocalServer:
         if self._httpd is not None or self._stopping.is_set():
             raise RuntimeError("a LocalServer can be started once")
-        server_class = _HTTPServerV6 if ":" in self.host else _HTTPServer
-        self._httpd = server_class((self.host, self.port), self)
+        self._listen(self.port)
         self._cgroup = server_cgroup() if self.cgroups else None
-        port = self._httpd.server_address[1]
+        port = self._httpd.server_address[1]  # type: ignore[union-attr]
         host = "[%s]" % self.host if ":" in self.host else self.host
         self.url = "http://%s:%d" % (host, port)
+        if self.auto_pause_after is not None:
+            threading.Thread(target=self._auto_pause, daemon=True, name="auto-pause").start()
+        return self
+
+    def _listen(self, port: int) -> None:
+        server_class = _HTTPServerV6 if ":" in self.host else _HTTPServer
+        self._httpd = server_class((self.host, port), self)
         self._thread = threading.Thread(
             target=self._httpd.serve_forever,
             kwargs={"poll_interval": 0.05},
@@ -1700,9 +1707,31 @@ class LocalServer:
             name="local-server",
         )
         self._thread.start()
-        if self.auto_pause_after is not None:
-            threading.Thread(target=self._auto_pause, daemon=True, name="auto-pause").start()
-        return self
+
+    def outage(self, seconds: float) -> threading.Thread:
+        """The API goes down for `seconds`, the sandbox and its processes running on:
+        once this returns every connection is refused and every open one was cut;
+        then it serves again on the same port (the returned thread ends then)."""
+        assert self._httpd is not None and self._thread is not None, "not started"
+        port = self._httpd.server_address[1]
+        with self._lock:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._thread.join()
+            connections = list(self._connections)
+        for sock in connections:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+        def back() -> None:
+            self._stopping.wait(seconds)
+            with self._lock:
+                if not self._stopping.is_set():
+                    self._listen(port)
+
+        comeback = threading.Thread(target=back, daemon=True, name="outage")
+        comeback.start()
+        return comeback
 
     @property
     def containment(self) -> str:
@@ -1713,7 +1742,8 @@ class LocalServer:
         """Stop serving, SIGKILL every remaining tree, remove its cgroups and the temp dirs."""
         if self._httpd is None or self._thread is None or self._stopping.is_set():
             return
-        self._stopping.set()
+        with self._lock:  # an outage may be listening again
+            self._stopping.set()
         self._httpd.shutdown()
         self._httpd.server_close()
         self._thread.join()

@@ -13,9 +13,10 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-import createos_exec as cx  # noqa: E402
 from local_server import LocalServer  # noqa: E402
 from support import make_client  # noqa: E402
+
+import createos_exec as cx  # noqa: E402
 
 SANDBOX = "sb_local"
 # Twenty numbered lines, one each 50 ms: a pause after 3 frames falls mid-run.
@@ -153,3 +154,58 @@ def test_client_sandbox_and_resume(lifecycle):
         client.resume(SANDBOX)
     with pytest.raises(cx.ConfigError):
         client.execute(SANDBOX, ["true"], resume="yes")
+
+
+# -- an outage of the API (design item 17, its last sentences) ----------------------
+
+# Forty lines, one each 50 ms: an outage of a second falls in the middle.
+LONG_COUNT = "for i in $(seq 1 40); do echo $i; sleep 0.05; done"
+LONG_COUNTED = "".join("%d\n" % i for i in range(1, 41))
+# A budget of 1.5 s, as the default's 60 s scaled down: its attempts spread over it.
+OUTAGE_RETRY = cx.RetryPolicy(max_attempts=8, budget=1.5, initial_backoff=0.01, max_backoff=0.1)
+
+
+def outage_at_the_first_output(server, seconds: float, comebacks: list):
+    """An on_output that takes the API down for `seconds` when the first output arrives."""
+
+    def take_down(stream: str, text: str) -> None:
+        if not comebacks:
+            comebacks.append(server.outage(seconds))
+
+    return take_down
+
+
+def test_an_outage_shorter_than_the_budget_costs_nothing(server):
+    comebacks: list = []
+    with make_client(server, retry=OUTAGE_RETRY, stream_idle_timeout=0.5) as client:
+        result = client.execute(
+            SANDBOX,
+            LONG_COUNT,
+            shell=True,
+            on_output=outage_at_the_first_output(server, 1.0, comebacks),
+        )
+    assert (result.stdout, result.exit_code) == (LONG_COUNTED, 0)
+    assert result.reconnects >= 1 and not comebacks[0].is_alive()
+
+
+def test_past_the_budget_the_error_says_how_to_take_the_process_up_again(server):
+    with make_client(
+        server, retry=OUTAGE_RETRY, stream_idle_timeout=0.5, cleanup_timeout=1.0
+    ) as client:
+        comebacks: list = []
+        take_down = outage_at_the_first_output(server, 6.0, comebacks)
+        proc = client.start(SANDBOX, LONG_COUNT, shell=True, on_output=take_down)
+        with pytest.raises(cx.CleanupError) as caught:
+            proc.wait()
+        unconfirmed = caught.value
+        assert unconfirmed.unreachable and not unconfirmed.creation_unconfirmed
+        assert unconfirmed.after == len(unconfirmed.result.stdout.splitlines())
+        taken_up = "client.process('sb_local', '%s', after=%d)" % (
+            proc.process_id,
+            unconfirmed.after,
+        )
+        assert "could not be reached" in str(unconfirmed) and taken_up in str(unconfirmed)
+        assert "destroy" not in str(unconfirmed)  # the honest advice: it runs on
+        comebacks[0].join()
+        rest = client.process(SANDBOX, proc.process_id, after=unconfirmed.after).wait()
+    assert unconfirmed.result.stdout + rest.stdout == LONG_COUNTED  # nothing lost
