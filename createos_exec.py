@@ -5315,6 +5315,12 @@ def _print_live(stream: str, text: str) -> None:
 
 def _in_shell_words(error: CreateOSError) -> str:
     """The error's sentence, in a shell user's words where the library's names a Python call."""
+    if isinstance(error, CleanupError) and error.unreachable and error.process_id:
+        return (
+            f"CreateOS could not be reached to terminate process {error.process_id}: it may "
+            f"still run; its output after seq {error.after or 0} is kept, and the process "
+            "can be taken up again by its id once the API answers."
+        )
     if not isinstance(error, SandboxError):
         return str(error)
     sandbox = f"the sandbox {error.sandbox_id} {_sandbox_is(error.sandbox_status)}"

@@ -362,3 +362,29 @@ def test_errors_say_what_to_do_in_the_librarys_own_sentences(server):
         b"the API key was refused; check CREATEOS_API_KEY.\n"
     )
     assert b"not-the-key" not in done.stderr
+
+
+def test_a_paused_sandbox_is_one_line_and_resume_goes_on(server):
+    server.pause()
+    done = run_cli(server, SANDBOX, "--", "echo", "hi")
+    assert done.returncode == 125 and done.stdout == b""
+    assert done.stderr == (
+        b"python -m createos_exec: the sandbox sb_local is paused: no process was started; "
+        b"resume it, or run again with --resume.\n"
+    )
+    resumed = run_cli(server, "--resume", SANDBOX, "--", "echo", "hi")
+    assert (resumed.returncode, resumed.stdout) == (0, b"hi\n")
+
+
+@pytest.mark.parametrize("change", ["pause", "destroy"])
+def test_a_sandbox_paused_or_gone_mid_run_is_one_line_for_a_shell_user(server, change):
+    getattr(server, change + "_at")("connect", after_frames=1)
+    done = run_cli(server, "--shell", SANDBOX, "--", "echo one; sleep 1; echo two")
+    assert done.returncode == 125 and done.stdout == b"one\n"
+    line = done.stderr.decode()
+    assert line.count("\n") == 1 and "client." not in line and "resume=" not in line
+    expected = "is frozen with it, not ended" if change == "pause" else "was not found"
+    assert expected in line
+    assert cx._in_shell_words(
+        cx.CleanupError(process_id="proc_1", sandbox_id="sb_1", unreachable=True)
+    ).startswith("CreateOS could not be reached to terminate process proc_1: it may still run;")
