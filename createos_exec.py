@@ -732,11 +732,14 @@ class SandboxGoneError(SandboxError):
         return self.sandbox_status == "not found"
 
 
-# The sandbox's statuses (docs/protocol.md 4): those in which its processes are
-# frozen, those in which they are gone, and every word this client knows.
-_SANDBOX_PAUSED = ("pausing", "paused", "resuming")
+# The sandbox's statuses (docs/protocol.md 4): those on the way to running,
+# waited out within a run's deadline; those in which its processes are frozen
+# (the first of them too, past the deadline); those in which they are gone;
+# and every word this client knows.
+_SANDBOX_ON_THE_WAY = ("creating", "resuming", "forking")
+_SANDBOX_PAUSED = ("pausing", "paused") + _SANDBOX_ON_THE_WAY
 _SANDBOX_GONE = ("destroying", "destroyed", "failed", "error", "not found")
-_SANDBOX_STATUSES = ("creating", "running", "forking") + _SANDBOX_PAUSED + _SANDBOX_GONE
+_SANDBOX_STATUSES = ("running",) + _SANDBOX_PAUSED + _SANDBOX_GONE
 
 
 # What a sandbox gone means, and what to do: one that was there (False), one not found (True).
@@ -1150,18 +1153,20 @@ def start(
 def _after_refused_creation(
     sandbox: _Sandbox, refused: APIError, resume: bool, deadline: _Deadline
 ) -> None:
-    """Creation was refused (no process): return to send it again once a paused
-    sandbox runs again (`resume`); otherwise raise what happened to the sandbox."""
+    """Creation was refused (no process): return to send it again once the sandbox
+    runs again (one on its way to running, or with `resume` a paused one);
+    otherwise raise what happened to the sandbox."""
     if refused.status not in (404, 409) or isinstance(refused, SandboxError):
         raise refused
     looked = sandbox.diagnosed(refused)
-    if not (resume and isinstance(looked, SandboxPausedError)):
+    if not (isinstance(looked, SandboxPausedError) and _to_wait_for(looked, resume)):
         raise looked
-    logger.info("Sandbox %s is %s; resuming it", sandbox.sandbox_id, looked.sandbox_status)
     try:
-        sandbox.resume(deadline)
+        running = sandbox.resume(deadline, resume).running
     except _TimedOut:
         raise looked from None
+    if not running:
+        raise looked
 
 
 def echo(stream: str, text: str) -> None:
@@ -1569,19 +1574,23 @@ class RemoteProcess:
         return _Ending(error=error, gone=True)
 
     def _after_resume(self, ending: _Ending) -> Optional[_Ending]:
-        """With resume=True, a paused sandbox resumed within the run's deadline:
+        """A sandbox on its way to running (resuming, creating, forking), or with
+        resume=True a paused one resumed, waited for within the run's deadline:
         None when it runs again with this process still served and its journal
         going on at the cursor (the run goes on). Otherwise how the run ends:
         `ending` (still paused at the deadline, or not to be resumed), or what
         went wrong meanwhile (a process the service lost across the pause is
         an APIError that says so)."""
         paused = ending.error
-        if not (isinstance(paused, SandboxPausedError) and self._follower.options.resume):
+        if not (
+            isinstance(paused, SandboxPausedError)
+            and _to_wait_for(paused, self._follower.options.resume)
+        ):
             return ending
         endpoints = self._endpoints
-        logger.info("Sandbox %s is %s; resuming it", self.sandbox_id, paused.sandbox_status)
         try:
-            endpoints.sandbox.resume(self._deadline)
+            if not endpoints.sandbox.resume(self._deadline, self._follower.options.resume).running:
+                return ending  # paused, and not to be resumed
             record = endpoints.record(self._deadline)
             if _output_seq(record, "newest_seq") < self._follower.cursor:
                 raise ProtocolError("the journal ends before output already read")
@@ -1689,6 +1698,15 @@ class RemoteProcess:
 
 
 _Steps = Generator[None, None, _T]  # a run's steps: one after each block a loop takes
+
+
+def _to_wait_for(error: SandboxPausedError, resume: bool) -> bool:
+    """Whether the sandbox that `error` found not running is waited for: one on its
+    way to running, or a paused one to be resumed."""
+    if not (resume or error.sandbox_status in _SANDBOX_ON_THE_WAY):
+        return False
+    logger.info("Sandbox %s is %s; waiting for it to run", error.sandbox_id, error.sandbox_status)
+    return True
 
 
 def _blames_the_sandbox(error: BaseException) -> bool:
@@ -2580,14 +2598,15 @@ class _Sandbox:
             raise ProtocolError("the sandbox's view has no status")
         return SandboxInfo(self.sandbox_id, status, status == "running")
 
-    def resume(self, deadline: _Deadline) -> SandboxInfo:
-        """Resume it if it is paused, and return once it runs: its view asked at a
-        growing pace within `deadline` (_TimedOut; its cancel, CancelledError).
-        SandboxGoneError when it is gone, or goes meanwhile."""
+    def resume(self, deadline: _Deadline, ask: bool = True) -> SandboxInfo:
+        """Resume it if it is paused (`ask`; otherwise return it paused), and return
+        once it runs: its view asked at a growing pace within `deadline`
+        (_TimedOut; its cancel, CancelledError). SandboxGoneError when it is
+        gone, or goes meanwhile."""
         pace = _RESUME_POLL
         while True:
             info = self.info(deadline)
-            if info.running:
+            if info.running or (not ask and info.status not in _SANDBOX_ON_THE_WAY):
                 return info
             if info.status in _SANDBOX_GONE:
                 raise SandboxGoneError(

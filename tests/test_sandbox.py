@@ -89,6 +89,25 @@ def test_resume_true_goes_on_at_the_cursor_or_says_the_process_was_lost(lifecycl
 
 
 @pytest.mark.both_readings
+def test_a_sandbox_on_its_way_back_is_waited_for_without_resume(lifecycle):
+    server, client = lifecycle
+    paused: list = []
+
+    def pause_and_resume_once(stream: str, text: str) -> None:
+        if not paused:
+            paused.append(server.pause() and server.resume())  # "resuming" for 0.2 s
+
+    if server.reading.resume_keeps_processes:
+        result = client.execute(SANDBOX, COUNT, shell=True, on_output=pause_and_resume_once)
+        assert (result.stdout, result.exit_code) == (COUNTED, 0)
+        assert server.requests_to("sandbox_resume") == []  # nothing asked of it
+    else:
+        with pytest.raises(cx.APIError, match="lost the process"):
+            client.execute(SANDBOX, COUNT, shell=True, on_output=pause_and_resume_once)
+    assert paused == [True]
+
+
+@pytest.mark.both_readings
 def test_a_sandbox_found_paused_before_creation_is_said_or_resumed(lifecycle):
     server, client = lifecycle
     server.pause()
