@@ -1021,7 +1021,7 @@ class Client:
                     raise
                 raise CancelledError(created=False) from None
             except APIError as refused:
-                _after_refused_creation(sandbox, refused, checked.resume, deadline)  # noqa: B904
+                _after_refused_creation(sandbox, refused, checked.resume, deadline)
         args = command if isinstance(command, str) else list(command)
         follower = _Follower(
             endpoints, checked, args=args, started=started, creation_recovered=recovered
@@ -1063,7 +1063,7 @@ class Client:
         except APIError as refused:
             if refused.status not in (404, 409):
                 raise
-            raise sandbox.diagnosed(refused, endpoints.process_id, after)  # noqa: B904
+            raise sandbox.diagnosed(refused, endpoints.process_id, after)  # noqa: B904 (chained)
         follower = _Follower(endpoints, checked, args=args, started=started, cursor=after)
         return RemoteProcess(follower, deadline)
 
@@ -1467,7 +1467,9 @@ class RemoteProcess:
     def _interruptible(self) -> Iterator[None]:
         """A wait outside the run (stdin, a port): its deadline is a WaitTimeout,
         the process running on; the cancel ends the run as it always does (the
-        tree terminated, then CancelledError)."""
+        tree terminated, then CancelledError). A sandbox that does not run is
+        said as for the run (the port probe's refusals included): this
+        process and the cursor; the run itself goes on."""
         try:
             yield
         except _TimedOut as expired:
@@ -1476,6 +1478,13 @@ class RemoteProcess:
             cancelled.process_id = self.process_id
             self.wait()
             raise
+        except APIError as refused:
+            looked: CreateOSError = refused
+            if _blames_the_sandbox(refused):
+                looked = self._endpoints.sandbox.diagnosed(refused)
+            if isinstance(looked, SandboxError):
+                looked.process_id, looked.after = self.process_id, self._follower.cursor
+            raise looked  # noqa: B904 (itself, or chained from it by diagnosed())
 
     def wait_for_port(self, port: int, *, host: str = "127.0.0.1", timeout: float = 30.0) -> None:
         """Return once a TCP connect to host:port succeeds inside the sandbox, on a socket

@@ -5,7 +5,9 @@ answers of a paused or destroyed sandbox (protocol §11.14, 17-19) decide."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
+import random
 import sys
 
 import pytest
@@ -14,7 +16,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from local_server import LocalServer  # noqa: E402
-from support import make_client  # noqa: E402
+from support import campaign_size, make_client  # noqa: E402
 
 import createos_exec as cx  # noqa: E402
 
@@ -228,3 +230,153 @@ def test_past_the_budget_the_error_says_how_to_take_the_process_up_again(server)
         comebacks[0].join()
         rest = client.process(SANDBOX, proc.process_id, after=unconfirmed.after).wait()
     assert unconfirmed.result.stdout + rest.stdout == LONG_COUNTED  # nothing lost
+
+
+# -- the campaign (RELIABILITY.md item 13) ------------------------------------------
+#
+# The sandbox paused (resumed by the run with resume=True, or not) or destroyed
+# at a random moment of a run: its creation, its stream, its recovery, the
+# grace period of its termination, a write, wait_for_port; under both readings.
+# Each run ends in the exact result or in the right error with nothing lost
+# before it, and, once the sandbox runs again and what it says to do is done,
+# nothing left running.
+#
+#   CREATEOS_SANDBOX_RUNS=360      # runs (default: 36, each moment, change and
+#                                  # reading once; 360 in the full campaign)
+#   CREATEOS_SANDBOX_SEED=20261202 # base seed; run i uses base + i
+
+MOMENTS = ("creation", "streaming", "recovery", "grace", "write", "wait_for_port")
+CHANGES = ("pause, resume=True", "pause", "destroy")
+COMBINATIONS = [
+    (moment, change, reading)
+    for moment in MOMENTS
+    for change in CHANGES
+    for reading in ("conservative", "alternative")
+]
+THIRTY = "for i in $(seq 1 30); do echo $i; sleep 0.02; done"
+THIRTY_LINES = "".join("%d\n" % i for i in range(1, 31))
+CAMPAIGN_POLICY = cx.RetryPolicy(max_attempts=3, budget=2.0, initial_backoff=0.01, max_backoff=0.02)
+SERVE = (
+    "import socket,time;time.sleep(0.3);s=socket.socket();"
+    "s.bind(('127.0.0.1',%d));s.listen();time.sleep(30)"
+)
+
+
+def queue_change(server, moment: str, change: str, rng) -> None:
+    at = server.destroy_at if change == "destroy" else server.pause_at
+    if moment == "creation":
+        at("create")
+    elif moment == "streaming":
+        at("connect", after_frames=rng.randint(0, 28))
+    elif moment == "recovery":  # the stream keeps failing, then the status is asked
+        server.drop_stream(after_frames=rng.randint(0, 10))
+        server.fail("connect", 503, count=CAMPAIGN_POLICY.max_attempts)
+        at("wait")
+    else:
+        at({"grace": "delete", "write": "input", "wait_for_port": "get"}[moment])
+
+
+def take_up(client, server, error, ends: bool) -> str:
+    """What the run's error says to do, once the sandbox runs: the rest of the output
+    of a paused process that `ends` by itself, or its termination; nothing for one
+    gone."""
+    if isinstance(error, cx.SandboxPausedError):
+        assert server.sandbox_status() == "paused"
+        client.resume(SANDBOX)
+        if error.process_id is not None and server.reading.resume_keeps_processes:
+            proc = client.process(SANDBOX, error.process_id, after=error.after or 0)
+            with proc:
+                return proc.wait(timeout=30).stdout if ends else ""
+    return ""
+
+
+def run_one(server, client, moment: str, change: str, rng) -> str:
+    """One run: what it ended in. Asserts that nothing was lost or repeated."""
+    resume = change == "pause, resume=True"
+    if moment != "write":
+        queue_change(server, moment, change, rng)
+    try:
+        if moment == "grace":
+            client.execute(SANDBOX, ["sleep", "30"], timeout=0.3, resume=resume)
+            raise AssertionError("the DELETE met a sandbox that runs")
+        if moment == "write":
+            with client.start(SANDBOX, ["cat"], stdin=cx.PIPE, resume=resume) as proc:
+                proc.write("a\n")
+                queue_change(server, moment, change, rng)
+                try:
+                    proc.write("b\n")
+                except cx.SandboxError as error:
+                    assert error.process_id == proc.process_id
+                    paused = isinstance(error, cx.SandboxPausedError)
+                    if not (paused and server.reading.resume_keeps_processes):
+                        raise
+                    client.resume(SANDBOX)
+                    proc.write("b\n")  # it did not arrive: 409 and 404 come before any write
+                proc.close_stdin()
+                assert proc.wait().stdout == "a\nb\n"
+                return "exact"
+        if moment == "wait_for_port":
+            port = rng.randint(20000, 60000)
+            with client.start(SANDBOX, ["python3", "-c", SERVE % port], resume=resume) as proc:
+                proc.wait_for_port(port, timeout=10)
+                return "exact"
+        result = client.execute(SANDBOX, THIRTY, shell=True, resume=resume)
+        assert (result.stdout, result.exit_code) == (THIRTY_LINES, 0)
+        return "exact"
+    except cx.CreateOSError as error:
+        expected = cx.SandboxGoneError if change == "destroy" else cx.SandboxPausedError
+        lost = resume and not server.reading.resume_keeps_processes
+        if isinstance(error, cx.APIError) and "lost the process" in str(error):
+            assert lost and moment in ("streaming", "recovery", "wait_for_port"), error
+        elif isinstance(error, cx.StdinClosedError):  # the write's process lost in the pause
+            assert moment == "write" and not server.reading.resume_keeps_processes
+        else:
+            assert isinstance(error, expected), repr(error)
+        before = error.result.stdout if error.result is not None else ""
+        ends = moment in ("creation", "streaming", "recovery")
+        rest = take_up(client, server, error, ends)
+        if ends and error.process_id and rest:
+            assert before + rest == THIRTY_LINES  # nothing lost, nothing repeated
+        else:
+            assert THIRTY_LINES.startswith(before) or moment != "streaming"
+        return type(error).__name__
+
+
+def campaign_settings():
+    runs = campaign_size("CREATEOS_SANDBOX_RUNS", len(COMBINATIONS), 10 * len(COMBINATIONS))
+    return runs, int(os.environ.get("CREATEOS_SANDBOX_SEED", "20261202"))
+
+
+def test_the_sandbox_paused_resumed_or_destroyed_at_random_moments(figures):
+    runs, seed = campaign_settings()
+    outcomes: dict = {}
+    failures = []
+
+    def one(i: int) -> None:
+        moment, change, reading = COMBINATIONS[i % len(COMBINATIONS)]
+        rng = random.Random(seed + i)
+        try:
+            with LocalServer(heartbeat_interval=0.5, reading=reading, resume_seconds=0.1) as server:
+                with make_client(server, retry=CAMPAIGN_POLICY, cleanup_timeout=5.0) as client:
+                    outcome = run_one(server, client, moment, change, rng)
+                if server.sandbox_status() == "paused":
+                    server.resume()
+                    server._await(lambda: server.sandbox_status() == "running", 5.0)
+                for record in server.processes():  # nothing left running
+                    pid = record["process_id"]
+                    if not server.wait_tree_gone(pid, 35.0):
+                        raise AssertionError("the tree of %s was left running" % pid)
+            key = (moment, change, outcome)
+            outcomes[key] = outcomes.get(key, 0) + 1
+        except BaseException as exc:  # reported with its seed below
+            failures.append(
+                "run %d (seed %d, %s, %s, %s): %r" % (i, seed + i, moment, change, reading, exc)
+            )
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        list(pool.map(one, range(runs)))
+    assert not failures, "\n".join(failures[:5])
+    by_outcome: dict = {}
+    for (_, _, outcome), count in outcomes.items():
+        by_outcome[outcome] = by_outcome.get(outcome, 0) + count
+    figures.record("13. the sandbox around the process", runs=runs, seed=seed, **by_outcome)
