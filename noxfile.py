@@ -91,6 +91,7 @@ CAMPAIGNS = (
     "tests/test_deadline.py",
     "tests/test_stdin.py",
     "tests/test_load.py",
+    "tests/test_sandbox.py",
 )
 
 nox.options.sessions = ["lint", "tests", "compat"]

@@ -30,6 +30,7 @@ CAMPAIGN = [
     "tests/test_deadline.py",
     "tests/test_stdin.py",
     "tests/test_cancel.py",
+    "tests/test_sandbox.py",
 ]
 KEPT_LAST = ("seed", "limit", "threads", "median_latency_ms")  # settings and medians, not counts
 

@@ -6,6 +6,7 @@ answers of a paused or destroyed sandbox (protocol §11.14, 17-19) decide."""
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import os
 import random
 import sys
@@ -380,3 +381,70 @@ def test_the_sandbox_paused_resumed_or_destroyed_at_random_moments(figures):
     for (_, _, outcome), count in outcomes.items():
         by_outcome[outcome] = by_outcome.get(outcome, 0) + count
     figures.record("13. the sandbox around the process", runs=runs, seed=seed, **by_outcome)
+
+
+# The outage of the API at random moments of a run, for random lengths around
+# its retry budget (0.3 to 4 budgets of 1 s, the default's 60 s scaled down):
+# shorter than 0.8 budgets it must cost nothing; longer, the run may end in a
+# CleanupError that says how to take the process up again, which must then
+# give the rest of its output, nothing lost or repeated, or, when the API is
+# back in time for the DELETE, in a confirmed termination.
+#
+#   CREATEOS_OUTAGE_RUNS=60        # runs (default: 8; 60 in the full campaign)
+
+OUTAGE_BUDGET = dataclasses.replace(OUTAGE_RETRY, budget=1.0)
+
+
+def run_through_outage(client, take_down, comebacks) -> tuple:
+    """(how the run ended, the whole output it gives): "exact"; "taken_up", the
+    process followed on after the CleanupError that says how; "terminated", the
+    retry policy spent but the API back in time to confirm the termination."""
+    try:
+        result = client.execute(SANDBOX, LONG_COUNT, shell=True, on_output=take_down)
+        return "exact", result.stdout
+    except cx.StreamEndedError as ended:
+        return "terminated", ended.result.stdout
+    except cx.CleanupError as unreachable:
+        assert unreachable.unreachable, repr(unreachable)
+        comebacks[0].join()
+        proc = client.process(SANDBOX, unreachable.process_id, after=unreachable.after)
+        return "taken_up", unreachable.result.stdout + proc.wait(timeout=30).stdout
+
+
+def test_outages_at_random_moments_around_the_budget(figures):
+    runs = campaign_size("CREATEOS_OUTAGE_RUNS", 8, 60)
+    seed = int(os.environ.get("CREATEOS_SANDBOX_SEED", "20261202"))
+    outcomes: dict = {}
+    failures = []
+
+    def one(i: int) -> None:
+        rng = random.Random(seed + i)
+        at_line = rng.randint(1, 30)
+        seconds = OUTAGE_BUDGET.budget * rng.uniform(0.3, 4.0)
+        comebacks: list = []
+
+        def take_down(stream: str, text: str) -> None:
+            if not comebacks and text.count("\n") and text.split()[-1] == str(at_line):
+                comebacks.append(server.outage(seconds))
+
+        try:
+            with LocalServer(heartbeat_interval=0.5) as server:
+                with make_client(
+                    server, retry=OUTAGE_BUDGET, stream_idle_timeout=0.5, cleanup_timeout=1.0
+                ) as client:
+                    outcome, output = run_through_outage(client, take_down, comebacks)
+                assert seconds > 0.8 * OUTAGE_BUDGET.budget or outcome == "exact", seconds
+                if outcome == "terminated":  # the API was back for the DELETE: confirmed
+                    assert LONG_COUNTED.startswith(output)
+                else:
+                    assert output == LONG_COUNTED
+                for record in server.processes():
+                    assert server.wait_tree_gone(record["process_id"], 10.0)
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+        except BaseException as exc:  # reported with its seed below
+            failures.append("run %d (seed %d, %.2f s): %r" % (i, seed + i, seconds, exc))
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        list(pool.map(one, range(runs)))
+    assert not failures, "\n".join(failures[:5])
+    figures.record("13. the sandbox around the process, outages", outage_runs=runs, **outcomes)
