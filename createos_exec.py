@@ -694,9 +694,6 @@ class SandboxError(APIError):
         self.args = (str(self),)
 
     def __str__(self) -> str:
-        return self._sentence()
-
-    def _sentence(self) -> str:
         return f"The sandbox {self.sandbox_id} {self._is()}: it does not run."
 
     def _is(self) -> str:
@@ -706,7 +703,7 @@ class SandboxError(APIError):
 class SandboxPausedError(SandboxError):
     """The sandbox is paused: the process is frozen with it, not ended; `.after` is the cursor."""
 
-    def _sentence(self) -> str:
+    def __str__(self) -> str:
         sandbox = self.sandbox_id
         if self.process_id is None:
             return (
@@ -725,7 +722,7 @@ class SandboxPausedError(SandboxError):
 class SandboxGoneError(SandboxError):
     """The sandbox is destroyed, failed or unknown: its processes went with it."""
 
-    def _sentence(self) -> str:
+    def __str__(self) -> str:
         return f"The sandbox {self.sandbox_id} {self._is()}: {_GONE_ADVICE[self._unknown()]}."
 
     def _unknown(self) -> bool:
