@@ -12,12 +12,31 @@ import random
 import sys
 
 import pytest
+import responses
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from local_server import LocalServer  # noqa: E402
-from support import campaign_size, make_client  # noqa: E402
+from support import (  # noqa: E402
+    BASE,
+    CONNECT,
+    PID,
+    PROC,
+    PROCS,
+    SB,
+    add_connect,
+    add_created,
+    add_deleted,
+    assert_deleted_once,
+    calls,
+    campaign_size,
+    data,
+    make_client,
+    nd,
+    ok,
+    process_record,
+)
 
 import createos_exec as cx  # noqa: E402
 
@@ -448,3 +467,113 @@ def test_outages_at_random_moments_around_the_budget(figures):
         list(pool.map(one, range(runs)))
     assert not failures, "\n".join(failures[:5])
     figures.record("13. the sandbox around the process, outages", outage_runs=runs, **outcomes)
+
+
+# -- canned answers: what the view and the resume may answer -------------------------
+
+VIEW = f"{BASE}/v1/sandboxes/{SB}"
+PAUSED = {"status": "fail", "data": {"sandbox": "sandbox is not running; resume it first"}}
+
+
+def add_views(rsps, *statuses: str) -> None:
+    """The sandbox's view, answering each status in turn (the last one then on)."""
+    for status in statuses:
+        rsps.add(responses.GET, VIEW, json=ok({"id": SB, "status": status}))
+
+
+@pytest.mark.parametrize(
+    "answer, error",
+    [
+        (dict(json=ok("running")), cx.ProtocolError),
+        (dict(json=ok({"id": SB})), cx.ProtocolError),
+        (dict(status=401, json={"status": "fail", "data": {}}), cx.APIError),
+    ],
+    ids=["not an object", "no status", "401"],
+)
+def test_a_view_that_says_nothing_is_an_error_of_its_own(rsps, answer, error):
+    rsps.add(responses.GET, VIEW, **answer)
+    with pytest.raises(error) as caught:
+        make_client().sandbox(SB)
+    assert not isinstance(caught.value, cx.SandboxError)
+
+
+@pytest.mark.parametrize("view", [dict(body="not json"), dict(status=401, json={})])
+def test_a_lookup_that_cannot_be_read_changes_nothing(rsps, view):
+    rsps.add(responses.POST, PROCS, status=409, json=PAUSED)
+    rsps.add(responses.GET, VIEW, **view)
+    with pytest.raises(cx.APIError) as caught:
+        make_client().execute(SB, ["true"], resume=True)
+    assert type(caught.value) is cx.APIError and str(caught.value).endswith("resume it first.")
+
+
+def test_a_refused_process_lookup_other_than_404_or_409_is_not_looked_into(rsps):
+    rsps.add(responses.GET, PROC, status=400, json={"status": "fail", "data": {}})
+    with pytest.raises(cx.APIError) as caught:
+        make_client().process(SB, PID)
+    assert caught.value.status == 400 and len(rsps.calls) == 1
+
+
+def test_a_sandbox_that_goes_back_to_paused_is_not_resumed_unasked(rsps):
+    rsps.add(responses.POST, PROCS, status=409, json=PAUSED)
+    add_views(rsps, "resuming", "paused")
+    with pytest.raises(cx.SandboxPausedError) as caught:
+        make_client().execute(SB, ["true"])
+    assert caught.value.sandbox_status == "resuming" and calls(rsps, "POST", VIEW + "/resume") == []
+
+
+def test_a_sandbox_not_resumed_within_the_deadline_stays_paused(rsps):
+    rsps.add(responses.POST, PROCS, status=409, json=PAUSED)
+    rsps.add(responses.POST, VIEW + "/resume", status=202, json=ok({"status": "resuming"}))
+    add_views(rsps, "paused")
+    with pytest.raises(cx.SandboxPausedError) as caught:
+        make_client().execute(SB, ["true"], resume=True, timeout=0.4)
+    assert caught.value.process_id is None and calls(rsps, "POST", PROCS)
+
+
+@pytest.mark.parametrize(
+    "record, error",
+    [
+        (dict(json=ok(process_record(newest=0))), cx.ProtocolError),  # behind the cursor
+        (dict(status=400, json={"status": "fail", "data": {}}), cx.APIError),
+    ],
+    ids=["journal behind the cursor", "record refused"],
+)
+def test_after_a_resume_the_process_must_go_on_at_the_cursor(rsps, record, error):
+    add_created(rsps)
+    add_connect(rsps, nd(data(1, "stdout", b"one\n")))  # then the stream ends
+    rsps.add(responses.GET, CONNECT, status=409, json=PAUSED)
+    add_views(rsps, "paused", "running")
+    rsps.add(responses.POST, VIEW + "/resume", status=202, json=ok({"status": "resuming"}))
+    rsps.add(responses.GET, PROC, **record)
+    add_deleted(rsps)
+    with pytest.raises(error) as caught:
+        make_client().execute(SB, ["true"], resume=True)
+    assert caught.value.result.stdout == "one\n"  # nothing made up after it
+    assert_deleted_once(rsps)
+
+
+def test_a_delete_refused_with_409_while_the_sandbox_runs_is_unconfirmed(rsps):
+    add_created(rsps)
+    rsps.add(responses.DELETE, PROC, status=409, json={"status": "fail", "data": {}})
+    add_views(rsps, "running")
+    proc = make_client().start(SB, ["sleep", "9"])
+    with pytest.raises(cx.CleanupError) as caught:
+        proc.terminate()
+    assert "is running." in str(caught.value.__cause__)
+
+
+@pytest.mark.parametrize(
+    "resume, views, timeout",
+    [(False, ("resuming", "paused"), None), (True, ("paused",), 0.6)],
+    ids=["paused again, not to be resumed", "not back within the deadline"],
+)
+def test_a_run_whose_sandbox_does_not_come_back_ends_paused(rsps, resume, views, timeout):
+    add_created(rsps)
+    add_connect(rsps, nd(data(1, "stdout", b"one\n")))
+    rsps.add(responses.GET, CONNECT, status=409, json=PAUSED)
+    rsps.add(responses.POST, VIEW + "/resume", status=202, json=ok({"status": "resuming"}))
+    add_views(rsps, *views)
+    with pytest.raises(cx.SandboxPausedError) as caught:
+        make_client().execute(SB, ["true"], resume=resume, timeout=timeout)
+    assert (caught.value.after, caught.value.result.stdout) == (1, "one\n")
+    assert calls(rsps, "DELETE", PROC) == []  # nothing terminated while it is frozen
