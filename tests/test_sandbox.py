@@ -163,16 +163,6 @@ def test_a_write_to_a_paused_sandbox_is_no_broken_pipe(lifecycle):
             ended._stdin.write("late", cx._ENDLESS)
 
 
-def test_a_lookup_that_fails_changes_nothing(server, client):
-    server.fail("connect", 404)
-    server.fail("sandbox", 503)
-    with pytest.raises(cx.APIError) as caught:
-        client.execute(SANDBOX, ["sleep", "5"])
-    assert type(caught.value) is cx.APIError and caught.value.status == 404
-    assert str(caught.value).endswith("no longer keeps).")  # nothing added
-    assert len(server.requests_to("sandbox")) == 1  # once, never retried
-
-
 def test_a_trivial_command_asks_nothing_of_the_sandbox(server, client):
     assert client.execute(SANDBOX, ["true"]).exit_code == 0
     assert [r.method for r in server.requests] == ["POST", "GET"]
@@ -497,13 +487,16 @@ def test_a_view_that_says_nothing_is_an_error_of_its_own(rsps, answer, error):
     assert not isinstance(caught.value, cx.SandboxError)
 
 
-@pytest.mark.parametrize("view", [dict(body="not json"), dict(status=401, json={})])
+@pytest.mark.parametrize(
+    "view", [dict(body="not json"), dict(status=401, json={}), dict(status=503, json={})]
+)
 def test_a_lookup_that_cannot_be_read_changes_nothing(rsps, view):
     rsps.add(responses.POST, PROCS, status=409, json=PAUSED)
     rsps.add(responses.GET, VIEW, **view)
     with pytest.raises(cx.APIError) as caught:
         make_client().execute(SB, ["true"], resume=True)
     assert type(caught.value) is cx.APIError and str(caught.value).endswith("resume it first.")
+    assert len(calls(rsps, "GET", VIEW)) == 1  # asked once, never again
 
 
 def test_a_refused_process_lookup_other_than_404_or_409_is_not_looked_into(rsps):
