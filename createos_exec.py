@@ -1018,7 +1018,7 @@ class Client:
                     raise
                 raise CancelledError(created=False) from None
             except APIError as refused:
-                _after_refused_creation(sandbox, refused, checked.resume, deadline)
+                _until_it_runs(sandbox, refused, checked.resume, deadline)
         args = command if isinstance(command, str) else list(command)
         follower = _Follower(
             endpoints, checked, args=args, started=started, creation_recovered=recovered
@@ -1055,12 +1055,14 @@ class Client:
         endpoints = _Endpoints(sandbox, _checked_id("process", process_id))
         if not _is_int(after) or after < 0:
             raise ConfigError("after must be an integer >= 0.")
-        try:
-            args = _process_info(endpoints.record(deadline)).args
-        except APIError as refused:
-            if refused.status not in (404, 409):
-                raise
-            raise sandbox.diagnosed(refused, endpoints.process_id, after)  # noqa: B904 (chained)
+        while True:
+            try:
+                args = _process_info(endpoints.record(deadline)).args
+                break
+            except APIError as refused:
+                _until_it_runs(
+                    sandbox, refused, checked.resume, deadline, endpoints.process_id, after
+                )
         follower = _Follower(endpoints, checked, args=args, started=started, cursor=after)
         return RemoteProcess(follower, deadline)
 
@@ -1147,15 +1149,21 @@ def start(
     return process
 
 
-def _after_refused_creation(
-    sandbox: _Sandbox, refused: APIError, resume: bool, deadline: _Deadline
+def _until_it_runs(
+    sandbox: _Sandbox,
+    refused: APIError,
+    resume: bool,
+    deadline: _Deadline,
+    process_id: Optional[str] = None,
+    after: Optional[int] = None,
 ) -> None:
-    """Creation was refused (no process): return to send it again once the sandbox
-    runs again (one on its way to running, or with `resume` a paused one);
-    otherwise raise what happened to the sandbox."""
+    """A request that changes nothing was refused (a creation, a process's first
+    lookup): return to send it again once the sandbox runs again (one on its
+    way to running, or with `resume` a paused one); otherwise raise what
+    happened to the sandbox (`process_id` and the cursor, `after`, in its error)."""
     if refused.status not in (404, 409) or isinstance(refused, SandboxError):
         raise refused
-    looked = sandbox.diagnosed(refused)
+    looked = sandbox.diagnosed(refused, process_id, after)
     if not (isinstance(looked, SandboxPausedError) and _to_wait_for(looked, resume)):
         raise looked
     try:
