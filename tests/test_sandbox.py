@@ -225,7 +225,7 @@ def test_past_the_budget_the_error_says_how_to_take_the_process_up_again(server)
         server, retry=OUTAGE_RETRY, stream_idle_timeout=0.5, cleanup_timeout=1.0
     ) as client:
         comebacks: list = []
-        take_down = outage_at_the_first_output(server, 6.0, comebacks)
+        take_down = outage_at_the_first_output(server, 8.0, comebacks)  # past every budget
         proc = client.start(SANDBOX, LONG_COUNT, shell=True, on_output=take_down)
         with pytest.raises(cx.CleanupError) as caught:
             proc.wait()
