@@ -150,6 +150,10 @@ __all__ = [
     "ProtocolError",
     "RemoteProcess",
     "RetryPolicy",
+    "SandboxError",
+    "SandboxGoneError",
+    "SandboxInfo",
+    "SandboxPausedError",
     "StdinClosedError",
     "StreamEndedError",
     "TransferError",
@@ -209,6 +213,8 @@ _LIVENESS_POLL_MS = 1_000  # the `wait` that tells a quiet process from an exite
 _KILLED_POLL_MS = 2_000  # the `wait` for the leader's end after kill()'s SIGKILL
 _LISTING_PAGE_SIZE = 500  # the most the service's paginated lists hold in a page
 _LISTING_PAGES = 20  # pages of the process listing read at most: 10,000 processes
+_RESUME_POLL = 0.25  # seconds before the first look at a resuming sandbox; it doubles
+_RESUME_POLL_MAX = 2.0  # seconds between looks at most (a resume takes 10-13 s)
 
 
 # ==========================================================================
@@ -311,6 +317,17 @@ class FileInfo:
     sha256: str
 
 
+@dataclasses.dataclass(frozen=True)
+class SandboxInfo:
+    """A sandbox as its view shows it (Client.sandbox()): `status` is the service's
+    word ("running", "paused", "destroyed"... or one new to this client);
+    `running` says whether its processes run, exec and files are served."""
+
+    sandbox_id: str
+    status: str
+    running: bool
+
+
 def _returncode(exit_code: Optional[int], signal: Optional[str]) -> Optional[int]:
     if signal is not None:
         number = _signal_number(signal)
@@ -396,12 +413,19 @@ _SANDBOX_OPERATIONS = (
 # The operations of put() and get(), each followed by the file's path.
 _OF_A_FILE = ("upload of ", "download of ", "check of ", "creation of the directory of ")
 _NO_SANDBOX = "no sandbox with this id here (a wrong id, or a sandbox in another region)"
+_AFTER_RESUME = "process lookup after the sandbox's resume"
+_LOST_IN_PAUSE = (
+    "the service lost the process across the sandbox's pause; what it printed after "
+    ".result, and how it ended, are unknown"
+)
 
 
 def _advice(status: int, operation: str) -> str:
     """The sentence that says what a status means for an operation ("" when none fits)."""
     if status == 404 and (operation in _SANDBOX_OPERATIONS or operation.startswith(_OF_A_FILE)):
         return _NO_SANDBOX
+    if status == 404 and operation == _AFTER_RESUME:
+        return _LOST_IN_PAUSE
     if 300 <= status < 400:
         return "a redirect was refused (a proxy in between, or a wrong API URL?)"
     if status >= 500:
@@ -509,24 +533,46 @@ class OutputEvictedError(ProtocolError):
 
 
 class CleanupError(CreateOSError):
-    """The remote process may still exist: destroy the sandbox before reusing it."""
+    """The remote process may still exist: take it up again, or destroy the sandbox."""
+
+    # `unreachable`: the API could not be reached to terminate it. The process
+    # is then known and may simply run on: `.sandbox_id`, `.process_id` and
+    # `.after` (the cursor) say how to take it up again once the API answers.
 
     def __init__(
-        self, *, process_id: Optional[str] = None, creation_unconfirmed: bool = False
+        self,
+        *,
+        process_id: Optional[str] = None,
+        creation_unconfirmed: bool = False,
+        sandbox_id: Optional[str] = None,
+        unreachable: bool = False,
     ) -> None:
+        super().__init__("", process_id=process_id)
         self.creation_unconfirmed = creation_unconfirmed
-        of = f" of {process_id}" if process_id else ""
-        if creation_unconfirmed:
-            message = (
+        self.sandbox_id = sandbox_id
+        self.unreachable = unreachable
+        self.after: Optional[int] = None
+        self.args = (str(self),)
+
+    def __str__(self) -> str:
+        if self.creation_unconfirmed:
+            return (
                 "Process creation could not be confirmed: the process may run unseen; destroy "
                 "the sandbox (or audit its processes) before reusing it."
             )
-        else:
-            message = (
-                f"Termination of the remote process tree{of} could not be confirmed: it may "
-                "still run; destroy the sandbox before reusing it."
+        if self.unreachable and self.process_id and self.sandbox_id:
+            return (
+                f"CreateOS could not be reached to terminate process {self.process_id}: it "
+                "may still run. Once the API answers, "
+                f"client.process({self.sandbox_id!r}, {self.process_id!r}, "
+                f"after={self.after or 0}) takes it up again: wait() for the rest of its "
+                "output, or terminate()."
             )
-        super().__init__(message, process_id=process_id)
+        of = f" of {self.process_id}" if self.process_id else ""
+        return (
+            f"Termination of the remote process tree{of} could not be confirmed: it may "
+            "still run; destroy the sandbox before reusing it."
+        )
 
 
 class CancelledError(CreateOSError):
@@ -711,6 +757,94 @@ _TRANSFER_FAILURES = {
 }
 
 
+class SandboxError(APIError):
+    """The sandbox itself is not running: what happened to it, not to the process."""
+
+    # `.sandbox_status` is the service's word for it ("not found" when it
+    # answered 404); `.status` and `.operation` are those of the answer that
+    # made the client look at the sandbox (0 after a stream that could not be
+    # resumed). The message is built from these, and from `.after` (the
+    # cursor) where there is a process to take up again.
+
+    def __init__(
+        self,
+        sandbox_id: str,
+        sandbox_status: str,
+        *,
+        status: int,
+        operation: str,
+        process_id: Optional[str] = None,
+        after: Optional[int] = None,
+    ) -> None:
+        super().__init__(status, operation, process_id=process_id)
+        self.sandbox_id = sandbox_id
+        self.sandbox_status = sandbox_status
+        self.after = after
+        self.args = (str(self),)
+
+    def __str__(self) -> str:
+        return f"The sandbox {self.sandbox_id} {self._is()}: it does not run."
+
+    def _is(self) -> str:
+        return _sandbox_is(self.sandbox_status)
+
+
+class SandboxPausedError(SandboxError):
+    """The sandbox is paused: the process is frozen with it, not ended; `.after` is the cursor."""
+
+    def __str__(self) -> str:
+        sandbox = self.sandbox_id
+        if self.process_id is None:
+            return (
+                f"The sandbox {sandbox} {self._is()}: no process was started. Resume it "
+                f"(client.resume({sandbox!r})) and run the command again, or pass resume=True."
+            )
+        return (
+            f"The sandbox {sandbox} {self._is()}: process {self.process_id} is frozen with "
+            "it, not ended, and nothing was terminated. Resume the sandbox "
+            f"(client.resume({sandbox!r})), then take the process up again with "
+            f"client.process({sandbox!r}, {self.process_id!r}, after={self.after or 0}).wait(); "
+            "or pass resume=True."
+        )
+
+
+class SandboxGoneError(SandboxError):
+    """The sandbox is destroyed, failed or unknown: its processes went with it."""
+
+    def __str__(self) -> str:
+        return f"The sandbox {self.sandbox_id} {self._is()}: {_GONE_ADVICE[self._unknown()]}."
+
+    def _unknown(self) -> bool:
+        return self.sandbox_status == "not found"
+
+
+# The sandbox's statuses (docs/protocol.md 4): those on the way to running,
+# waited out within a run's deadline; those in which its processes are frozen
+# (the first of them too, past the deadline); those in which they are gone;
+# and every word this client knows.
+_SANDBOX_ON_THE_WAY = ("creating", "resuming", "forking")
+_SANDBOX_PAUSED = ("pausing", "paused") + _SANDBOX_ON_THE_WAY
+_SANDBOX_GONE = ("destroying", "destroyed", "failed", "error", "not found")
+_SANDBOX_STATUSES = ("running",) + _SANDBOX_PAUSED + _SANDBOX_GONE
+
+
+# What a sandbox gone means, and what to do: one that was there (False), one not found (True).
+_GONE_ADVICE = {
+    False: "its processes went with it, and nothing of this run is left running. Run the "
+    "command in another sandbox",
+    True: "nothing of this run runs there. Check the sandbox id, or run the command in "
+    "another sandbox",
+}
+
+
+def _sandbox_is(word: str) -> str:
+    """The sandbox's status in a sentence ("is paused", "was not found"...); a word
+    new to this client is not repeated: it comes from a response."""
+    if word == "not found":
+        return "was not found (a wrong id, another region's, or one destroyed)"
+    return f"is {word}" if word in _SANDBOX_STATUSES else "is in a state this client does not know"
+
+
 def _how_it_ended(result: ExecResult[Any]) -> str:
     if result.timed_out:
         return "timed out"
@@ -763,6 +897,7 @@ class _FollowKeywords(TypedDict, total=False):
     encoding: str
     errors: str
     cancel: Optional[threading.Event]
+    resume: bool
 
 
 class _RunKeywords(_FollowKeywords, total=False):
@@ -845,6 +980,7 @@ class _Options:
     encoding: str = "utf-8"
     errors: str = "replace"
     cancel: Optional[threading.Event] = None
+    resume: bool = False
     capture_output: bool = True
     text: bool = True
     stdout: Optional[int] = None
@@ -887,6 +1023,8 @@ class _Options:
                 "A terminal's input is typed: start(..., pty=...) takes no stdin data; "
                 "write() it once started."
             )
+        if not isinstance(self.resume, bool):
+            raise ConfigError("resume must be True or False.")
 
     def _check_bytes_mode(self) -> None:
         """text=False: bytes in and out, as in subprocess's binary mode; nothing is decoded."""
@@ -1045,12 +1183,16 @@ class Client:
         sandbox = _Sandbox(self._transport, sandbox_id)
         plan = _plan(command, checked, self._transport.termination_grace)
         launch = _Launch(sandbox, plan)
-        try:
-            endpoints, recovered = launch.create(deadline)
-        except CancelledError as cancelled:
-            if cancelled.process_id is not None:
-                raise
-            raise CancelledError(created=False) from None
+        while True:
+            try:
+                endpoints, recovered = launch.create(deadline)
+                break
+            except CancelledError as cancelled:
+                if cancelled.process_id is not None:
+                    raise
+                raise CancelledError(created=False) from None
+            except APIError as refused:
+                _until_it_runs(sandbox, refused, checked.resume, deadline)
         args = command if isinstance(command, str) else list(command)
         follower = _Follower(
             endpoints,
@@ -1130,7 +1272,14 @@ class Client:
         endpoints = _Endpoints(sandbox, _checked_id("process", process_id))
         if not _is_int(after) or after < 0:
             raise ConfigError("after must be an integer >= 0.")
-        record = endpoints.record(deadline)
+        while True:
+            try:
+                record = endpoints.record(deadline)
+                break
+            except APIError as refused:
+                _until_it_runs(
+                    sandbox, refused, checked.resume, deadline, endpoints.process_id, after
+                )
         follower = _Follower(
             endpoints,
             checked,
@@ -1196,6 +1345,26 @@ class Client:
             _process_info(record)
             for record in _Sandbox(self._transport, sandbox_id).processes(_ENDLESS)
         ]
+
+    def sandbox(self, sandbox_id: str) -> SandboxInfo:
+        """The sandbox as its view shows it: running, paused, destroyed... ("not found"
+        when the service does not know it)."""
+        return _Sandbox(self._transport, sandbox_id).info(_ENDLESS)
+
+    def resume(self, sandbox_id: str, *, timeout: float = 120.0) -> SandboxInfo:
+        """Resume a paused sandbox; return once it runs (at once when it does).
+
+        SandboxGoneError when it is gone; SandboxPausedError when it does not
+        run within `timeout` seconds. Its processes go on where they stopped:
+        client.process(sandbox_id, error.process_id, after=error.after) takes one up.
+        """
+        sandbox = _Sandbox(self._transport, sandbox_id)
+        try:
+            return sandbox.resume(_Deadline.after(timeout, "wait", time.monotonic()))
+        except _TimedOut:
+            raise SandboxPausedError(
+                sandbox.sandbox_id, "resuming", status=0, operation="sandbox resume"
+            ) from None
 
     def put(
         self, sandbox_id: str, source: FileSource, path: str, *, mode: Optional[int] = None
@@ -1388,6 +1557,31 @@ def _on_a_client(client: Optional[Client], call: Callable[[Client], _T]) -> _T:
         return call(client)
     with Client() as own:
         return call(own)
+
+
+def _until_it_runs(
+    sandbox: _Sandbox,
+    refused: APIError,
+    resume: bool,
+    deadline: _Deadline,
+    process_id: Optional[str] = None,
+    after: Optional[int] = None,
+) -> None:
+    """A request that changes nothing was refused (a creation, a process's first
+    lookup): return to send it again once the sandbox runs again (one on its
+    way to running, or with `resume` a paused one); otherwise raise what
+    happened to the sandbox (`process_id` and the cursor, `after`, in its error)."""
+    if refused.status not in (404, 409) or isinstance(refused, SandboxError):
+        raise refused
+    looked = sandbox.diagnosed(refused, process_id, after)
+    if not (isinstance(looked, SandboxPausedError) and _to_wait_for(looked, resume)):
+        raise looked
+    try:
+        running = sandbox.resume(deadline, resume).running
+    except _TimedOut:
+        raise looked from None
+    if not running:
+        raise looked
 
 
 def echo(stream: str, text: Union[str, bytes]) -> None:
@@ -1716,7 +1910,9 @@ class RemoteProcess(Generic[_AnyStr]):
     def _interruptible(self) -> Iterator[None]:
         """A wait outside the run (stdin, a port): its deadline is a WaitTimeout,
         the process running on; the cancel ends the run as it always does (the
-        tree terminated, then CancelledError)."""
+        tree terminated, then CancelledError). A sandbox that does not run is
+        said as for the run (the port probe's refusals included): this
+        process and the cursor; the run itself goes on."""
         try:
             yield
         except _TimedOut as expired:
@@ -1725,6 +1921,13 @@ class RemoteProcess(Generic[_AnyStr]):
             cancelled.process_id = self.process_id
             self.wait()
             raise
+        except APIError as refused:
+            looked: CreateOSError = refused
+            if _blames_the_sandbox(refused):
+                looked = self._endpoints.sandbox.diagnosed(refused)
+            if isinstance(looked, SandboxError):
+                looked.process_id, looked.after = self.process_id, self._follower.cursor
+            raise looked  # noqa: B904 (itself, or chained from it by diagnosed())
 
     def wait_for_port(self, port: int, *, host: str = "127.0.0.1", timeout: float = 30.0) -> None:
         """Return once a TCP connect to host:port succeeds inside the sandbox, on a socket
@@ -1783,6 +1986,11 @@ class RemoteProcess(Generic[_AnyStr]):
             raise
         except BaseException as exc:  # contained by _end, then raised again
             ending = _Ending(error=exc)
+            if _blames_the_sandbox(exc):
+                resumed = self._after_resume(self._looked_at(ending))
+                if resumed is None:
+                    return (yield from self._run(until))  # the run goes on
+                ending = resumed
         return (yield from self._end(ending))
 
     def _end(self, ending: _Ending) -> _Steps[Optional[ExecResult[Any]]]:
@@ -1804,6 +2012,51 @@ class RemoteProcess(Generic[_AnyStr]):
             if self._outcome is not None and self._owner is not None:
                 self._owner.close()  # the client of cx.start(): the run has ended
         return self._outcome
+
+    def _looked_at(self, ending: _Ending) -> _Ending:
+        """A failure that may be the sandbox's doing, once its view was asked: a
+        sandbox paused or gone is the error, and leaves nothing to terminate
+        (no DELETE while it is paused, none into a sandbox gone)."""
+        follower = self._follower
+        assert isinstance(ending.error, CreateOSError)  # see _blames_the_sandbox
+        error = self._endpoints.sandbox.diagnosed(ending.error, self.process_id, follower.cursor)
+        if not isinstance(error, SandboxError):
+            return ending._replace(error=error)
+        error.result = follower.result(None, partial=True)
+        return _Ending(error=error, gone=True)
+
+    def _after_resume(self, ending: _Ending) -> Optional[_Ending]:
+        """A sandbox on its way to running (resuming, creating, forking), or with
+        resume=True a paused one resumed, waited for within the run's deadline:
+        None when it runs again with this process still served and its journal
+        going on at the cursor (the run goes on). Otherwise how the run ends:
+        `ending` (still paused at the deadline, or not to be resumed), or what
+        went wrong meanwhile (a process the service lost across the pause is
+        an APIError that says so)."""
+        paused = ending.error
+        if not (
+            isinstance(paused, SandboxPausedError)
+            and _to_wait_for(paused, self._follower.options.resume)
+        ):
+            return ending
+        endpoints = self._endpoints
+        try:
+            if not endpoints.sandbox.resume(self._deadline, self._follower.options.resume).running:
+                return ending  # paused, and not to be resumed
+            record = endpoints.record(self._deadline)
+            if _output_seq(record, "newest_seq") < self._follower.cursor:
+                raise ProtocolError("the journal ends before output already read")
+        except _TimedOut:
+            return ending  # still paused: nothing to terminate
+        except APIError as refused:
+            if refused.status != 404:
+                return _Ending(error=refused)
+            lost = APIError(404, _AFTER_RESUME, process_id=self.process_id)
+            lost.result = paused.result
+            return _Ending(error=lost)
+        except BaseException as exc:  # contained by _end, then raised again
+            return _Ending(error=exc)
+        return None
 
     def _contain(self, ending: _Ending) -> _Steps[_Ending]:
         """Terminate the tree and confirm it, then say how the run ended.
@@ -1870,7 +2123,7 @@ class RemoteProcess(Generic[_AnyStr]):
             return ending._replace(error=exc)
         return ending._replace(exited=exited)
 
-    def _contained(self, ending: _Ending, unconfirmed: Optional[CleanupError]) -> _Ending:
+    def _contained(self, ending: _Ending, unconfirmed: Optional[CreateOSError]) -> _Ending:
         """How a run ended once its termination was waited for: its error names the
         process and carries what was read; an unconfirmed termination is the error
         then, chained from the first (but for Ctrl-C, which is raised itself)."""
@@ -1884,6 +2137,8 @@ class RemoteProcess(Generic[_AnyStr]):
                 )
         if unconfirmed is None or isinstance(error, KeyboardInterrupt):
             return ending  # Ctrl-C is raised itself; a failed cleanup was logged
+        if isinstance(unconfirmed, CleanupError):
+            unconfirmed.after = follower.cursor
         if error is None:
             unconfirmed.result = follower.result(
                 ending.exited, timed_out=ending.timed_out, partial=True
@@ -1895,6 +2150,23 @@ class RemoteProcess(Generic[_AnyStr]):
 
 
 _Steps = Generator[None, None, _T]  # a run's steps: one after each block a loop takes
+
+
+def _to_wait_for(error: SandboxPausedError, resume: bool) -> bool:
+    """Whether the sandbox that `error` found not running is waited for: one on its
+    way to running, or a paused one to be resumed."""
+    if not (resume or error.sandbox_status in _SANDBOX_ON_THE_WAY):
+        return False
+    logger.info("Sandbox %s is %s; waiting for it to run", error.sandbox_id, error.sandbox_status)
+    return True
+
+
+def _blames_the_sandbox(error: BaseException) -> bool:
+    """Whether `error` may be the sandbox's doing, to be looked at before it is
+    raised: a 404 or 409 answer, or an output stream that could not be resumed."""
+    if isinstance(error, APIError):
+        return error.status in (404, 409) and not isinstance(error, SandboxError)
+    return isinstance(error, StreamEndedError) and not isinstance(error, OutputIncompleteError)
 
 
 def _to_end(steps: _Steps[_T]) -> _T:
@@ -1974,10 +2246,13 @@ class _Termination:
         except BaseException as exc:  # handed over by unconfirmed()
             self._failure = exc
 
-    def unconfirmed(self) -> Optional[CleanupError]:
-        """The CleanupError when termination is unconfirmed, None once it is."""
+    def unconfirmed(self) -> Optional[CreateOSError]:
+        """The CleanupError when termination is unconfirmed, the SandboxError when
+        the sandbox left nothing to terminate, None once it is confirmed."""
         self._thread.join()
-        if self._failure is not None and not isinstance(self._failure, CleanupError):
+        if self._failure is not None and not isinstance(
+            self._failure, (CleanupError, SandboxError)
+        ):
             raise self._failure  # not a cleanup failure: a fault of this module
         return self._failure
 
@@ -2782,6 +3057,95 @@ class _Sandbox:
             raise ProtocolError("the sandbox's view is not an object")
         return view
 
+    def info(self, deadline: _Deadline) -> SandboxInfo:
+        """Its view as a SandboxInfo; one that the service does not know is "not found"."""
+        try:
+            status = self.view(deadline).get("status")
+        except APIError as refused:
+            if refused.status != 404:
+                raise
+            status = "not found"
+        if not isinstance(status, str):
+            raise ProtocolError("the sandbox's view has no status")
+        return SandboxInfo(self.sandbox_id, status, status == "running")
+
+    def resume(self, deadline: _Deadline, ask: bool = True) -> SandboxInfo:
+        """Resume it if it is paused (`ask`; otherwise return it paused), and return
+        once it runs: its view asked at a growing pace within `deadline`
+        (_TimedOut; its cancel, CancelledError). SandboxGoneError when it is
+        gone, or goes meanwhile."""
+        pace = _RESUME_POLL
+        while True:
+            info = self.info(deadline)
+            if info.running or (not ask and info.status not in _SANDBOX_ON_THE_WAY):
+                return info
+            if info.status in _SANDBOX_GONE:
+                raise SandboxGoneError(
+                    self.sandbox_id, info.status, status=404, operation="sandbox resume"
+                )
+            if info.status == "paused":  # 409: it moved meanwhile; its view says how
+                self.transport.call(
+                    "POST",
+                    self.path + "/resume",
+                    operation="sandbox resume",
+                    deadline=deadline,
+                    json_body={},
+                    ok_statuses=(409,),
+                ).close()
+            deadline.pause(pace)
+            deadline.check()
+            pace = min(2 * pace, _RESUME_POLL_MAX)
+
+    def diagnosed(
+        self, error: CreateOSError, process_id: Optional[str] = None, after: Optional[int] = None
+    ) -> CreateOSError:
+        """What `error` (a 404 or 409 from a request to the sandbox, a stream that
+        could not be resumed) means, once its view was asked, once: a
+        SandboxPausedError (with the cursor, `after`), a SandboxGoneError, or
+        `error` itself, whose message then says how the sandbox is. A lookup that
+        fails changes nothing."""
+        word = self._status_once()
+        if word is None:
+            return error
+        kind = (
+            SandboxPausedError
+            if word in _SANDBOX_PAUSED
+            else SandboxGoneError
+            if word in _SANDBOX_GONE
+            else None
+        )
+        if kind is None:
+            error.args = (f"{error} The sandbox {self.sandbox_id} {_sandbox_is(word)}.",)
+            return error
+        found = kind(
+            self.sandbox_id,
+            word,
+            status=getattr(error, "status", 0),
+            operation=getattr(error, "operation", "output connection"),
+            process_id=process_id or error.process_id,
+            after=after,
+        )
+        found.__cause__ = error
+        return found
+
+    def _status_once(self) -> Optional[str]:
+        """Its status word, from one request ("not found" after a 404); None when
+        the request fails or the answer does not say."""
+        try:
+            answer = self.transport.attempt(
+                "GET", self.path, operation="sandbox lookup", deadline=_ENDLESS, ok_statuses=(404,)
+            )
+            if isinstance(answer, _Retryable):
+                return None
+            if answer.status_code == 404:
+                answer.close()
+                return "not found"
+            view = _jsend_data(answer, "sandbox lookup")
+        except CreateOSError:
+            return None
+        status = view.get("status") if isinstance(view, dict) else None
+        return status if isinstance(status, str) else None
+
     def create(self, body: Dict[str, Any], deadline: _Deadline) -> Union[_Endpoints, _Retryable]:
         """One attempt to create a process, its timeouts cut to what remains of
         `deadline`: the new process, or the failure. ProtocolError when the
@@ -3020,19 +3384,36 @@ class _Endpoints:
                 process_id=self.process_id,
                 read_timeout=grace + transport.request_timeout,
                 params={"grace_ms": int(grace * 1000)},
-                ok_statuses=(404,),
+                ok_statuses=(404, 409),
             )
-            if response.status_code == 404:
+            if response.status_code in (404, 409):
                 response.close()
+                refused = self.sandbox_runs(APIError(response.status_code, "process cleanup"))
+                if refused.status == 409:
+                    raise refused
                 return None
             record = _jsend_data(response, "process cleanup")
+        except SandboxError:
+            raise
         except CreateOSError as exc:
             logger.warning("Termination of %s failed", self.process_id)
-            raise CleanupError(process_id=self.process_id) from exc
+            raise CleanupError(
+                process_id=self.process_id,
+                sandbox_id=self.sandbox_id,
+                unreachable=isinstance(exc, TransportError),
+            ) from exc
         if not isinstance(record, dict) or record.get("tree_exited") is not True:
             logger.warning("Termination of %s is unconfirmed", self.process_id)
             raise CleanupError(process_id=self.process_id)
         return record
+
+    def sandbox_runs(self, refused: APIError) -> APIError:
+        """`refused` (a 404 or 409 of this process), once the sandbox's view said it
+        runs (or could not say); the SandboxError is raised when it does not."""
+        looked = self.sandbox.diagnosed(refused, self.process_id)
+        if isinstance(looked, SandboxError):
+            raise looked
+        return refused
 
     def input(self, body: bytes, deadline: _Deadline) -> Union[requests.Response, _Retryable]:
         """One attempt to write a piece to stdin (a JSON body): never sent twice here.
@@ -3173,9 +3554,11 @@ class _StdinWriter:
             deadline.pause(delay)
 
     def _accepted(self, response: requests.Response) -> None:
-        """A 2xx accepted the piece (its input_seq is not needed); 404 or 409: no pipe."""
+        """A 2xx accepted the piece (its input_seq is not needed); 404 or 409: no pipe,
+        when the sandbox runs (a SandboxError otherwise)."""
         response.close()
         if response.status_code in (404, 409):
+            self._endpoints.sandbox_runs(APIError(response.status_code, "stdin write"))
             self._closed = True
             raise StdinClosedError(process_id=self._process_id)
 
@@ -4694,7 +5077,14 @@ def _retry_after(value: Optional[str]) -> Optional[float]:
 
 
 class _Budget:
-    """The failures of one run without progress; it resets whenever progress is made."""
+    """The failures of one run without progress; it resets whenever progress is made.
+
+    Spent after max_attempts failures in a row, or `budget` seconds after the
+    first of them. From the second failure in a row on, the waits spread the
+    attempts left over what remains of the budget (none longer than twice
+    max_backoff): with the defaults, 8 attempts over 60 s, an outage of the
+    API shorter than the budget costs a run nothing.
+    """
 
     def __init__(self, policy: RetryPolicy) -> None:
         self._policy = policy
@@ -4714,16 +5104,22 @@ class _Budget:
         left = self._policy.budget - (now - self._since)
         if self._failures >= self._policy.max_attempts or left <= 0:
             return None
+        policy = self._policy
         if retry_after is not None:
-            delay = min(retry_after, self._policy.max_retry_after)
+            delay = min(retry_after, policy.max_retry_after)
         elif self._failures == 1:
             # A connection that breaks after progress (a recycled proxy
             # connection, a reset) is most likely fine at once; back off
             # only when failures follow each other.
             delay = 0.0
         else:
-            ceiling = self._policy.initial_backoff * 2 ** (self._failures - 2)
-            delay = random.uniform(0, min(self._policy.max_backoff, ceiling))
+            ceiling = policy.initial_backoff * 2 ** (self._failures - 2)
+            delay = random.uniform(0, min(policy.max_backoff, ceiling))
+            # Attempts are not spent faster than the budget: the attempts left
+            # share what remains of it, so that an outage of the API as long as
+            # the budget passes (each wait at most twice max_backoff).
+            share = left / (policy.max_attempts - self._failures)
+            delay = max(delay, min(share, 2 * policy.max_backoff))
         return min(delay, left)
 
     def delay_within(self, retry_after: Optional[float], deadline: _Deadline) -> Optional[float]:
@@ -5897,6 +6293,11 @@ def _parser() -> argparse.ArgumentParser:
         "exit status (repeatable)",
     )
     parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="resume the sandbox when it is found paused (before or during the run) and go on",
+    )
+    parser.add_argument(
         "--json",
         action="store_true",
         help="no live output; print the result (or the error) as one JSON object",
@@ -6065,17 +6466,15 @@ def _run_command(
     session; `started` gets its process once there is one (Ctrl-C names it).
     `stdin`: its data, or a descriptor forwarded as it comes (`failures` gets
     what stopped the forwarding)."""
-    output: Dict[str, Any] = {
-        "timeout": options.timeout,
-        "on_output": None if options.json else _print_live,
-        # Live output passes through byte-exact; JSON needs valid text.
-        "errors": "replace" if options.json else "surrogateescape",
-    }
+    output: Dict[str, Any] = {"timeout": options.timeout, "resume": options.resume}
     session = _Session(sys.stdin.fileno()) if options.tty else None
-    if session is not None:
-        output = {"timeout": options.timeout, "on_output": session.show, "text": False}
+    if session is not None:  # the terminal's bytes, decoded by nothing
+        output.update(on_output=session.show, text=False)
         if "TERM" in os.environ:
             env = {"TERM": os.environ["TERM"], **(env or {})}
+    else:  # live output passes through byte-exact; JSON needs valid text
+        on_output = None if options.json else _print_live
+        output.update(on_output=on_output, errors="replace" if options.json else "surrogateescape")
     if command is None:
         process = client.process(options.sandbox_id, options.attach, after=options.after, **output)
     else:
@@ -6361,6 +6760,28 @@ def _attach_again(prog: str, options: argparse.Namespace, process: RemoteProcess
     return f"detached; process {process.process_id} runs on. To attach again: {again}"
 
 
+def _in_shell_words(error: CreateOSError) -> str:
+    """The error's sentence, in a shell user's words where the library's names a Python call."""
+    if isinstance(error, CleanupError) and error.unreachable and error.process_id:
+        return (
+            f"CreateOS could not be reached to terminate process {error.process_id}: it may "
+            f"still run; its output after seq {error.after or 0} is kept, and the process "
+            "can be taken up again by its id once the API answers."
+        )
+    if not isinstance(error, SandboxError):
+        return str(error)
+    sandbox = f"the sandbox {error.sandbox_id} {_sandbox_is(error.sandbox_status)}"
+    if isinstance(error, SandboxGoneError):
+        return f"{sandbox}: {_GONE_ADVICE[error._unknown()]}."
+    if error.process_id is None:
+        return f"{sandbox}: no process was started; resume it, or run again with --resume."
+    return (
+        f"{sandbox}: process {error.process_id} is frozen with it, not ended, and no longer "
+        "followed here; resuming the sandbox lets it go on (--resume has this tool "
+        "resume it and follow on)."
+    )
+
+
 def _cli_exit_code(result: ExecResult) -> int:
     if result.timed_out:
         return 124
@@ -6432,7 +6853,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + 13  # SIGPIPE, as a shell reports it
     except CreateOSError as exc:
-        return report.failure(type(exc).__name__, str(exc), exc)
+        return report.failure(type(exc).__name__, _in_shell_words(exc), exc)
     except _TransferFailed as failed:
         return report.failure(type(failed.cause).__name__, str(failed), failed.cause)
     for failure in failures:

@@ -94,6 +94,7 @@ CAMPAIGNS = (
     "tests/test_load.py",
     "tests/test_files.py",
     "tests/test_cli_pty.py",
+    "tests/test_sandbox.py",
 )
 
 nox.options.sessions = ["lint", "tests", "compat"]

@@ -48,6 +48,7 @@ import argparse
 import base64
 import binascii
 import collections
+import contextlib
 import dataclasses
 import datetime
 import errno
@@ -155,6 +156,10 @@ ENDPOINTS = (
     "files_put",
     "exec",
     "sandbox",
+    "sandbox_create",
+    "sandbox_pause",
+    "sandbox_resume",
+    "sandbox_destroy",
 )
 # The headers that carry a credential: X-Api-Key, and those read before it.
 CREDENTIAL_HEADERS = ("X-Api-Key", "Authorization", "X-Auth-Token", "X-Access-Token")
@@ -168,7 +173,10 @@ _PROC = _SB + r"/processes/([^/]+)"
 # "METHOD endpoint name" by path pattern; path groups are URL-decoded ids.
 _ENDPOINTS_BY_PATH = {
     r"/healthz": "GET healthz",
-    _SB: "GET sandbox",
+    r"/v1/sandboxes": "POST sandbox_create",
+    _SB: "GET sandbox, DELETE sandbox_destroy",
+    _SB + r"/pause": "POST sandbox_pause",
+    _SB + r"/resume": "POST sandbox_resume",
     _SB + r"/processes": "POST create, GET list",
     _PROC: "GET get, DELETE delete",
     _PROC + r"/connect": "GET connect",
@@ -195,7 +203,10 @@ ROUTES = tuple(
 # drop_stream() then fail("connect", 503) breaks the first stream and answers
 # 503 to the next connect. A replay fault only moves a connect's starting
 # point: it has a FIFO of its own and combines with the fault of that connect.
-STREAM_FAULTS = ("drop", "end", "stall", "corrupt")
+# A lifecycle fault pauses or destroys the sandbox at a request's start, or,
+# on a connect, as a stream fault; the request then meets the sandbox so.
+LIFECYCLE_FAULTS = ("pause", "destroy")
+STREAM_FAULTS = ("drop", "end", "stall", "corrupt") + LIFECYCLE_FAULTS
 
 
 # How the server answers each open question of docs/protocol.md §11: one field per
@@ -233,6 +244,11 @@ class Reading:
     pty_term: str | None = None  # §11.20
     pty_default_size: str = "24x80"  # §11.20
     pty_signal_target: str = "foreground"  # §11.20
+    idle_activity: str = "requests"  # §11.14
+    paused_answer: int = 409  # §11.17
+    paused_stream: str = "reset"  # §11.17
+    resume_keeps_processes: bool = True  # §11.18
+    destroyed_view: int = 404  # §11.19
 
     def __post_init__(self) -> None:
         for field, choices in READING_CHOICES.items():
@@ -260,6 +276,10 @@ READING_CHOICES = {
     "pty_term": (None, "xterm"),
     "pty_default_size": ("24x80", "0x0"),
     "pty_signal_target": ("foreground", "leader"),
+    "idle_activity": ("requests", "streams"),
+    "paused_answer": (409, 404, 503),
+    "paused_stream": ("reset", "eof"),
+    "destroyed_view": (404, 200),
 }
 
 # The two readings of docs/protocol.md §11 (see LocalServer's docstring): the
@@ -292,6 +312,11 @@ ALTERNATIVE = Reading(
     pty_term="xterm",
     pty_default_size="0x0",
     pty_signal_target="leader",
+    idle_activity="streams",
+    paused_answer=404,
+    paused_stream="eof",
+    resume_keeps_processes=False,
+    destroyed_view=200,
 )
 READINGS = (CONSERVATIVE, ALTERNATIVE)
 READINGS_BY_NAME = {reading.name: reading for reading in READINGS}
@@ -455,13 +480,28 @@ END = object()  # "end the body cleanly without an exit frame" marker of OutputS
 
 
 class Sandbox:
-    """A named sandbox: declared env variables and a lazily created work dir."""
+    """A named sandbox: declared env variables, a lazily created work dir, and
+    its lifecycle (docs/protocol.md §4.1): its ``status``, when it was last
+    active and how many connect streams it serves (for the idle auto-pause)."""
 
     def __init__(self, sandbox_id: str, envs: dict[str, str]):
         self.id = sandbox_id
         self.envs = envs
+        self.created_at = utc_now()
+        self.status = "running"  # running, paused, resuming, destroyed
+        self.last_active = time.monotonic()
+        self.open_streams = 0
         self._workdir: str | None = None
         self._lock = threading.Lock()
+
+    def view(self) -> dict[str, Any]:
+        # Only the names of the declared variables, as the real GET (docs/protocol.md §4).
+        return {
+            "id": self.id,
+            "status": self.status,
+            "created_at": self.created_at,
+            "envs": sorted(self.envs),
+        }
 
     def workdir(self) -> str:
         with self._lock:
@@ -492,6 +532,10 @@ class ProcessGroup:
             os.killpg(self.pgid, signum)
         except ProcessLookupError:
             pass
+
+    def freeze(self, frozen: bool) -> None:
+        """Stop (SIGSTOP) or continue (SIGCONT) every member, as a paused VM does."""
+        self.signal_all(signal.SIGSTOP if frozen else signal.SIGCONT)
 
     def empty(self, groups: set[int] | None = None) -> bool:
         """No live member left (`groups`: a scan of live_process_groups() already made)."""
@@ -533,6 +577,11 @@ class Cgroup:
                 os.kill(pid, signum)
             except ProcessLookupError:  # ended since the listing
                 pass
+
+    def freeze(self, frozen: bool) -> None:
+        """Freeze or thaw the whole cgroup at once (``cgroup.freeze``: no signal
+        that a shell could see as a stopped job, nothing forked escapes)."""
+        self._write("cgroup.freeze", b"1" if frozen else b"0")
 
     def members(self) -> list[int]:
         """The pids in it (an exited process, a zombie, is no longer listed)."""
@@ -652,6 +701,7 @@ class Process:
         self._open_pipes = len(self._outputs)
         self._tree_gone = False  # latched: once empty, the group id may be reused
         self.deleted = False  # answered a DELETE (forgotten if reading.delete_forgets)
+        self.lost = False  # forgotten by a resume (reading.resume_keeps_processes False)
 
     kind = "process"
 
@@ -823,6 +873,13 @@ class Process:
         with self.cond:
             if not self._tree_gone:
                 self.tree.signal_all(signum)
+
+    def freeze(self, frozen: bool) -> None:
+        """Freeze or thaw the tree; wake its streams, which look at the sandbox."""
+        with self.cond:
+            if not self._tree_gone:
+                self.tree.freeze(frozen)
+            self.cond.notify_all()
 
     def send_signal(self, signum: int) -> None:
         """Signal the process group, as the vendor CLI documents for pipe
@@ -1520,6 +1577,7 @@ class OutputStream:
         self.data_frames = 0
         self.last_write = time.monotonic()
         self.reading = proc.reading
+        self.sandbox = app._sandbox(proc.sandbox_id, running=False)
         lifetime = self.reading.stream_lifetime  # recycled after a while, or never
         self.expires = None if lifetime is None else self.last_write + lifetime
 
@@ -1559,13 +1617,15 @@ class OutputStream:
 
         Returns (data frames, final): final is None after data frames, else
         HEARTBEAT_LINE, a terminal (exit / error) line, STOP when the server
-        is stopping, END when the stream has lived its time
-        (reading.stream_lifetime) and CUT when a live reader fell behind the
-        journal (reading.live_eviction).
+        is stopping, halted() once the sandbox is paused or destroyed, END
+        when the stream has lived its time (reading.stream_lifetime) and CUT
+        when a live reader fell behind the journal (reading.live_eviction).
         """
         proc = self.proc
         with proc.cond:
             while True:
+                if self.sandbox.status != "running":  # paused or destroyed: the host is gone
+                    return [], self.halted()
                 if self.cursor < proc.evicted_through:
                     if self.reading.live_eviction == "cut" and self.data_frames:
                         return [], CUT  # the reader learns of it when it reconnects
@@ -1608,6 +1668,13 @@ class OutputStream:
                 self.app._stopping.wait(fault.seconds)
                 self.req.abort()
                 return False
+            elif fault.kind in LIFECYCLE_FAULTS:
+                self.app.change_sandbox(fault.kind, self.proc.sandbox_id)
+                if self.halted() is END:
+                    self.req.end_chunked()
+                else:
+                    self.req.abort()
+                return False
             else:  # drop
                 if fault.mid_frame:
                     self.req.write_half_chunk(line)
@@ -1619,6 +1686,10 @@ class OutputStream:
     def _write(self, line: bytes) -> None:
         self.req.write_chunk(line)
         self.last_write = time.monotonic()
+
+    def halted(self) -> object:
+        """How a stream ends when its sandbox stops running (reading.paused_stream)."""
+        return CUT if self.reading.paused_stream == "reset" else END
 
 
 # --------------------------------------------------------------------------
@@ -1713,11 +1784,34 @@ class LocalServer:
       (or without ``rows`` or ``cols``): ``"24x80"`` or ``"0x0"`` (§11.20);
     - ``pty_signal_target``: ``signal`` to a PTY process reaches the
       terminal's ``"foreground"`` process group, as the vendor CLI's help
-      says, or the ``"leader"`` alone (§11.20).
+      says, or the ``"leader"`` alone (§11.20);
+    - ``idle_activity``: what keeps a sandbox from its idle auto-pause
+      (``auto_pause_after``): ``"requests"`` naming it only, or open
+      ``"streams"`` too (§11.14);
+    - ``paused_answer``: what process, files and exec endpoints answer while
+      the sandbox is paused or resuming: 409 or **404** (503 by ``--set``)
+      (§11.17);
+    - ``paused_stream``: an open connect stream, when its sandbox is paused or
+      destroyed, is ``"reset"`` or ends cleanly (``"eof"``) without an exit
+      frame (§11.17);
+    - ``resume_keeps_processes``: after a resume the trees go on with their
+      journals and seq, or (False) the process registry is lost: its trees
+      are killed and their endpoints answer 404 (§11.18);
+    - ``destroyed_view``: the view of a destroyed sandbox is 404, or **200**
+      with ``status: "destroyed"`` (§11.19); its process endpoints are 404
+      in both.
 
     ``file_size_limit`` is the largest file an upload may carry (500 MB,
     as the vendor says): a larger one is refused with **413**, before its
     body is read when its ``Content-Length`` says so.
+
+    The sandbox's lifecycle (docs/protocol.md §4.1): ``pause()`` freezes every
+    tree (``cgroup.freeze``, or SIGSTOP to a process group) and cuts its
+    streams; ``resume()`` makes it ``resuming`` for ``resume_seconds``, then
+    running; ``destroy()`` kills every tree; ``pause_at()`` and
+    ``destroy_at()`` do it at a chosen moment; the HTTP endpoints do the same.
+    ``auto_pause_after``: None, or seconds of idleness after which a running
+    sandbox is paused.
 
     ``list_page_size`` is the default page size of that paginated listing
     (100), small in tests so that a few processes fill several pages.
@@ -1765,9 +1859,15 @@ class LocalServer:
         rate_limit: tuple[int, float] | None = None,
         file_size_limit: int = FILE_SIZE_LIMIT,
         cgroups: bool = True,
+        auto_pause_after: float | None = None,
+        resume_seconds: float = 0.2,
         verbose: bool = False,
     ):
         reading = reading_of(reading)
+        if auto_pause_after is not None and not auto_pause_after > 0:
+            raise ValueError("auto_pause_after must be positive")
+        if not resume_seconds >= 0:
+            raise ValueError("resume_seconds must be >= 0")
         if heartbeat_interval is None:
             heartbeat_interval = reading.heartbeat_interval
         if not 1 <= list_page_size <= LIST_LIMIT_MAX:
@@ -1801,6 +1901,8 @@ class LocalServer:
         self._rate_window = None if rate_limit is None else SlidingWindow(*rate_limit)
         self.file_size_limit = file_size_limit
         self.cgroups = cgroups
+        self.auto_pause_after = auto_pause_after
+        self.resume_seconds = resume_seconds
         self._cgroup: Cgroup | None = None  # the parent of the processes' cgroups, once started
         self.verbose = verbose
         self.url = ""
@@ -1820,12 +1922,18 @@ class LocalServer:
     def start(self) -> LocalServer:
         if self._httpd is not None or self._stopping.is_set():
             raise RuntimeError("a LocalServer can be started once")
-        server_class = _HTTPServerV6 if ":" in self.host else _HTTPServer
-        self._httpd = server_class((self.host, self.port), self)
+        self._listen(self.port)
         self._cgroup = server_cgroup() if self.cgroups else None
-        port = self._httpd.server_address[1]
+        port = self._httpd.server_address[1]  # type: ignore[union-attr]
         host = "[%s]" % self.host if ":" in self.host else self.host
         self.url = "http://%s:%d" % (host, port)
+        if self.auto_pause_after is not None:
+            threading.Thread(target=self._auto_pause, daemon=True, name="auto-pause").start()
+        return self
+
+    def _listen(self, port: int) -> None:
+        server_class = _HTTPServerV6 if ":" in self.host else _HTTPServer
+        self._httpd = server_class((self.host, port), self)
         self._thread = threading.Thread(
             target=self._httpd.serve_forever,
             kwargs={"poll_interval": 0.05},
@@ -1833,7 +1941,31 @@ class LocalServer:
             name="local-server",
         )
         self._thread.start()
-        return self
+
+    def outage(self, seconds: float) -> threading.Thread:
+        """The API goes down for `seconds`, the sandbox and its processes running on:
+        once this returns every connection is refused and every open one was cut;
+        then it serves again on the same port (the returned thread ends then)."""
+        assert self._httpd is not None and self._thread is not None, "not started"
+        port = self._httpd.server_address[1]
+        with self._lock:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._thread.join()
+            connections = list(self._connections)
+        for sock in connections:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+        def back() -> None:
+            self._stopping.wait(seconds)
+            with self._lock:
+                if not self._stopping.is_set():
+                    self._listen(port)
+
+        comeback = threading.Thread(target=back, daemon=True, name="outage")
+        comeback.start()
+        return comeback
 
     @property
     def containment(self) -> str:
@@ -1844,7 +1976,8 @@ class LocalServer:
         """Stop serving, SIGKILL every remaining tree, remove its cgroups and the temp dirs."""
         if self._httpd is None or self._thread is None or self._stopping.is_set():
             return
-        self._stopping.set()
+        with self._lock:  # an outage may be listening again
+            self._stopping.set()
         self._httpd.shutdown()
         self._httpd.server_close()
         self._thread.join()
@@ -1933,6 +2066,80 @@ class LocalServer:
         with self._lock:
             return self._processes[process_id]
 
+    def sandbox_status(self, sandbox_id: str = DEFAULT_SANDBOX) -> str:
+        with self._lock:
+            return self._sandboxes[sandbox_id].status
+
+    # -- the sandbox's lifecycle (docs/protocol.md §4.1) ---------------------------
+
+    def pause(self, sandbox_id: str = DEFAULT_SANDBOX) -> bool:
+        """Freeze every tree of a running sandbox and cut its streams (False: not running)."""
+        if not self._move(sandbox_id, ("running",), "paused"):
+            return False
+        for proc in self._processes_of(sandbox_id):
+            proc.freeze(True)
+        return True
+
+    def resume(self, sandbox_id: str = DEFAULT_SANDBOX) -> bool:
+        """Bring a paused sandbox back, ``resume_seconds`` later (False: not paused).
+        Its trees go on, or, when the reading loses the process registry, are gone."""
+        if not self._move(sandbox_id, ("paused",), "resuming"):
+            return False
+        timer = threading.Timer(self.resume_seconds, self._resumed, (sandbox_id,))
+        timer.daemon = True
+        timer.start()
+        return True
+
+    def destroy(self, sandbox_id: str = DEFAULT_SANDBOX) -> bool:
+        """Kill every tree of the sandbox and cut its streams (False: destroyed already)."""
+        if not self._move(sandbox_id, ("running", "paused", "resuming"), "destroyed"):
+            return False
+        for proc in self._processes_of(sandbox_id):
+            proc.kill_tree(signal.SIGKILL)
+            proc.freeze(False)  # a frozen tree dies once thawed
+        return True
+
+    def change_sandbox(self, change: str, sandbox_id: str = DEFAULT_SANDBOX) -> bool:
+        """``pause``, ``resume`` or ``destroy`` the sandbox (a lifecycle fault's change)."""
+        return bool(getattr(self, change)(sandbox_id))
+
+    def _resumed(self, sandbox_id: str) -> None:
+        procs = self._processes_of(sandbox_id)
+        if not self.reading.resume_keeps_processes:
+            for proc in procs:
+                proc.lost = True  # as E2B users saw: the registry is empty after a resume
+                proc.kill_tree(signal.SIGKILL)
+        for proc in procs:
+            proc.freeze(False)
+        self._move(sandbox_id, ("resuming",), "running")
+
+    def _move(self, sandbox_id: str, sources: tuple[str, ...], target: str) -> bool:
+        with self._lock:
+            sandbox = self._sandboxes[sandbox_id]
+            if sandbox.status not in sources:
+                return False
+            sandbox.status = target
+            sandbox.last_active = time.monotonic()
+            return True
+
+    def _processes_of(self, sandbox_id: str) -> list[Process]:
+        with self._lock:
+            return [p for p in self._processes.values() if p.sandbox_id == sandbox_id]
+
+    def _auto_pause(self) -> None:
+        """Pause every running sandbox idle for auto_pause_after seconds: no request,
+        nor (reading.idle_activity "streams") an open stream, meanwhile."""
+        limit = self.auto_pause_after or 0.0
+        while not self._stopping.wait(min(limit / 10, POLL_INTERVAL * 5)):
+            now = time.monotonic()
+            with self._lock:
+                sandboxes = list(self._sandboxes.values())
+            for sandbox in sandboxes:
+                if sandbox.open_streams and self.reading.idle_activity == "streams":
+                    sandbox.last_active = now
+                elif sandbox.status == "running" and now - sandbox.last_active >= limit:
+                    self.pause(sandbox.id)
+
     # -- fault injection -----------------------------------------------------
 
     def fail(
@@ -2020,6 +2227,15 @@ class LocalServer:
         """Run the next execs to their end, then close the socket without an answer."""
         self._queue("exec", Fault("lose", count))
 
+    def pause_at(self, endpoint: str, *, after_frames: int = 0, count: int = 1) -> None:
+        """Pause the sandbox when the next `count` requests of `endpoint` arrive, which
+        then meet it paused; on `connect`, with drop_stream's trigger, cutting the stream."""
+        self._queue(endpoint, Fault("pause", count, after_frames=after_frames))
+
+    def destroy_at(self, endpoint: str, *, after_frames: int = 0) -> None:
+        """As pause_at, but destroy the sandbox."""
+        self._queue(endpoint, Fault("destroy", 1, after_frames=after_frames))
+
     def evict(self, process_id: str) -> None:
         """Drop every retained data frame of the process (older cursors then get 410)."""
         self._get_process(process_id).evict_all()
@@ -2082,8 +2298,11 @@ class LocalServer:
             req.send_json(200, envelope(200, {"up": True}))
             return
         self._authenticate(req)
-        fault = self._take_fault(endpoint, ("status",))
-        if fault is not None:
+        kinds = ("status",) if endpoint == "connect" else ("status",) + LIFECYCLE_FAULTS
+        fault = self._take_fault(endpoint, kinds)
+        if fault is not None and fault.kind in LIFECYCLE_FAULTS:
+            self.change_sandbox(fault.kind, ids[0])
+        elif fault is not None:
             self._send_fault(req, fault)
             return
         result = getattr(self, "_ep_" + endpoint)(req, *ids)
@@ -2130,12 +2349,25 @@ class LocalServer:
             )
         req.send_json(fault.status, payload, headers)
 
-    def _sandbox(self, sandbox_id: str) -> Sandbox:
+    def _sandbox(self, sandbox_id: str, *, running: bool = True) -> Sandbox:
+        """The sandbox a request names; it is active now. Unless the request is
+        about the sandbox itself (not `running`), one that does not run answers
+        as the reading says (docs/protocol.md §11.17)."""
         with self._lock:
             sandbox = self._sandboxes.get(sandbox_id)
         if sandbox is None:
             raise ApiError(404, {"sandbox": "not found"})
+        sandbox.last_active = time.monotonic()
+        if running or self.reading.destroyed_view == 404:
+            self._check_running(sandbox, running)
         return sandbox
+
+    def _check_running(self, sandbox: Sandbox, running: bool = True) -> None:
+        if sandbox.status == "destroyed":
+            raise ApiError(404, {"sandbox": "not found"})
+        if running and sandbox.status != "running":
+            status = self.reading.paused_answer
+            raise ApiError(status, {"sandbox": "sandbox is not running; resume it first"})
 
     def _process(self, sandbox_id: str, process_id: str) -> Process:
         self._sandbox(sandbox_id)
@@ -2144,6 +2376,7 @@ class LocalServer:
         if (
             proc is None
             or proc.sandbox_id != sandbox_id
+            or proc.lost
             or (proc.deleted and self.reading.delete_forgets)
         ):
             raise ApiError(404, {"process": "not found"})
@@ -2241,7 +2474,15 @@ class LocalServer:
             after = evicted_through  # replay from the oldest retained frame
         elif after < evicted_through:
             raise_expired(self.reading, evicted_through + 1, finished)
-        OutputStream(self, req, proc, after, self._take_fault("connect", STREAM_FAULTS)).run()
+        stream = OutputStream(self, req, proc, after, self._take_fault("connect", STREAM_FAULTS))
+        sandbox = stream.sandbox
+        with self._lock:
+            sandbox.open_streams += 1
+        try:
+            stream.run()
+        finally:
+            with self._lock:
+                sandbox.open_streams -= 1
 
     def _ep_input(self, req: _Handler, sandbox_id: str, process_id: str) -> dict[str, Any] | None:
         proc = self._process(sandbox_id, process_id)
@@ -2292,8 +2533,10 @@ class LocalServer:
         if self.reading.wait_cap is not None:
             timeout = min(timeout, self.reading.wait_cap)
         condition = proc.leader_exited if scope == "leader" else proc.settled
-        if not self._await(condition, timeout):
+        sandbox = self._sandbox(sandbox_id)
+        if not self._await(lambda: condition() or sandbox.status != "running", timeout):
             raise ApiError(408, {"timeout": "the %s has not exited yet" % scope})
+        self._check_running(sandbox)  # paused or destroyed during the long-poll
         return proc.record()
 
     def _ep_delete(self, req: _Handler, sandbox_id: str, process_id: str) -> dict[str, Any]:
@@ -2314,9 +2557,43 @@ class LocalServer:
     # -- endpoints: sandboxes ------------------------------------------------------
 
     def _ep_sandbox(self, req: _Handler, sandbox_id: str) -> dict[str, Any]:
-        sandbox = self._sandbox(sandbox_id)
-        # Only the names of the declared variables, as the real GET (docs/protocol.md §4).
-        return {"id": sandbox.id, "status": "running", "envs": sorted(sandbox.envs)}
+        return self._sandbox(sandbox_id, running=False).view()
+
+    def _ep_sandbox_create(self, req: _Handler) -> None:
+        envs = req.json_body().get("envs") or {}
+        sandbox_id = "sb_" + secrets.token_hex(8)
+        try:
+            self.add_sandbox(sandbox_id, envs=envs)
+        except ValueError:
+            raise ApiError(400, {"envs": "invalid env entry"}) from None
+        req.send_json(201, envelope(201, self._sandbox(sandbox_id).view()))
+
+    def _ep_sandbox_pause(self, req: _Handler, sandbox_id: str) -> dict[str, Any] | None:
+        return self._lifecycle(req, sandbox_id, self.pause, "paused", "pausing")
+
+    def _ep_sandbox_resume(self, req: _Handler, sandbox_id: str) -> dict[str, Any] | None:
+        return self._lifecycle(req, sandbox_id, self.resume, "running", "resuming")
+
+    def _ep_sandbox_destroy(self, req: _Handler, sandbox_id: str) -> dict[str, Any] | None:
+        return self._lifecycle(req, sandbox_id, self.destroy, "destroyed", "destroying")
+
+    def _lifecycle(
+        self,
+        req: _Handler,
+        sandbox_id: str,
+        change: Callable[[str], bool],
+        done: str,
+        moving: str,
+    ) -> dict[str, Any] | None:
+        """200 and the view when the sandbox is there already; 202 and the transitional
+        status once the change is under way; 409 when it cannot be made from here."""
+        sandbox = self._sandbox(sandbox_id, running=False)
+        if sandbox.status == done or (sandbox.status == moving == "resuming"):
+            return sandbox.view()
+        if not change(sandbox_id):
+            raise ApiError(409, {"sandbox": "sandbox is %s" % sandbox.status})
+        req.send_json(202, envelope(202, dict(sandbox.view(), status=moving)))
+        return None
 
     # -- endpoints: files and exec -------------------------------------------------
 
@@ -2544,6 +2821,21 @@ def main(argv: list[str] | None = None) -> int:
         help="make no cgroup: a process's tree is its process group, even where a cgroup "
         "could be made",
     )
+    parser.add_argument(
+        "--auto-pause",
+        type=float,
+        metavar="SECONDS",
+        help="pause a sandbox idle that long (reading field idle_activity says what counts); "
+        "POST /v1/sandboxes/{id}/pause, /resume and DELETE /v1/sandboxes/{id} act at once "
+        "(default: never)",
+    )
+    parser.add_argument(
+        "--resume-seconds",
+        type=float,
+        default=0.2,
+        metavar="SECONDS",
+        help="how long a sandbox stays 'resuming' before it runs again (default 0.2)",
+    )
     parser.add_argument("--verbose", action="store_true", help="log requests to stderr")
     options = parser.parse_args(argv)
     try:
@@ -2561,6 +2853,8 @@ def main(argv: list[str] | None = None) -> int:
             rate_limit=options.rate_limit,
             file_size_limit=options.file_size_limit,
             cgroups=options.cgroups,
+            auto_pause_after=options.auto_pause,
+            resume_seconds=options.resume_seconds,
             verbose=options.verbose,
         )
     except ValueError as exc:

@@ -353,6 +353,7 @@ def test_no_warning_once_the_run_has_ended(client):
 
 FOLLOW_KEYWORDS = {
     "timeout", "on_output", "check", "max_output_chars", "encoding", "errors", "cancel", "text",
+    "resume",
 }  # fmt: skip
 RUN_KEYWORDS = {field.name for field in dataclasses.fields(cx._Options)}
 

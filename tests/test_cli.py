@@ -353,11 +353,12 @@ def test_json_reports_errors_as_one_object(server):
     done = run_cli(server, "--json", "sb_missing", "--", "true")
     assert done.returncode == 125
     error = json.loads(done.stdout)["error"]
-    assert (error["type"], error["status"]) == ("APIError", 404)
+    assert (error["type"], error["status"]) == ("SandboxGoneError", 404)
     assert error["operation"] == "process creation"
     assert error["message"] == (
-        "CreateOS answered HTTP 404 to process creation: no sandbox with this id here "
-        "(a wrong id, or a sandbox in another region)."
+        "the sandbox sb_missing was not found (a wrong id, another region's, or one "
+        "destroyed): nothing of this run runs there. Check the sandbox id, or run the "
+        "command in another sandbox."
     )
     closed = f"http://127.0.0.1:{closed_port()}"
     unreachable = run_cli(server, "--json", SANDBOX, "--", "true", CREATEOS_API_URL=closed)
@@ -552,6 +553,32 @@ def test_forwarding_ends_quietly_when_the_command_stops_reading_or_stdin_cannot_
     unreadable = Typed()
     cx._forward_stdin(read, unreadable, failures)  # a closed descriptor: as its end
     assert unreadable.given == ["EOF"] and failures == []
+
+
+def test_a_paused_sandbox_is_one_line_and_resume_goes_on(server):
+    server.pause()
+    done = run_cli(server, SANDBOX, "--", "echo", "hi")
+    assert done.returncode == 125 and done.stdout == b""
+    assert done.stderr == (
+        b"python -m createos_exec: the sandbox sb_local is paused: no process was started; "
+        b"resume it, or run again with --resume.\n"
+    )
+    resumed = run_cli(server, "--resume", SANDBOX, "--", "echo", "hi")
+    assert (resumed.returncode, resumed.stdout) == (0, b"hi\n")
+
+
+@pytest.mark.parametrize("change", ["pause", "destroy"])
+def test_a_sandbox_paused_or_gone_mid_run_is_one_line_for_a_shell_user(server, change):
+    getattr(server, change + "_at")("connect", after_frames=1)
+    done = run_cli(server, "--shell", SANDBOX, "--", "echo one; sleep 1; echo two")
+    assert done.returncode == 125 and done.stdout == b"one\n"
+    line = done.stderr.decode()
+    assert line.count("\n") == 1 and "client." not in line and "resume=" not in line
+    expected = "is frozen with it, not ended" if change == "pause" else "was not found"
+    assert expected in line
+    assert cx._in_shell_words(
+        cx.CleanupError(process_id="proc_1", sandbox_id="sb_1", unreachable=True)
+    ).startswith("CreateOS could not be reached to terminate process proc_1: it may still run;")
 
 
 def test_attach_follows_a_process_from_after(server, client, monkeypatch, capfd):

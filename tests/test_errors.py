@@ -561,6 +561,13 @@ def _error_samples() -> List[BaseException]:
         cx.ProcessEndedError(8000, process_id=PID, result=_sample_result()),
         cx.ProcessEndedError(8000, result=_sample_result(exit_code=None, signal="SIGSEGV")),
         *(cx.TransferError("/app/out.tar", reason) for reason in cx._TRANSFER_FAILURES),
+        cx.SandboxError(SB, "creating", status=409, operation="process creation"),
+        cx.SandboxPausedError(SB, "paused", status=409, operation="stdin write"),
+        cx.SandboxPausedError(
+            SB, "paused", status=409, operation="output connection", process_id=PID, after=7
+        ),
+        cx.SandboxGoneError(SB, "not found", status=404, operation="process lookup"),
+        cx.SandboxGoneError(SB, "destroyed", status=404, operation="process cleanup"),
     ]
 
 
@@ -589,6 +596,7 @@ def test_error_pickle_round_trip(error: BaseException) -> None:
     assert copy.args == error.args
     assert vars(copy) == vars(error)
     names = "process_id result status operation problem oldest_available_seq"
+    names += " sandbox_id sandbox_status after"
     names += " creation_unconfirmed returncode cmd output stderr timeout confirmed_bytes unsent"
     names += " path reason"
     for attr in names.split():

@@ -20,6 +20,7 @@ import types
 
 import pytest
 import requests
+import urllib3
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -1108,3 +1109,146 @@ def test_the_view_shows_the_foreground_job_and_sigint_reaches_it_or_the_leader(t
     who = b"leader" if api.server.reading.pty_signal_target == "leader" else b"child"
     assert output.endswith(who + b"\r\n")
     api.request("DELETE", "/processes/" + process_id)
+
+
+# -- the sandbox's lifecycle -------------------------------------------------------
+
+# A process that counts to 40 into a file, 20 times a second: whether it runs shows.
+COUNTER = (  # the count written whole (renamed into place): a reader never sees it empty
+    "i=0; while [ $i -lt 40 ]; do i=$((i+1)); echo $i > c; mv c count; echo $i; sleep 0.05; done"
+)
+
+
+@contextlib.contextmanager
+def lifecycle_server(reading, cgroups: bool = True, **options):
+    with LocalServer(reading=reading, cgroups=cgroups, resume_seconds=0.1, **options) as local:
+        yield local, Api(local)
+
+
+def counted(api: Api) -> int:
+    path = os.path.join(api.server._sandboxes[DEFAULT_SANDBOX].workdir(), "count")
+    try:
+        with open(path) as count:
+            return int(count.read())
+    except FileNotFoundError:  # not written yet
+        return 0
+
+
+def frames_until_halted(stream: requests.Response, reading) -> list:
+    """The frames of a stream that its sandbox's pause or destruction ends: cut
+    or ended cleanly as the reading says, never with an exit frame."""
+    frames: list = []
+    cut = (requests.exceptions.ChunkedEncodingError, urllib3.exceptions.ProtocolError)
+    with pytest.raises(cut) if reading.paused_stream == "reset" else contextlib.nullcontext():
+        for chunk in stream.raw.read_chunked(decode_content=False):
+            frames.append(json.loads(chunk))
+    assert all(f["type"] != "exit" for f in frames)
+    return frames
+
+
+def await_status(server: LocalServer, status: str, timeout: float = 5.0) -> None:
+    assert server._await(lambda: server.sandbox_status() == status, timeout), status
+
+
+@pytest.mark.both_readings
+@pytest.mark.parametrize("cgroups", [True, False], ids=["cgroup", "process-group"])
+def test_pause_freezes_the_tree_cuts_streams_and_resume_goes_on_as_the_reading_says(
+    server_reading, cgroups
+):
+    with lifecycle_server(server_reading, cgroups) as (server, api):
+        if cgroups:
+            require_cgroup(server)
+        process_id = api.sh(COUNTER)
+        stream = api.connect(process_id)
+        time.sleep(0.3)
+        assert api.request("POST", "/pause").status_code == 202
+        assert api.request("POST", "/pause").status_code == 200  # paused already
+        frames_until_halted(stream, server_reading)
+        frozen = counted(api)
+        time.sleep(0.3)
+        assert counted(api) == frozen  # frozen, not ended
+        paused = server_reading.paused_answer
+        for method, path in (("GET", "/processes/" + process_id), ("POST", "/exec")):
+            assert api.request(method, path, json={"cmd": "true"}).status_code == paused
+        assert api.request("GET", "").json()["data"]["status"] == "paused"
+        resumed = api.request("POST", "/resume")
+        assert (resumed.status_code, resumed.json()["data"]["status"]) == (202, "resuming")
+        await_status(server, "running")
+        if server_reading.resume_keeps_processes:
+            assert server._await(lambda: counted(api) > frozen, 5.0)  # it goes on
+            output = b"".join(data for _, _, data in payloads(api.frames(process_id)))
+            assert output.split() == [b"%d" % i for i in range(1, 41)]  # journal intact
+        else:
+            assert api.request("GET", "/processes/" + process_id).status_code == 404
+            assert server.wait_tree_gone(process_id)  # lost, and nothing left running
+
+
+@pytest.mark.both_readings
+def test_destroy_kills_every_tree_and_the_view_answers_as_the_reading_says(server_reading):
+    with lifecycle_server(server_reading) as (server, api):
+        process_id = api.sh("sleep 30")
+        api.request("POST", "/pause")
+        stream_at = api.request("DELETE", "")
+        assert (stream_at.status_code, stream_at.json()["data"]["status"]) == (202, "destroying")
+        assert server.wait_tree_gone(process_id)  # a frozen tree too
+        view = api.request("GET", "")
+        assert view.status_code == server_reading.destroyed_view
+        if view.status_code == 200:
+            assert view.json()["data"]["status"] == "destroyed"
+        for method, path in (("GET", "/processes/" + process_id), ("POST", "/resume")):
+            expected = 404 if method == "GET" or view.status_code == 404 else 409
+            assert api.request(method, path).status_code == expected
+
+
+def test_a_new_sandbox_is_made_and_lifecycle_changes_are_refused_out_of_turn(server, api):
+    made = requests.post(
+        server.url + "/v1/sandboxes", headers={"X-Api-Key": server.api_key}, json={}, timeout=10
+    )
+    assert made.status_code == 201 and made.json()["data"]["status"] == "running"
+    other = Api(server, made.json()["data"]["id"])
+    assert other.request("POST", "/resume").status_code == 200  # running already
+    assert other.request("POST", "/processes", json={"cmd": "true"}).status_code == 200
+    server.pause(made.json()["data"]["id"])  # not sb_local:
+    assert api.request("POST", "/processes", json={"cmd": "true"}).status_code == 200
+    server.destroy(made.json()["data"]["id"])
+    assert other.request("POST", "/pause").status_code == 404
+
+
+@pytest.mark.both_readings
+def test_auto_pause_counts_requests_and_by_reading_open_streams(server_reading):
+    with lifecycle_server(server_reading, auto_pause_after=0.5) as (server, api):
+        process_id = api.sh("sleep 1.5; echo done")
+        stream = api.connect(process_id)
+        time.sleep(1.0)  # a quiet stream, no request
+        expected = "running" if server_reading.idle_activity == "streams" else "paused"
+        assert server.sandbox_status() == expected
+        if expected == "running":
+            assert b"".join(data for _, _, data in payloads(read_frames(stream))) == b"done\n"
+            await_status(server, "paused")  # idle once the stream is over
+        stream.close()
+
+
+@pytest.mark.both_readings
+@pytest.mark.parametrize("change", ["pause", "destroy"])
+def test_pause_or_destroy_at_a_chosen_moment(server_reading, change):
+    with lifecycle_server(server_reading) as (server, api):
+        process_id = api.sh(COUNTER)
+        getattr(server, change + "_at")("connect", after_frames=3)
+        stream = api.connect(process_id)
+        assert len(payloads(frames_until_halted(stream, server_reading))) == 3
+        assert server.sandbox_status() == change.rstrip("e") + "ed"
+        if server.resume():
+            await_status(server, "running")
+        getattr(server, change + "_at")("get")  # at a request's start: it meets the change
+        expected = server_reading.paused_answer if change == "pause" else 404
+        assert api.request("GET", "/processes/" + process_id).status_code in (expected, 404)
+        assert server.sandbox_status() in ("paused", "destroyed")
+
+
+def test_cli_auto_pause_and_resume_seconds_flags():
+    with cli_server("--auto-pause", "0.3", "--resume-seconds", "0.5") as api:
+        time.sleep(0.8)
+        assert api.request("GET", "").json()["data"]["status"] == "paused"
+        assert api.request("POST", "/resume").json()["data"]["status"] == "resuming"
+        assert api.request("GET", "").json()["data"]["status"] == "resuming"
+    assert b"auto_pause_after" in refusal("--auto-pause", "0")

@@ -156,9 +156,10 @@ def test_a_config_error_arrives_as_a_config_error_and_value_error(server, pool):
 def test_an_api_error_keeps_its_status_and_operation(server, pool):
     error, same = raised_there_and_here(pool, cx.APIError, "sb_unknown", ["true"])
 
-    assert type(error) is cx.APIError
+    assert type(error) is cx.SandboxGoneError  # an APIError: the sandbox was looked at
     assert (error.status, error.operation) == (same.status, same.operation)
     assert (error.status, error.operation) == (404, "process creation")
+    assert (error.sandbox_id, error.sandbox_status) == ("sb_unknown", "not found")
     assert str(error) == str(same)
     assert error.process_id is None
 

@@ -16,6 +16,7 @@ import dataclasses
 import email.utils
 import json
 import os
+import random
 import threading
 import time
 from typing import Any, Callable, List, Tuple
@@ -226,14 +227,36 @@ def test_budget_seconds_and_reset() -> None:
 
 
 def test_budget_backoff_grows_with_jitter_and_cap() -> None:
-    policy = cx.RetryPolicy(max_attempts=100, budget=1000, initial_backoff=0.1, max_backoff=0.5)
+    # A budget the attempts cannot fill: the backoff alone says how long to wait.
+    policy = cx.RetryPolicy(max_attempts=100, budget=1, initial_backoff=0.1, max_backoff=0.5)
     budget = cx._Budget(policy)
     delays = [budget.next_delay() for _ in range(30)]
-    ceilings = [min(0.5, 0.1 * 2**i) for i in range(30)]
+    ceilings = [0] + [min(0.5, 0.1 * 2**i) for i in range(29)]
     for delay, ceiling in zip(delays, ceilings):
-        assert delay is not None and 0 <= delay <= ceiling
+        assert delay is not None and 0 <= delay <= max(ceiling, 1 / 70)
     assert len(set(delays)) > 5  # jittered, not constant
     assert max(delays) > 0.1  # it grew past the first ceiling
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_default_policy_keeps_trying_for_its_whole_budget(monkeypatch, seed) -> None:
+    # Item 5 of the sandbox's issue: an outage of the API as long as the budget
+    # passes. Its arithmetic on a clock that only the waits move.
+    clock = [0.0]
+    monkeypatch.setattr(cx.time, "monotonic", lambda: clock[0])
+    random.seed(seed)
+    policy = cx.RetryPolicy()
+    budget = cx._Budget(policy)
+    attempts = []
+    while True:
+        attempts.append(clock[0])
+        delay = budget.next_delay()
+        if delay is None:
+            break
+        assert delay <= 2 * policy.max_backoff
+        clock[0] += delay
+    assert len(attempts) == policy.max_attempts
+    assert attempts[-1] >= policy.budget - 1e-9  # the last attempt comes at its end
 
 
 def test_budget_honours_retry_after_with_caps() -> None:
@@ -395,7 +418,7 @@ def test_output_that_cannot_be_replayed_is_output_incomplete_with_the_known_stat
 
 def test_stream_ended_error_keeps_its_message_when_wait_cannot_tell_the_status(server):
     # Promise 4 (guard): StreamEndedError, with its fixed message, only when no
-    # status could be learned at all.
+    # status could be learned at all; the sandbox's view, asked once, adds that it runs.
     server.drop_stream(after_frames=1)
     server.fail("connect", 503, count=100)
     server.fail("wait", 503, count=100)
@@ -404,7 +427,8 @@ def test_stream_ended_error_keeps_its_message_when_wait_cannot_tell_the_status(s
             client.execute(SANDBOX, THREE_LINES, shell=True)
     error = caught.value
     assert type(error) is cx.StreamEndedError
-    assert str(error) == NO_STATUS
+    assert str(error) == NO_STATUS + " The sandbox %s is running." % SANDBOX
+    assert len(server.requests_to("sandbox")) == 1
     assert error.result is not None and error.result.stdout == "one\n"
     assert error.result.exit_code is None
     assert server.wait_tree_gone(error.process_id)
