@@ -391,4 +391,4 @@ def test_sessions_under_random_faults_double_and_lose_nothing(tmp_path, figures)
         faults, reconnects, keys = _run_session(seed, directory)
         totals.update(runs=1, faults=faults, reconnects=reconnects, keys=keys)
     assert totals["reconnects"] > 0
-    figures.record("14. terminal sessions", seed=TERMINAL_SEED, **totals)
+    figures.record("15. terminal sessions", seed=TERMINAL_SEED, **totals)
