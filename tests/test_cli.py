@@ -195,6 +195,7 @@ def test_cli_unreadable_stdin_file_is_125(
         ["--timeout", "soon", SB, "--", "true"],
         [],
         ["-t", SB, "--", "bash"],  # no terminal here
+        ["-t", "--json", SB, "--", "bash"],
         ["-i", "-n", SB, "--", "cat"],
         ["--attach", "proc_1", SB, "--", "true"],
         ["--after", "3", SB, "--", "true"],

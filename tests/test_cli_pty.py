@@ -247,6 +247,9 @@ def test_keys_size_and_term_reach_the_remote_terminal(session, server):
     made.child.expect_exact(b"prompt> ")
     made.child.send(b"stty size\r")
     made.child.expect_exact(b"40 120")
+    server.fail("resize", 400)
+    made.child.setwinsize(20, 70)  # refused: said on the terminal, and the session goes on
+    made.child.expect_exact(b"the new size was not sent")
     made.child.send(b"exit 3\r")
     assert made.ended() == 3
 
