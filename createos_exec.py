@@ -1898,8 +1898,9 @@ class RemoteProcess(Generic[_AnyStr]):
     def _write(self, data: Union[str, bytes], deadline: _Deadline) -> None:
         if self._stdin is None:
             raise ConfigError("write() needs a process started with stdin=cx.PIPE.")
+        write = self._stdin.type if self._terminal else self._stdin.write
         with self._interruptible():
-            self._stdin.write(data, deadline, ended=self._outcome is not None)
+            write(data, deadline, ended=self._outcome is not None)
 
     def _close_stdin(self, deadline: _Deadline) -> None:
         if self._stdin is not None and self._outcome is None and not self._terminal:
@@ -3500,6 +3501,11 @@ class _StdinWriter:
         self._encoding = encoding
         self._lock = threading.Lock()  # one write or close at a time: the pieces keep their order
         self._closed = False
+        self._typed = threading.Condition()  # a terminal's keys, see type()
+        self._waiting: List[bytearray] = []  # keys typed while a request is in flight
+        self._next = 0  # the number of the request the waiting keys go in
+        self._answered = -1  # the last request answered, or failed
+        self._failed: Dict[int, CreateOSError] = {}
 
     def __repr__(self) -> str:
         return f"_StdinWriter(process_id={self._process_id!r}, closed={self._closed!r})"
@@ -3519,6 +3525,48 @@ class _StdinWriter:
                 piece = view[confirmed : confirmed + _INPUT_PIECE]
                 self._send(piece, confirmed, budget, deadline)
                 budget.progress()
+
+    def type(self, data: Union[str, bytes], deadline: _Deadline, *, ended: bool = False) -> None:
+        """A terminal's keys, from any number of threads, as a typist's: one request in
+        flight, and the keys typed meanwhile wait and go together in the next. Each
+        returns once the request its keys went in is accepted; when that request
+        fails, every write in it raises its error, and nothing is sent again."""
+        keys = bytearray(_input_bytes(data, self._encoding))  # its own object: taken back by it
+        with self._typed:
+            self._waiting.append(keys)
+            mine = self._next
+            while self._answered < mine and not self._turn_of(mine):
+                if deadline.expired() or deadline.cancelled():
+                    self._give_up(keys, mine, deadline)
+                self._typed.wait(deadline.within(_PACING_POLL))
+            if self._answered >= mine:
+                failure = self._failed.get(mine)
+                if failure is not None:
+                    raise failure
+                return
+            batch, self._waiting = b"".join(self._waiting), []
+            self._next += 1
+        try:
+            self.write(batch, deadline, ended=ended)
+        except CreateOSError as error:
+            self._failed[mine] = error
+            raise
+        finally:
+            with self._typed:
+                self._answered = mine
+                self._typed.notify_all()
+
+    def _turn_of(self, request: int) -> bool:
+        """Whether `request` may go now: the one before it answered, and it not taken yet."""
+        return self._answered == request - 1 and self._next == request
+
+    def _give_up(self, keys: bytearray, mine: int, deadline: _Deadline) -> NoReturn:
+        """The deadline came while the keys waited: taken back while their request
+        has not left (the deadline's error), else their fate is the request's."""
+        if self._next == mine:
+            del self._waiting[next(i for i, kept in enumerate(self._waiting) if kept is keys)]
+            deadline.check(self._process_id)
+        raise InputUnconfirmedError(0, process_id=self._process_id)
 
     def close(self, deadline: _Deadline) -> None:
         """EOF on the process's stdin; a second close, or one after the end, is fine."""
