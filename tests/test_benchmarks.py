@@ -64,6 +64,7 @@ def rows_with_a_number(report, label):
     return re.findall(pattern, report, flags=re.MULTILINE)
 
 
+@pytest.mark.timeout(360)
 def test_the_tiny_benchmark_reports_every_section_and_reader():
     done = run_tiny_benchmark()
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
