@@ -3284,10 +3284,44 @@ class _Upload:
             raise TransferError(self.path, _PUT_FAILURES.get(ran.exited or 0, "no_tools"))
 
 
+class _Described:
+    """The size and SHA-256 the sandbox computes of a file, asked for in a
+    thread of its own so that the bytes come meanwhile (the sandbox hashes
+    while they travel); result() waits for them and raises what asking raised."""
+
+    def __init__(self, ask: Callable[[], Tuple[int, str]]) -> None:
+        self._answer: Optional[Tuple[int, str]] = None
+        self._failure: Optional[BaseException] = None
+        self._done = threading.Event()
+        thread = threading.Thread(target=self._ask, args=(ask,), name="createos_exec-check")
+        thread.daemon = True  # after Ctrl-C it ends with its exec's read timeout
+        thread.start()
+
+    def _ask(self, ask: Callable[[], Tuple[int, str]]) -> None:
+        try:
+            self._answer = ask()
+        except BaseException as exc:  # handed over by result()
+            self._failure = exc
+        finally:
+            self._done.set()
+
+    def failed(self) -> bool:
+        return self._done.is_set() and self._failure is not None
+
+    def result(self) -> Tuple[int, str]:
+        self._done.wait()
+        if self._failure is not None:
+            raise self._failure
+        assert self._answer is not None
+        return self._answer
+
+
 class _Download:
-    """get(): the size and SHA-256 the sandbox computes, then the bytes, checked
-    against them on their way into `sink`; read again, whole, after a broken
-    connection when the sink can start over."""
+    """get(): the bytes, hashed on their way into `sink`, while the sandbox
+    computes the size and SHA-256 they are then checked against; read again,
+    whole, after a broken connection when the sink can start over. A file
+    changed while it is read fails the check (a TransferError, as when the
+    sandbox's hash came first): which version was read cannot be known."""
 
     def __init__(self, sandbox: _Sandbox, path: str, sink: _Sink) -> None:
         self.sandbox = sandbox
@@ -3296,14 +3330,12 @@ class _Download:
         self.operation = f"download of {_shown(path, 200)}"
 
     def run(self, deadline: _Deadline) -> Tuple[int, str]:
-        size, sha256 = self._describe(deadline)
-        self.sink.expect(size, self.path)
-        self.sandbox.transport.retried(
-            lambda now: self._receive(size, sha256, now),
+        described = _Described(lambda: self._describe(deadline))
+        return self.sandbox.transport.retried(
+            lambda now: self._receive(described, now),
             deadline,
             repeatable=self.sink.restartable,
         )
-        return size, sha256
 
     def _describe(self, deadline: _Deadline) -> Tuple[int, str]:
         operation = f"check of {_shown(self.path, 200)}"
@@ -3321,22 +3353,32 @@ class _Download:
             raise ProtocolError(f"the answer to the {operation} is not a size and a SHA-256")
         return int(described[1]), described[2]
 
-    def _receive(self, size: int, sha256: str, deadline: _Deadline) -> None:
+    def _receive(self, described: _Described, deadline: _Deadline) -> Tuple[int, str]:
+        """One reading of the bytes, stopped early once the sandbox's check has
+        failed or the sink is full; a failure of the check says more than the
+        GET's (a missing file, a directory, no hasher), so it wins."""
         self.sink.restart()
         digest, got = hashlib.sha256(), 0
         base = self.sandbox.transport.base
-        response = self.sandbox.get_file(self.path, self.operation, deadline)
-        with response, _transport_errors(self.operation, base):
-            for piece in response.iter_content(_READ_SIZE):
-                got += len(piece)
-                if got > size:
-                    break
-                digest.update(piece)
-                self.sink.write(piece)
+        try:
+            response = self.sandbox.get_file(self.path, self.operation, deadline)
+            with response, _transport_errors(self.operation, base):
+                for piece in response.iter_content(_READ_SIZE):
+                    got += len(piece)
+                    if got > self.sink.most or described.failed():
+                        break
+                    digest.update(piece)
+                    self.sink.write(piece)
+        except Exception:
+            described.result()
+            raise
+        size, sha256 = described.result()
+        self.sink.expect(size, self.path)
         if got < size:  # cut short, yet without an error of the connection's
             raise _Retryable(self.operation, address=_address(base), reason="reset")
         if got > size or digest.hexdigest() != sha256:
             raise TransferError(self.path, "mismatch")
+        return size, sha256
 
 
 class _Sink:
@@ -3345,12 +3387,12 @@ class _Sink:
     name: Optional[str] = None  # the local path written, for its FileInfo
     restartable = True
 
-    def __init__(self, most: int) -> None:
-        self._most = most
+    def __init__(self, most: float) -> None:
+        self.most = most
         self._data = bytearray()
 
     def expect(self, size: int, path: str) -> None:
-        if size > self._most:
+        if size > self.most:
             raise TransferError(path, "over_cap")
 
     def restart(self) -> None:
@@ -3370,12 +3412,10 @@ class _FileSink(_Sink):
     """A caller's binary file, written as the bytes arrive (started over where it can seek)."""
 
     def __init__(self, file: Any) -> None:
+        self.most = math.inf  # a file takes any size
         self._file = file
         self._start = _position(file)
         self.restartable = self._start is not None
-
-    def expect(self, size: int, path: str) -> None:
-        """A file takes any size."""
 
     def restart(self) -> None:
         if self._start is not None:
