@@ -3133,8 +3133,11 @@ def _position(file: Any) -> Optional[int]:
 
 
 class _Outgoing:
-    """One sending of put()'s source, as a request body: what it reads is hashed
-    and counted on its way, never past a known size."""
+    """One sending of put()'s source, as a request body: its pieces, each read,
+    hashed and counted on its way, never past a known size. Iterable and
+    sized, not file-like: requests then sends a known length as Content-Length
+    and the HTTP stack sends each piece whole, where it would read a file-like
+    body 16 KiB at a time (a third slower over loopback, its hashing included)."""
 
     def __init__(self, read: Callable[[int], Any], size: Optional[int]) -> None:
         self._read = read
@@ -3142,11 +3145,8 @@ class _Outgoing:
         self.sent = 0
         self.sha256 = hashlib.sha256()
 
-    def read(self, amount: Optional[int] = -1) -> bytes:
-        if amount is None or amount < 0:
-            amount = _READ_SIZE
-        if self._size is not None:
-            amount = min(amount, self._size - self.sent)
+    def _piece(self) -> bytes:
+        amount = _READ_SIZE if self._size is None else min(_READ_SIZE, self._size - self.sent)
         try:
             piece = bytes(self._read(amount) or b"") if amount else b""
         except OSError as error:  # carried past the HTTP stack, which would take it for its own
@@ -3158,16 +3158,16 @@ class _Outgoing:
     def __len__(self) -> int:
         return self._size or 0
 
-    def pieces(self) -> Iterator[bytes]:
-        piece = self.read()
+    def __iter__(self) -> Iterator[bytes]:
+        piece = self._piece()
         while piece:
             yield piece
-            piece = self.read()
+            piece = self._piece()
 
     def body(self) -> Any:
-        """What requests sends: this file-like object, its length known ahead
-        (Content-Length), or its pieces (chunked)."""
-        return self if self._size is not None else self.pieces()
+        """What requests sends: this, its length known ahead (Content-Length),
+        or its pieces (chunked: requests would take an empty length for no body)."""
+        return self if self._size is not None else iter(self)
 
 
 class _SourceFailed(Exception):
@@ -4259,7 +4259,8 @@ class _Transport:
         request_timeout too), both cut to what remains of `deadline`, which with its cancel
         ends a wait in the pacing window too (one that the deadline ends is a request
         never sent). `data` is a raw body of `data_type`: bytes (a JSON body built by
-        hand costs less), a file-like object of known length, or an iterator of pieces."""
+        hand costs less), a file-like object of known length, or an iterable of pieces
+        (with a length: sent with Content-Length, else chunked)."""
         logger.debug("%s %s", method, path)
         headers = {}
         if data is not None:
