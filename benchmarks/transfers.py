@@ -2,6 +2,7 @@
 PUT and GET of the same file, their peak memory, and their requests per small file.
 
     python benchmarks/transfers.py probe URL put|get SIZE DIRECTORY   # one memory probe
+    python benchmarks/transfers.py link PORT BYTES_PER_SECOND         # one paced link
 
 Against tests/local_server.py in a process of its own (its "sandbox" is this
 machine, so a file goes from one directory of it to another), in the same run:
@@ -10,27 +11,36 @@ machine, so a file goes from one directory of it to another), in the same run:
   with a bare requests PUT streamed from the same file and a bare GET
   streamed into a file, of a file of random bytes (64 MiB at full size). put()
   and get() include their verification (the sandbox's SHA-256 and this
-  side's); "without the sandbox's check" subtracts the time of the exec
-  requests that compute it (put() then still hashes what it sends, get() what
-  it receives);
+  side's). "Without the sandbox's check": for put(), whose check follows the
+  PUT, the time of that exec subtracted; for get(), whose check runs beside
+  the GET, a get() more with the sandbox's answer known beforehand (its
+  _Download._describe replaced). Either then still hashes the bytes on this
+  side;
 - peak RSS of a child process (this file's `probe`) during a put() and a get()
   of a 1 GiB file (at full size), against the same process idle, measured as
   memory_probe.py measures it;
+- the same seconds through a link of a given bandwidth (this file's `link`:
+  a proxy in a process of its own, both directions paced, each at that many
+  bytes per second, shared by its connections), where the transfer costs
+  what a network makes it cost and the hashing a smaller share of it;
 - the requests of a 1 KiB put() (its parent directory there) and get().
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
@@ -100,8 +110,10 @@ def bare_get(session: requests.Session, url: str, remote: str, local: str) -> No
 
 def time_transfers(url: str, size: int, repeat: int) -> Tuple[Dict[str, List[float]], bool]:
     """Seconds of each route, interleaved `repeat` times, and whether every copy was exact;
-    the sandbox's checks' seconds under "put() check" and "get() check"."""
-    seconds: Dict[str, List[float]] = {name: [] for name in ROUTES + ("put() check", "get() check")}
+    the sandbox's checks' seconds under "put() check" and "get() check", and put() and
+    get() without them under "put() unchecked" and "get() unchecked"."""
+    extra = ("put() check", "get() check", "put() unchecked", "get() unchecked")
+    seconds: Dict[str, List[float]] = {name: [] for name in ROUTES + extra}
     exact = True
     directory = tempfile.mkdtemp(prefix="createos-files-bench-")
     try:
@@ -118,6 +130,7 @@ def time_transfers(url: str, size: int, repeat: int) -> Tuple[Dict[str, List[flo
             "bare PUT": lambda: bare_put(bare, url, local, remote),
             "get()": lambda: client.get(DEFAULT_SANDBOX, remote, back),
             "bare GET": lambda: bare_get(bare, url, remote, back),
+            "get() unchecked": lambda: unchecked_get(client, remote, back, size, sha256),
         }
         for _ in range(repeat):
             for name, route in routes.items():
@@ -127,6 +140,10 @@ def time_transfers(url: str, size: int, repeat: int) -> Tuple[Dict[str, List[flo
                 seconds[name].append(time.perf_counter() - started)
                 if name in ("put()", "get()"):
                     seconds[name + " check"].append(session.exec_seconds - before)
+                if name == "put()":
+                    seconds["put() unchecked"].append(
+                        seconds[name][-1] - seconds[name + " check"][-1]
+                    )
                 copy = back if "get" in name.lower() else remote
                 exact = exact and file_sha256(copy) == sha256
         client.close()
@@ -134,6 +151,16 @@ def time_transfers(url: str, size: int, repeat: int) -> Tuple[Dict[str, List[flo
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     return seconds, exact
+
+
+def unchecked_get(client: Any, remote: str, local: str, size: int, sha256: str) -> None:
+    """A get() whose sandbox's check answers at once with the sums known here."""
+    describe = createos_exec._Download._describe
+    createos_exec._Download._describe = lambda self, deadline: (size, sha256)  # type: ignore
+    try:
+        client.get(DEFAULT_SANDBOX, remote, local)
+    finally:
+        createos_exec._Download._describe = describe  # type: ignore
 
 
 def file_sha256(path: str) -> str:
@@ -221,7 +248,68 @@ def probe(argv: Sequence[str]) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def paced_link(url: str, rate: float) -> Iterator[str]:
+    """`url` reached through this file's `link` at `rate` bytes per second each way; its URL."""
+    port = url.rsplit(":", 1)[1].rstrip("/")
+    proxy = subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), "link", port, str(rate)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proxy.stdout is not None
+        yield "http://127.0.0.1:%s" % proxy.stdout.readline().strip()
+    finally:
+        proxy.terminate()
+        proxy.wait(30)
+
+
+class Pace:
+    """One direction of a link: bytes pass at `rate` per second, whichever connection sends."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self.lock = threading.Lock()
+        self.free_at = time.monotonic()
+
+    def take(self, size: int) -> None:
+        with self.lock:
+            now = time.monotonic()
+            # Up to 5 ms of credit: the time a sleep overshoots is made up.
+            self.free_at = max(self.free_at, now - 0.005) + size / self.rate
+            wait = self.free_at - now
+        if wait > 0:
+            time.sleep(wait)
+
+
+def forward(source: socket.socket, target: socket.socket, pace: Pace) -> None:
+    try:
+        for piece in iter(lambda: source.recv(256 * 1024), b""):
+            pace.take(len(piece))
+            target.sendall(piece)
+    except OSError:
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            target.shutdown(socket.SHUT_WR)
+
+
+def link(argv: Sequence[str]) -> int:
+    """A proxy to 127.0.0.1:PORT, each direction paced at BYTES_PER_SECOND; prints its port."""
+    upstream, rate = int(argv[0]), float(argv[1])
+    up, down = Pace(rate), Pace(rate)
+    listener = socket.create_server(("127.0.0.1", 0))
+    print(listener.getsockname()[1], flush=True)
+    while True:
+        near, _ = listener.accept()
+        far = socket.create_connection(("127.0.0.1", upstream))
+        for source, target, pace in ((near, far, up), (far, near, down)):
+            threading.Thread(target=forward, args=(source, target, pace), daemon=True).start()
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] != ["probe"]:
+    commands = {"probe": probe, "link": link}
+    if sys.argv[1:2] == [] or sys.argv[1] not in commands:
         sys.exit(__doc__)
-    sys.exit(probe(sys.argv[2:]))
+    sys.exit(commands[sys.argv[1]](sys.argv[2:]))

@@ -163,9 +163,9 @@ def test_the_loop_timeout_only_stops_waiting(client, server):
     proc = client.start(SANDBOX, WAITS)
     seen = []
     with pytest.raises(cx.WaitTimeout) as caught:
-        for piece in proc.iter_output(timeout=0.5):
+        for piece in proc.iter_output(timeout=3.0):  # "up" comes first, even when loaded
             seen.append(piece)
-    assert by_stream(seen)["stdout"] == "up\n" and caught.value.timeout == 0.5
+    assert by_stream(seen)["stdout"] == "up\n" and caught.value.timeout == 3.0
     assert isinstance(caught.value, subprocess.TimeoutExpired)
     assert proc.poll() is None and server.tree_alive(proc.process_id)
     proc.kill()

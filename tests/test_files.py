@@ -150,7 +150,7 @@ def test_mode_is_applied_and_a_replaced_file_keeps_its_own(client, tmp_path):
 def test_a_small_file_takes_few_requests(client, server, tmp_path):
     """A 1 KiB put: the PUT and one exec (a missing parent: one mkdir exec more,
     and the PUT again where the service does not create parents); a get: one
-    exec and the GET."""
+    exec and the GET, sent together."""
     data = os.urandom(1024)
 
     def requests_of(call) -> list:
@@ -170,9 +170,9 @@ def test_a_small_file_takes_few_requests(client, server, tmp_path):
         ("PUT", "files", 200),
         ("POST", "exec", 200),
     ]
-    assert requests_of(lambda: client.get(SANDBOX, path)) == [
-        ("POST", "exec", 200),
+    assert sorted(requests_of(lambda: client.get(SANDBOX, path))) == [
         ("GET", "files", 200),
+        ("POST", "exec", 200),
     ]
 
 
@@ -313,10 +313,12 @@ def exec_answer(**result) -> dict:
     ],
 )
 def test_an_exec_answer_that_says_nothing_usable_stops_a_get(rsps, answer, raised, says):
+    """The check's failure wins over the GET sent beside it, which is not read again."""
     rsps.add(responses.POST, EXEC, json=answer)
+    rsps.add(responses.GET, FILES, body=b"hello")
     with make_client() as client, pytest.raises(raised, match=says):
         client.get(SB, "/app/x")
-    assert calls(rsps, "GET", FILES) == []
+    assert len(calls(rsps, "GET", FILES)) <= 1
 
 
 def test_a_body_cut_short_without_an_error_is_read_again_then_given_up(rsps):

@@ -308,7 +308,8 @@ def run_one(server, client, moment: str, change: str, rng) -> str:
         queue_change(server, moment, change, rng)
     try:
         if moment == "grace":
-            client.execute(SANDBOX, ["sleep", "30"], timeout=0.3, resume=resume)
+            # a deadline that a loaded machine's creation cannot outrun
+            client.execute(SANDBOX, ["sleep", "30"], timeout=2.0, resume=resume)
             raise AssertionError("the DELETE met a sandbox that runs")
         if moment == "write":
             with client.start(SANDBOX, ["cat"], stdin=cx.PIPE, resume=resume) as proc:

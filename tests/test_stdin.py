@@ -83,7 +83,7 @@ class FaultOnPiece(requests.Session):
             if fault == "lost":
                 self.server.lose_input_response()
             elif fault == "timeout":
-                self.server.lose_input_response(seconds=3.0)
+                self.server.lose_input_response(seconds=5.0)
             elif fault is not None:
                 self.server.fail("input", fault, retry_after="0")
         return super().request(method, url, *args, **kwargs)
@@ -183,7 +183,7 @@ def test_a_piece_that_certainly_did_not_arrive_is_sent_again_once(server, piece,
 @pytest.mark.parametrize("fault", ["lost", "timeout", 503])
 @pytest.mark.parametrize("piece", PIECES)
 def test_a_piece_whose_answer_is_lost_is_reported_and_never_sent_twice(server, piece, fault):
-    options = {"request_timeout": 1.0} if fault == "timeout" else {}  # a loaded CI answers slowly
+    options = {"request_timeout": 2.5} if fault == "timeout" else {}  # a loaded CI answers slowly
     data, error, received, inputs = write_with_fault(server, piece, fault, **options)
     assert isinstance(error, cx.InputUnconfirmedError), error
     assert isinstance(error, cx.TransportError) and not error.unsent
