@@ -27,7 +27,8 @@ counterpart of subprocess.Popen; execute() is start(...).wait(), and
 client.process() is a handle on a process started earlier. put() and get()
 move files in and out: streamed, checked by SHA-256 on both sides, renamed
 into place only once whole.
-`createos-exec --help` (or `python -m createos_exec --help`) is the command line.
+`createos-exec --help` (or `python -m createos_exec --help`) is the command line;
+with -t, a terminal session that survives the network.
 
 Contents, in the order a call runs through them (each section opens with its contract):
 
@@ -43,7 +44,7 @@ Contents, in the order a call runs through them (each section opens with its con
     10. Deadlines and pacing
     11. Configuration checks: the URL, the key, ids, numbers
     12. Sandbox-side scripts
-    13. The command line
+    13. The command line, and its terminal sessions (-t)
 """
 
 from __future__ import annotations
@@ -1897,8 +1898,9 @@ class RemoteProcess(Generic[_AnyStr]):
     def _write(self, data: Union[str, bytes], deadline: _Deadline) -> None:
         if self._stdin is None:
             raise ConfigError("write() needs a process started with stdin=cx.PIPE.")
+        write = self._stdin.type if self._terminal else self._stdin.write
         with self._interruptible():
-            self._stdin.write(data, deadline, ended=self._outcome is not None)
+            write(data, deadline, ended=self._outcome is not None)
 
     def _close_stdin(self, deadline: _Deadline) -> None:
         if self._stdin is not None and self._outcome is None and not self._terminal:
@@ -2505,6 +2507,9 @@ class _Follower:
         self.exit_recovered = False
         self.creation_recovered = creation_recovered
         self.terminal = terminal
+        # Told True when a broken connection is to be resumed, False once it is (a notice).
+        self.on_reconnect: Optional[Callable[[bool], None]] = None
+        self._reconnecting = False
 
     @property
     def cursor(self) -> int:
@@ -2551,6 +2556,8 @@ class _Follower:
             ended: Union[_Exit, None, _Retryable]  # what ended one connection
             try:
                 response = self.endpoints.connect(cursor, deadline)
+                if self._reconnecting:
+                    self._tell_reconnecting(False)
                 unblocked = (
                     _unblocked_by(deadline, response)
                     if deadline.at is not None or deadline.cancel is not None
@@ -2600,9 +2607,16 @@ class _Follower:
             self._reader.cursor,
             delay,
         )
+        if not self._reconnecting:
+            self._tell_reconnecting(True)
         self._pause(delay, deadline)
         self.reconnects += 1
         return None
+
+    def _tell_reconnecting(self, under_way: bool) -> None:
+        self._reconnecting = under_way
+        if self.on_reconnect is not None:
+            self.on_reconnect(under_way)
 
     def _skip_to_kept(self, evicted: OutputEvictedError, deadline: _Deadline) -> None:
         """Nobody reads live: the evicted output is the head of the output, not a
@@ -3487,6 +3501,11 @@ class _StdinWriter:
         self._encoding = encoding
         self._lock = threading.Lock()  # one write or close at a time: the pieces keep their order
         self._closed = False
+        self._typed = threading.Condition()  # a terminal's keys, see type()
+        self._waiting: List[bytearray] = []  # keys typed while a request is in flight
+        self._next = 0  # the number of the request the waiting keys go in
+        self._answered = -1  # the last request answered, or failed
+        self._failed: Dict[int, CreateOSError] = {}
 
     def __repr__(self) -> str:
         return f"_StdinWriter(process_id={self._process_id!r}, closed={self._closed!r})"
@@ -3506,6 +3525,48 @@ class _StdinWriter:
                 piece = view[confirmed : confirmed + _INPUT_PIECE]
                 self._send(piece, confirmed, budget, deadline)
                 budget.progress()
+
+    def type(self, data: Union[str, bytes], deadline: _Deadline, *, ended: bool = False) -> None:
+        """A terminal's keys, from any number of threads, as a typist's: one request in
+        flight, and the keys typed meanwhile wait and go together in the next. Each
+        returns once the request its keys went in is accepted; when that request
+        fails, every write in it raises its error, and nothing is sent again."""
+        keys = bytearray(_input_bytes(data, self._encoding))  # its own object: taken back by it
+        with self._typed:
+            self._waiting.append(keys)
+            mine = self._next
+            while self._answered < mine and not self._turn_of(mine):
+                if deadline.expired() or deadline.cancelled():
+                    self._give_up(keys, mine, deadline)
+                self._typed.wait(deadline.within(_PACING_POLL))
+            if self._answered >= mine:
+                failure = self._failed.get(mine)
+                if failure is not None:
+                    raise failure
+                return
+            batch, self._waiting = b"".join(self._waiting), []
+            self._next += 1
+        try:
+            self.write(batch, deadline, ended=ended)
+        except CreateOSError as error:
+            self._failed[mine] = error
+            raise
+        finally:
+            with self._typed:
+                self._answered = mine
+                self._typed.notify_all()
+
+    def _turn_of(self, request: int) -> bool:
+        """Whether `request` may go now: the one before it answered, and it not taken yet."""
+        return self._answered == request - 1 and self._next == request
+
+    def _give_up(self, keys: bytearray, mine: int, deadline: _Deadline) -> NoReturn:
+        """The deadline came while the keys waited: taken back while their request
+        has not left (the deadline's error), else their fate is the request's."""
+        if self._next == mine:
+            del self._waiting[next(i for i, kept in enumerate(self._waiting) if kept is keys)]
+            deadline.check(self._process_id)
+        raise InputUnconfirmedError(0, process_id=self._process_id)
 
     def close(self, deadline: _Deadline) -> None:
         """EOF on the process's stdin; a second close, or one after the end, is fine."""
@@ -6208,12 +6269,13 @@ _DESCRIBE_FAILURES = {3: "missing", 4: "no_tools", 5: "not_a_file", 6: "unreadab
 
 
 # ==========================================================================
-# 13. The command line
+# 13. The command line, and its terminal sessions (-t)
 # ==========================================================================
 #
 # createos-exec: its messages speak to a shell user (the variable to set, the
 # program typed, never a Python keyword); main() is the one place that prints
-# or exits, and it comes last.
+# or exits, and it comes last. A -t session (_Session) makes this terminal
+# the remote one; whatever ends it, the terminal's settings come back first.
 
 
 _EXAMPLES = """\
@@ -6223,6 +6285,8 @@ examples:
   {prog} --shell sb_123 -- 'cd /app && ls | wc -l'
   echo hello | {prog} sb_123 -- cat   # a pipe or a file on stdin is forwarded as it comes
   {prog} -n sb_123 -- make            # EOF on the command's stdin at once
+  {prog} -t sb_123 -- bash            # a terminal session; Ctrl-] detaches
+  {prog} -t --attach proc_42 sb_123   # its screen rebuilt, the session taken up again
   {prog} --json sb_123 -- ls /    # one JSON object, for scripts
   {prog} --put src.tar:/app/src.tar --get /app/report.html:report.html \
       sb_123 -- bash -c 'cd /app && tar xf src.tar && make report'
@@ -6276,6 +6340,32 @@ def _parser() -> argparse.ArgumentParser:
     )
     stdin.add_argument(
         "-n", "--no-stdin", action="store_true", help="the command's stdin ends at once (EOF)"
+    )
+    stdin.add_argument(
+        "-i",
+        "--interactive",
+        action="store_true",
+        help="forward this terminal's lines to the command as typed (Ctrl-D: EOF)",
+    )
+    parser.add_argument(
+        "-t",
+        "--tty",
+        action="store_true",
+        help="a terminal session: this terminal's keys, size and TERM go to a remote "
+        "terminal; the session survives a dropped connection; Ctrl-] detaches",
+    )
+    parser.add_argument(
+        "--attach",
+        metavar="PROCESS_ID",
+        help="instead of -- COMMAND: follow a process that runs already "
+        "(with -t: its screen rebuilt from the output kept)",
+    )
+    parser.add_argument(
+        "--after",
+        type=_after_option,
+        default=0,
+        metavar="N",
+        help="with --attach: the output after its N-th frame (default 0: all that is kept)",
     )
     parser.add_argument(
         "--put",
@@ -6333,6 +6423,12 @@ def _transfer_option(option: str, remote_first: bool) -> Callable[[str], _Transf
     return transfer
 
 
+def _after_option(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a frame number >= 0, not {_shown(text)}")
+    return int(text)
+
+
 def _timeout_option(text: str) -> float:
     """--timeout's value; argparse names the option in its usage error."""
     try:
@@ -6349,9 +6445,14 @@ def _timeout_option(text: str) -> float:
 def _command_and_env(
     parser: argparse.ArgumentParser, options: argparse.Namespace
 ) -> Tuple[Optional[Command], Optional[Dict[str, str]]]:
-    """The command (None: transfers only) and its env."""
+    """The command (None: --attach, or transfers only) and its env."""
     command: List[str] = options.command
-    if not command and (options.put or options.get):
+    _check_terminal_options(parser, options)
+    if options.attach is not None and command:
+        parser.error("give --attach PROCESS_ID or -- COMMAND, not both")
+    if options.after and options.attach is None:
+        parser.error("--after goes with --attach PROCESS_ID")
+    if not command and (options.put or options.get or options.attach is not None):
         return None, None
     if not command:
         parser.error("no command given: put it after --, as in: SANDBOX_ID -- uname -a")
@@ -6371,6 +6472,25 @@ def _command_and_env(
     return (command[0] if options.shell else command), (env or None)
 
 
+def _check_terminal_options(parser: argparse.ArgumentParser, options: argparse.Namespace) -> None:
+    """-t takes this terminal over: it needs one, and no other use of stdin or stdout."""
+    if not options.tty:
+        return
+    if options.stdin is not None or options.no_stdin or options.json:
+        parser.error("-t takes no --stdin, -n or --json: the session is this terminal")
+    fd = _stdin_fd()
+    if fd is None or not os.isatty(fd):
+        parser.error("-t needs a terminal on stdin; without one, leave -t out")
+
+
+def _stdin_fd() -> Optional[int]:
+    """This tool's stdin; None when closed, or no real file (in tests)."""
+    try:
+        return sys.stdin.fileno()
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
 def _read_stdin_option(name: Optional[str]) -> Optional[bytes]:
     if name is None:
         return None
@@ -6380,15 +6500,12 @@ def _read_stdin_option(name: Optional[str]) -> Optional[bytes]:
         return handle.read()
 
 
-def _forwarded_stdin() -> Optional[int]:
-    """This tool's stdin, to forward as it comes: a pipe or a file, as ssh does;
-    None for a terminal (EOF at once, as without -i), a closed stdin, or one
-    that is no real file (in tests)."""
-    try:
-        fd = sys.stdin.fileno()
-    except (AttributeError, ValueError, OSError):
-        return None
-    return None if os.isatty(fd) else fd
+def _forwarded_stdin(interactive: bool) -> Optional[int]:
+    """This tool's stdin, to forward as it comes: a pipe or a file, as ssh does,
+    or with -i a terminal's lines; None for a terminal without -i (EOF at once)
+    or no stdin."""
+    fd = _stdin_fd()
+    return None if fd is None or (os.isatty(fd) and not interactive) else fd
 
 
 def _forward_stdin(fd: int, process: RemoteProcess, failures: List[CreateOSError]) -> None:
@@ -6396,7 +6513,7 @@ def _forward_stdin(fd: int, process: RemoteProcess, failures: List[CreateOSError
     stdin. A command that ended or closed its stdin ends the forwarding, as a
     pipe's reader going away does, and so does its deadline. Any other failure
     is kept in `failures`: nothing more is sent, and the command gets EOF."""
-    for step in (functools.partial(_write_pieces, fd, process), process.close_stdin):
+    for step in (functools.partial(_write_pieces, fd, process.write), process.close_stdin):
         try:
             step()
         except (StdinClosedError, WaitTimeout):
@@ -6405,7 +6522,8 @@ def _forward_stdin(fd: int, process: RemoteProcess, failures: List[CreateOSError
             failures.append(failure)
 
 
-def _write_pieces(fd: int, process: RemoteProcess) -> None:
+def _write_pieces(fd: int, write: Callable[[bytes], None]) -> None:
+    """Each piece as it comes: what arrives while one is written goes in the next."""
     while True:
         try:
             piece = os.read(fd, _INPUT_PIECE)
@@ -6413,7 +6531,7 @@ def _write_pieces(fd: int, process: RemoteProcess) -> None:
             return  # unreadable from here on: as its end
         if not piece:
             return
-        process.write(piece)
+        write(piece)
 
 
 def _unreadable_stdin(name: str, error: OSError) -> str:
@@ -6430,33 +6548,206 @@ _NO_KEY_HERE = "no API key: set CREATEOS_API_KEY (or CREATEOS_SANDBOX_API_KEY) i
 def _run_command(
     client: Client,
     options: argparse.Namespace,
-    command: Command,
+    command: Optional[Command],
     env: Optional[Dict[str, str]],
     stdin: Union[bytes, int, None],
     started: List[RemoteProcess],
     failures: List[CreateOSError],
 ) -> ExecResult:
-    """Run the command; `started` gets its process once created (Ctrl-C names it).
+    """Run the command, or follow the --attach process, with -t as a terminal
+    session; `started` gets its process once there is one (Ctrl-C names it).
     `stdin`: its data, or a descriptor forwarded as it comes (`failures` gets
     what stopped the forwarding)."""
-    process = client.start(
-        options.sandbox_id,
-        command,
-        shell=options.shell,
-        cwd=options.cwd,
-        env=env,
-        stdin=PIPE if isinstance(stdin, int) else stdin,
-        timeout=options.timeout,
-        on_output=None if options.json else _print_live,
-        # Live output passes through byte-exact; JSON needs valid text.
-        errors="replace" if options.json else "surrogateescape",
-        resume=options.resume,
-    )
+    output: Dict[str, Any] = {"timeout": options.timeout, "resume": options.resume}
+    session = _Session(sys.stdin.fileno()) if options.tty else None
+    if session is not None:  # the terminal's bytes, decoded by nothing
+        output.update(on_output=session.show, text=False)
+        if "TERM" in os.environ:
+            env = {"TERM": os.environ["TERM"], **(env or {})}
+    else:  # live output passes through byte-exact; JSON needs valid text
+        on_output = None if options.json else _print_live
+        output.update(on_output=on_output, errors="replace" if options.json else "surrogateescape")
+    if command is None:
+        process = client.process(options.sandbox_id, options.attach, after=options.after, **output)
+    else:
+        process = client.start(
+            options.sandbox_id,
+            command,
+            shell=options.shell,
+            cwd=options.cwd,
+            env=env,
+            stdin=PIPE if isinstance(stdin, int) else stdin,
+            pty=None if session is None else session.size(),
+            **output,
+        )
     started.append(process)
+    if session is not None:
+        return session.run(process, rebuild=command is None)
     if isinstance(stdin, int):
         forwarding = (stdin, process, failures)
         threading.Thread(target=_forward_stdin, args=forwarding, daemon=True).start()
     return process.wait()
+
+
+class _Detached(Exception):
+    """Ctrl-] ended the session: the process runs on, nothing was sent to it."""
+
+
+class _SignalledAway(Exception):
+    """SIGTERM or SIGHUP ended the session (the remote tree is terminated)."""
+
+    def __init__(self, number: int) -> None:
+        super().__init__(number)
+        self.number = number
+
+
+_DETACH_KEY = b"\x1d"  # Ctrl-], as telnet's escape
+_RESET_TERMINAL = b"\x1bc"
+
+
+class _Session:
+    """-t: this terminal, raw, becomes the remote one. Its keys are typed as they
+    come (each write() one /input, keys typed meanwhile together in the next),
+    its size follows SIGWINCH, the output is shown byte for byte; the follower
+    reconnects by itself (a notice meanwhile). However the session ends, the
+    terminal's own settings come back exactly, before anything is said."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._status = _StatusLine()
+        self._done = threading.Event()
+        self._outcome: List[Union[ExecResult, BaseException]] = []
+        self._detached = False
+
+    def size(self) -> Tuple[int, int]:
+        """(rows, cols) of this terminal; pty=True's when it tells none."""
+        columns, lines = os.get_terminal_size(self._fd)
+        return (lines, columns) if lines and columns else _TERMINAL
+
+    def show(self, stream: str, data: bytes) -> None:
+        self._status.clear()
+        _write_through(sys.stdout, data)
+
+    def run(self, process: RemoteProcess, rebuild: bool) -> ExecResult:
+        """The session to its end: the process's result, or _Detached."""
+        if not process._terminal:
+            raise ConfigError(f"process {process.process_id} has no terminal: attach without -t.")
+        process._follower.on_reconnect = self._reconnecting
+        if rebuild:  # the replay draws the screen again from a blank one
+            _write_through(sys.stdout, _RESET_TERMINAL)
+        try:
+            with _raw_terminal(self._fd), self._signals(process):
+                self._resized(process)
+                for work in (self._follow, self._type):
+                    threading.Thread(target=work, args=(process,), daemon=True).start()
+                try:
+                    self._done.wait()
+                finally:
+                    self._status.clear()
+        except BaseException:
+            process.terminate()  # the terminal is restored: an ending like Ctrl-C's
+            raise
+        if self._detached:
+            raise _Detached
+        outcome = self._outcome[0]
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    @contextlib.contextmanager
+    def _signals(self, process: RemoteProcess) -> Iterator[None]:
+        """SIGWINCH sends the new size; SIGTERM and SIGHUP end the session."""
+
+        def away(number: int, frame: Any) -> None:
+            raise _SignalledAway(number)
+
+        handlers = {
+            _signal.SIGWINCH: lambda number, frame: self._resized(process),
+            _signal.SIGTERM: away,
+            _signal.SIGHUP: away,
+        }
+        before = {number: _signal.signal(number, handler) for number, handler in handlers.items()}
+        try:
+            yield
+        finally:
+            for number, handler in before.items():
+                _signal.signal(number, handler)
+
+    def _resized(self, process: RemoteProcess) -> None:
+        try:
+            process.resize(*self.size())
+        except CreateOSError as failure:
+            self._status.show(f"the new size was not sent: {failure}")
+
+    def _follow(self, process: RemoteProcess) -> None:
+        try:
+            self._outcome.append(process.wait())
+        except BaseException as error:  # raised in the main thread, the terminal restored
+            self._outcome.append(error)
+        self._done.set()
+
+    def _type(self, process: RemoteProcess) -> None:
+        def typed(keys: bytes) -> None:
+            before, detach, _ = keys.partition(_DETACH_KEY)
+            try:
+                if before:
+                    process.write(before)
+            except InputUnconfirmedError:
+                self._status.show("keys may not have arrived (not sent again); check the screen")
+            if detach:
+                raise _Detached
+
+        try:
+            _write_pieces(self._fd, typed)
+        except _Detached:
+            self._detached = True
+            self._done.set()
+        except CreateOSError:
+            return  # the program ended (its end is being read) or cannot be reached
+
+    def _reconnecting(self, under_way: bool) -> None:
+        if under_way:
+            self._status.show("connection lost; reconnecting (nothing is lost)")
+        else:
+            self._status.clear()
+
+
+class _StatusLine:
+    """This tool's one line on a session's terminal: written at the cursor
+    (saved first), taken back (the cursor restored, the rest of the line
+    erased) before the next output, so the remote screen stays as it was."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._shown = False
+
+    def show(self, message: str) -> None:
+        with self._lock:
+            take_back = b"\x1b8\x1b[K" if self._shown else b""
+            line = f"\x1b7\x1b[7m[{message}]\x1b[m".encode("utf-8", "replace")
+            _write_through(sys.stderr, take_back + line)
+            self._shown = True
+
+    def clear(self) -> None:
+        with self._lock:
+            if self._shown:
+                _write_through(sys.stderr, b"\x1b8\x1b[K")
+                self._shown = False
+
+
+@contextlib.contextmanager
+def _raw_terminal(fd: int) -> Iterator[None]:
+    """The terminal raw (keys as bytes: Ctrl-C too), its settings restored exactly."""
+    import termios  # POSIX only, as -t
+    import tty
+
+    saved = termios.tcgetattr(fd)
+    tty.setraw(fd)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(termios.error):  # a terminal hung up has nothing to restore
+            termios.tcsetattr(fd, termios.TCSADRAIN, saved)
 
 
 def _run_with_files(
@@ -6475,7 +6766,7 @@ def _run_with_files(
             _transfer(transfer, client.put, options.sandbox_id, transfer.local, transfer.remote)
         result, failure = None, None
         try:
-            if command is not None:
+            if command is not None or options.attach is not None:
                 result = _run_command(client, options, command, env, stdin, started, failures)
         except CreateOSError as error:
             if not started:
@@ -6540,15 +6831,25 @@ def _cleanup_cut_short(started: List[RemoteProcess]) -> str:
 
 
 def _print_live(stream: str, text: str) -> None:
-    """Write output through as the bytes it was (decoded with surrogateescape)."""
-    out = sys.stdout if stream == "stdout" else sys.stderr
-    binary = getattr(out, "buffer", None)
-    if binary is None:
+    """Write output through as the bytes it was (decoded with surrogateescape);
+    a terminal's ("pty") to stdout."""
+    out = sys.stderr if stream == "stderr" else sys.stdout
+    if getattr(out, "buffer", None) is None:
         out.write(text)
     else:
-        out.flush()
-        binary.write(text.encode("utf-8", "surrogateescape"))
-        binary.flush()
+        _write_through(out, text.encode("utf-8", "surrogateescape"))
+
+
+def _write_through(out: Any, data: bytes) -> None:
+    out.flush()
+    out.buffer.write(data)
+    out.buffer.flush()
+
+
+def _attach_again(prog: str, options: argparse.Namespace, process: RemoteProcess) -> str:
+    where = f" --api-url {_quote(options.api_url)}" if options.api_url else ""
+    again = f"{prog}{where} -t --attach {process.process_id} {process.sandbox_id}"
+    return f"detached; process {process.process_id} runs on. To attach again: {again}"
 
 
 def _in_shell_words(error: CreateOSError) -> str:
@@ -6622,8 +6923,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         stdin: Union[bytes, int, None] = _read_stdin_option(options.stdin)
     except OSError as exc:
         return report.failure(type(exc).__name__, _unreadable_stdin(options.stdin, exc))
-    if options.stdin is None and not options.no_stdin:
-        stdin = _forwarded_stdin()
+    if options.stdin is None and not options.no_stdin and not options.tty and not options.attach:
+        stdin = _forwarded_stdin(options.interactive)
     started: List[RemoteProcess] = []
     interrupts: List[int] = []
     failures: List[CreateOSError] = []
@@ -6633,6 +6934,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         report.line("interrupted" if len(interrupts) < 2 else _cleanup_cut_short(started))
         return 130
+    except _Detached:
+        report.line(_attach_again(parser.prog, options, started[0]))
+        return 0
+    except _SignalledAway as away:
+        return 128 + away.number
     except BrokenPipeError:
         # Our reader went away (`| head`): like a local pipeline, the command
         # was stopped. Later flushes of stdout must not fail again.

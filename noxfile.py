@@ -93,6 +93,7 @@ CAMPAIGNS = (
     "tests/test_stdin.py",
     "tests/test_load.py",
     "tests/test_files.py",
+    "tests/test_cli_pty.py",
     "tests/test_sandbox.py",
 )
 

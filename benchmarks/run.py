@@ -81,11 +81,21 @@ files       Against tests/local_server.py in a process of its own
             through a proxy paced at 1 Gbit/s and at 100 Mbit/s; the peak RSS
             of a child process during a put() and a get() of 1 GiB; the
             requests of a 1 KiB put() and get().
+keys        Against tests/local_server.py in a process of its own: keystroke
+            round trips on a terminal (start(..., pty=True), `cat` behind it):
+            one byte written, its echo read through a loop over
+            iter_output(), median and p90; beside them, in the same run and
+            interleaved, a bare round trip: one POST /input with a bare
+            requests.Session and the echo's frame read from a stream kept
+            open (target: the session's median at most 1.5x the bare one);
+            and a paste of 64 KiB in one write(): its requests and how long
+            until the whole paste came back. Unpaced (rate_limit=None).
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import gc
 import hashlib
@@ -120,7 +130,7 @@ import createos_exec  # noqa: E402
 KiB = 1024
 MiB = 1024 * KiB
 GiB = 1024 * MiB
-SECTIONS = ("throughput", "memory", "tail", "latency", "pacing", "stdin", "files")
+SECTIONS = ("throughput", "memory", "tail", "latency", "pacing", "stdin", "files", "keys")
 
 SHAPE_64K = "frames-64KiB"
 SHAPE_100B = "frames-100B-chunk-each"
@@ -1214,6 +1224,105 @@ def report_stdin(
 
 
 # --------------------------------------------------------------------------
+# Keys: a terminal's round trips
+
+
+def run_keys(report: Report, scale: float) -> None:
+    rounds = max(10, int(200 * min(1.0, scale)))
+    report.heading("Keys: %d keystroke round trips on a terminal, and a 64 KiB paste" % rounds)
+    with local_server_process() as url:
+        session = CountingSession()
+        client = createos_exec.Client(url, LOCAL_KEY, rate_limit=None, session=session)
+        try:
+            process = client.start(LOCAL_SANDBOX, ["cat"], pty=True, text=False)
+            echoes = (data for _, data in process.iter_output())
+            bare = BareTerminal(url, process.process_id)
+            timings: Dict[str, List[float]] = {"session": [], "bare": []}
+            for _ in range(rounds):
+                timings["session"].append(key_round_trip(process.write, echoes))
+                timings["bare"].append(key_round_trip(bare.write, bare.echoes))
+            bare.close()
+            before = session.inputs
+            paste_seconds = time_paste(process, echoes)
+            paste_requests = session.inputs - before
+            process.kill()
+        finally:
+            client.close()
+    report_keys(report, timings, paste_seconds, paste_requests)
+
+
+def key_round_trip(write: Callable[[bytes], Any], echoes: Iterator[bytes]) -> float:
+    """Seconds from a key written to its echo read."""
+    started = time.perf_counter()
+    write(b"k")
+    seen = b""
+    while b"k" not in seen:
+        seen += next(echoes)
+    return time.perf_counter() - started
+
+
+class BareTerminal:
+    """The same terminal through a bare requests.Session: POST /input, and the
+    echo's frame read from one stream kept open (the last seq onwards)."""
+
+    def __init__(self, url: str, process_id: str) -> None:
+        self._path = "%s/v1/sandboxes/%s/processes/%s" % (url, LOCAL_SANDBOX, process_id)
+        self._session = requests.Session()
+        self._session.headers["X-Api-Key"] = LOCAL_KEY
+        newest = self._session.get(self._path).json()["data"].get("newest_seq", 0)
+        self._stream = self._session.get(
+            self._path + "/connect", params={"after": newest}, stream=True
+        )
+        self.echoes = self._frames()
+
+    def write(self, data: bytes) -> None:
+        body = {"data_base64": base64.b64encode(data).decode()}
+        self._session.post(self._path + "/input", json=body).raise_for_status()
+
+    def _frames(self) -> Iterator[bytes]:
+        for line in self._stream.iter_lines(chunk_size=1):
+            frame = json.loads(line)
+            if "data_base64" in frame:
+                yield base64.b64decode(frame["data_base64"])
+
+    def close(self) -> None:
+        self._stream.close()
+        self._session.close()
+
+
+def time_paste(process: Any, echoes: Iterator[bytes]) -> float:
+    """Seconds from a 64 KiB paste (lines of 64 bytes) written at once to its
+    last line echoed back by the terminal and by cat."""
+    line = b"%063d\n"
+    paste = b"".join(line % n for n in range(1023)) + b"end-of-paste".ljust(63, b".") + b"\n"
+    assert len(paste) == 64 * KiB
+    started = time.perf_counter()
+    process.write(paste)
+    seen = bytearray()
+    while seen.count(b"end-of-paste") < 2:
+        seen += next(echoes)
+    return time.perf_counter() - started
+
+
+def report_keys(
+    report: Report, timings: Dict[str, List[float]], paste_seconds: float, paste_requests: int
+) -> None:
+    report.line("  %-44s %11s %11s" % ("round trip", "median ms", "p90 ms"))
+    medians = {}
+    for name, label in (("session", "write() + iter_output()"), ("bare", "bare /input + frame")):
+        ms = sorted(seconds * 1000 for seconds in timings[name])
+        medians[name] = statistics.median(ms)
+        p90 = ms[min(len(ms) - 1, int(len(ms) * 0.9))]
+        report.line("  %-44s %11.2f %11.2f" % (label, medians[name], p90))
+    report.line(
+        "  64 KiB paste: %d requests, %.0f ms to its last line echoed"
+        % (paste_requests, paste_seconds * 1000)
+    )
+    ratio_value = medians["session"] / medians["bare"] if medians["bare"] else None
+    report.target(Target("keystroke round trip / bare /input + frame", ratio_value, 1.5, True))
+
+
+# --------------------------------------------------------------------------
 # Files
 
 
@@ -1360,6 +1469,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         run_stdin(report, options.repeat, options.scale)
     if "files" in options.sections:
         run_files(report, options.repeat, options.scale)
+    if "keys" in options.sections:
+        run_keys(report, options.scale)
     report.heading("Summary")
     met = sum(1 for target in report.targets if target.verdict == "met")
     missed = [target for target in report.targets if target.verdict == "MISSED"]

@@ -31,6 +31,7 @@ CAMPAIGN = [
     "tests/test_stdin.py",
     "tests/test_cancel.py",
     "tests/test_files.py",
+    "tests/test_cli_pty.py",
     "tests/test_sandbox.py",
 ]
 KEPT_LAST = ("seed", "limit", "threads", "median_latency_ms")  # settings and medians, not counts

@@ -44,6 +44,7 @@ HEADINGS = (
     "== Pacing",
     "== Stdin",
     "== Files",
+    "== Keys",
     "== Summary",
 )
 NUMBER = r"[0-9]+(?:\.[0-9]+)?"
@@ -114,6 +115,10 @@ def test_the_tiny_benchmark_reports_every_section_and_reader():
     requests_sent = r"^  requests of a 1 KiB (\w+\(\)): [0-9]+ \([A-Z]+ \w+, [A-Z]+ \w+\)$"
     assert re.findall(requests_sent, report, re.M) == ["put()", "get()"]
     assert len(re.findall(r"^  \w+\(\) of .*: idle %s MiB, peak" % NUMBER, report, re.M)) == 2
+    for route in ("write() + iter_output()", "bare /input + frame"):
+        assert re.search(r"^  %s +%s +%s$" % (re.escape(route), NUMBER, NUMBER), report, re.M)
+    assert re.search(r"64 KiB paste: 1 requests, [0-9]+ ms", report)
+    assert re.search(r"\] keystroke round trip / bare /input \+ frame: %sx" % NUMBER, report)
     assert re.search(r"targets: [0-9]+ met, [0-9]+ missed", report)
     assert "FAILED" not in report
 

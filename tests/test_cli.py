@@ -194,6 +194,12 @@ def test_cli_unreadable_stdin_file_is_125(
         ["--get", "/there:", SB],
         ["--timeout", "soon", SB, "--", "true"],
         [],
+        ["-t", SB, "--", "bash"],  # no terminal here
+        ["-t", "--json", SB, "--", "bash"],
+        ["-i", "-n", SB, "--", "cat"],
+        ["--attach", "proc_1", SB, "--", "true"],
+        ["--after", "3", SB, "--", "true"],
+        ["--attach", "proc_1", "--after", "-1", SB],
     ],
 )
 def test_cli_usage_errors_exit_2(
@@ -491,14 +497,15 @@ def test_forwarding_in_process_says_when_stdin_was_not_all_given(server, monkeyp
     assert ("stdin was not all given to the command" in err) == bool(lost)
 
 
-def test_only_a_stdin_that_is_a_real_file_and_no_terminal_is_forwarded(monkeypatch):
+def test_only_a_stdin_that_is_a_real_file_and_no_terminal_without_i_is_forwarded(monkeypatch):
     master, terminal = os.openpty()
     with open(terminal, "rb") as tty, open(os.devnull, "rb") as null, open(master, "rb"):
         for stdin, forwarded in ((io.StringIO("x"), None), (None, None), (tty, None)):
             monkeypatch.setattr(sys, "stdin", stdin)
-            assert cx._forwarded_stdin() is forwarded
+            assert cx._forwarded_stdin(interactive=False) is forwarded
+        assert cx._forwarded_stdin(interactive=True) == tty.fileno()  # -i: its lines
         monkeypatch.setattr(sys, "stdin", null)
-        assert cx._forwarded_stdin() == null.fileno()
+        assert cx._forwarded_stdin(interactive=False) == null.fileno()
 
 
 def test_keys_typed_while_a_piece_is_sent_go_together_in_the_next_within_the_rate_limit(server):
@@ -573,3 +580,14 @@ def test_a_sandbox_paused_or_gone_mid_run_is_one_line_for_a_shell_user(server, c
     assert cx._in_shell_words(
         cx.CleanupError(process_id="proc_1", sandbox_id="sb_1", unreachable=True)
     ).startswith("CreateOS could not be reached to terminate process proc_1: it may still run;")
+
+
+def test_attach_follows_a_process_from_after(server, client, monkeypatch, capfd):
+    for name, value in cli_env(server).items():
+        monkeypatch.setenv(name, value)
+    process = client.start(SANDBOX, "echo one; sleep 0.3; echo two; exit 4", shell=True)
+    process.wait()
+    assert cx.main(["--attach", process.process_id, SANDBOX]) == 4
+    assert capfd.readouterr().out == "one\ntwo\n"
+    assert cx.main(["--attach", process.process_id, "--after", "1", SANDBOX]) == 4
+    assert capfd.readouterr().out == "two\n"

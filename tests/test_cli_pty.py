@@ -11,12 +11,18 @@ tests/test_cli.py.
 
 from __future__ import annotations
 
+import collections
 import io
+import os
+import random
+import re
+import signal
 import sys
 import time
 
 import pytest
-from support import ROOT, SANDBOX, cli_argv, cli_env, require
+from local_server import LocalServer
+from support import ROOT, SANDBOX, campaign_size, cli_argv, cli_env, require
 
 if sys.platform == "win32":  # pragma: no cover - the local server is Linux only
     pytest.skip("pseudo-terminals are POSIX", allow_module_level=True)
@@ -133,3 +139,259 @@ def test_ctrl_c_terminates_the_remote_tree_then_exits_130(server, cleanup):
     assert [r.path for r in server.requests_to("delete")] == [
         f"/v1/sandboxes/{SANDBOX}/processes/{process_id}"
     ]
+
+
+# -- -t: a terminal session ----------------------------------------------------
+
+termios = require("termios")
+
+
+class Session:
+    """The command line with -t, started by a shell on the test's terminal once
+    the test has read the terminal's settings; the shell prints `ended N` after
+    it and keeps the terminal open, so its settings can be read again."""
+
+    def __init__(self, server, tmp_path, *args, dimensions=(24, 80)):
+        self.go = tmp_path / "go"
+        wait_for_go = f"while [ ! -e '{self.go}' ]; do sleep 0.02; done"
+        script = wait_for_go + '; "$@"; echo "ended $?"; sleep 60'
+        argv = cli_argv("-t", *args)
+        self.child = pexpect.spawn(
+            "/bin/sh",
+            ["-c", script, "sh", *argv],
+            env=cli_env(server, TERM="xterm-test"),
+            cwd=ROOT,
+            timeout=EXPECT_TIMEOUT,
+            dimensions=dimensions,
+        )
+        self.child.logfile_read = io.BytesIO()
+        time.sleep(0.2)  # the shell set the terminal up
+        self.before = termios.tcgetattr(self.child.child_fd)
+        self.go.touch()
+
+    def cli_pid(self):
+        for _ in range(200):
+            with open(f"/proc/{self.child.pid}/task/{self.child.pid}/children") as listed:
+                children = listed.read().split()
+            if children:
+                return int(children[0])
+            time.sleep(0.05)
+        raise AssertionError("the command line did not start")
+
+    def ended(self):
+        """The command line's exit status, once the terminal's settings are its own again."""
+        self.child.expect(rb"ended (\d+)\r\n")
+        assert termios.tcgetattr(self.child.child_fd) == self.before
+        return int(self.child.match.group(1))
+
+    def shown(self):
+        return self.child.logfile_read.getvalue()
+
+
+@pytest.fixture
+def session(server, tmp_path, cleanup):
+    def make(*args, **kw):
+        made = Session(server, tmp_path, *args, **kw)
+        cleanup(made.child)
+        return made
+
+    return make
+
+
+WAIT = "echo ready; while :; do sleep 0.1; done"
+BASH = (SANDBOX, "--", "bash", "--norc", "-i")
+TRAPPED = f"trap 'echo caught-INT; exit 5' INT; {WAIT}"
+
+
+def _end(how, made, server):
+    if how == "ctrl-c":
+        made.child.send(b"\x03")
+    elif how == "remote failure":
+        made.child.send(b"x")  # its echo comes after the corrupt frame
+    else:
+        os.kill(made.cli_pid(), {"SIGTERM": signal.SIGTERM, "SIGHUP": signal.SIGHUP}[how])
+
+
+@pytest.mark.parametrize(
+    "how, status",
+    [("ctrl-c", 5), ("SIGTERM", 128 + 15), ("SIGHUP", 128 + 1), ("remote failure", 125)],
+)
+def test_a_session_ending_restores_the_terminal_exactly(session, server, how, status):
+    if how == "remote failure":
+        server.corrupt_stream(b"not json\n", after_frames=1)
+    made = session("--shell", SANDBOX, "--", TRAPPED)
+    made.child.expect_exact(b"ready")
+    assert termios.tcgetattr(made.child.child_fd) != made.before  # raw meanwhile
+    _end(how, made, server)
+    assert made.ended() == status
+    if how == "ctrl-c":  # a key typed, not a local interrupt: the remote trap saw it
+        assert b"caught-INT" in made.shown()
+    else:
+        (record,) = server.processes()
+        assert server.wait_tree_gone(record["process_id"])  # contained, as after Ctrl-C
+
+
+def test_a_session_that_cannot_start_restores_the_terminal(session, server):
+    server.fail("create", 403)
+    made = session(SANDBOX, "--", "bash")
+    assert made.ended() == 125
+
+
+def test_keys_size_and_term_reach_the_remote_terminal(session, server):
+    made = session("--env", "PS1=prompt> ", *BASH, dimensions=(30, 100))
+    made.child.expect_exact(b"prompt> ")
+    made.child.send(b"stty size; echo T=$TERM\r")
+    made.child.expect_exact(b"30 100")
+    made.child.expect_exact(b"T=xterm-test")
+    made.child.setwinsize(40, 120)  # SIGWINCH to the command line
+    made.child.expect_exact(b"prompt> ")
+    made.child.send(b"stty size\r")
+    made.child.expect_exact(b"40 120")
+    server.fail("resize", 400)
+    made.child.setwinsize(20, 70)  # refused: said on the terminal, and the session goes on
+    made.child.expect_exact(b"the new size was not sent")
+    made.child.send(b"exit 3\r")
+    assert made.ended() == 3
+
+
+def test_ctrl_bracket_detaches_and_the_screen_is_rebuilt_on_attach(session, server, tmp_path):
+    made = session("--shell", SANDBOX, "--", "echo first-line; " + WAIT)
+    made.child.expect_exact(b"ready")
+    made.child.send(b"\x1d")
+    assert made.ended() == 0
+    (record,) = server.processes()
+    process_id = record["process_id"]
+    assert server.tree_alive(process_id)
+    assert server.requests_to("input") == []  # nothing was sent to it
+    again_line = f"To attach again: python -m createos_exec -t --attach {process_id} {SANDBOX}"
+    assert again_line.encode() in made.shown()
+    (tmp_path / "again").mkdir()
+    again = Session(server, tmp_path / "again", "--attach", process_id, SANDBOX)
+    again.child.expect_exact(b"\x1bc")  # reset, then the replay from the first frame
+    again.child.expect_exact(b"first-line")
+    again.child.send(b"\x03")
+    assert again.ended() == 130
+    again.child.close(force=True)
+
+
+def test_a_stream_cut_mid_session_loses_and_doubles_nothing(session, server):
+    server.drop_stream(after_frames=2, mid_frame=True)
+    server.drop_stream(after_frames=5)
+    made = session("--shell", SANDBOX, "--", "seq 1 3000")
+    assert made.ended() == 0
+    shown = re.sub(rb"\x1b7.*?\x1b\[m|\x1b8\x1b\[K", b"", made.shown())
+    numbers = re.findall(rb"(?m)^(\d+)\r$", shown.split(b"ended")[0])
+    assert numbers == [str(n).encode() for n in range(1, 3001)]
+    assert server.requests_to("connect")[1:]  # it did reconnect, and said so meanwhile
+    assert 0 < made.shown().count(b"reconnecting") <= made.shown().count(b"\x1b8\x1b[K")
+
+
+def test_a_lost_input_answer_is_reported_and_never_sent_again(session, server):
+    made = session("--env", "PS1=prompt> ", *BASH)
+    made.child.expect_exact(b"prompt> ")
+    server.lose_input_response()
+    made.child.send(b"echo one-$((1+1))\r")
+    made.child.expect_exact(b"keys may not have arrived")
+    made.child.expect_exact(b"one-2")
+    made.child.send(b"exit\r")
+    assert made.ended() == 0
+    assert made.shown().count(b"one-2") == 1
+
+
+def test_i_gives_the_terminals_lines_to_a_pipe_process(server, cleanup):
+    child = spawn_cli(server, "-i", SANDBOX, "--", "sed", "-u", "s/^/got: /")
+    cleanup(child)
+    child.sendline("first line")
+    child.expect_exact("got: first line")
+    child.sendeof()  # Ctrl-D: the command's stdin ends, and so does sed
+    assert finish(child) == 0
+
+
+def test_t_on_a_process_without_a_terminal_is_an_error_and_leaves_it(session, server, client):
+    process = client.start(SANDBOX, ["sleep", "30"])
+    made = session("--attach", process.process_id, SANDBOX)
+    assert made.ended() == 125
+    assert b"has no terminal: attach without -t" in made.shown()
+    assert process.poll() is None
+    process.terminate()
+
+
+# -- the campaign: terminal sessions under injected faults (RELIABILITY.md item 14) --
+
+TERMINAL_RUNS = campaign_size("CREATEOS_TERMINAL_RUNS", 4, 40)
+TERMINAL_SEED = int(os.environ.get("CREATEOS_TERMINAL_SEED", "20261202"))
+BURST = 400  # lines the remote program prints at its end
+# Raw, it records each byte it receives and says so; `q` ends it with its size and a burst.
+RECORDER = """
+import os, signal, sys, tty
+tty.setraw(0)
+signal.signal(signal.SIGWINCH, lambda *_: None)
+received = open(sys.argv[1], "ab", buffering=0)
+os.write(1, b"ready\\r\\n")
+while True:
+    for key in os.read(0, 4096):
+        if key == ord("q"):
+            size = os.get_terminal_size(0)
+            os.write(1, b"size %d %d\\r\\n" % (size.lines, size.columns))
+            os.write(1, b"".join(b"line %d\\r\\n" % n for n in range(1, BURST + 1)))
+            sys.exit(0)
+        received.write(bytes([key]))
+        os.write(1, b"got %02x\\r\\n" % key)
+""".replace("BURST", str(BURST))
+KEYS = bytes(range(1, 128)).replace(b"q", b"").replace(b"\x1d", b"")  # Ctrl-C among them
+
+
+def _schedule(seed):
+    rng = random.Random(seed)
+    cuts = [(rng.randrange(0, 12), rng.random() < 0.5) for _ in range(rng.randrange(1, 4))]
+    typing = []  # (keys, pause after, size to set then or None)
+    for _ in range(rng.randrange(5, 15)):
+        keys = bytes(rng.choice(KEYS) for _ in range(rng.randrange(1, 6)))
+        size = (rng.randrange(10, 60), rng.randrange(40, 200)) if rng.random() < 0.3 else None
+        typing.append((keys, rng.uniform(0, 0.05), size))
+    return cuts, rng.randrange(0, 3), typing
+
+
+def _run_session(seed, tmp_path):
+    cuts, lost_answers, typing = _schedule(seed)
+    received = tmp_path / "received.bin"
+    with LocalServer(heartbeat_interval=0.5) as server:
+        for after_frames, mid_frame in cuts:
+            server.drop_stream(after_frames=after_frames, mid_frame=mid_frame)
+        if lost_answers:
+            server.lose_input_response(count=lost_answers)
+        args = (SANDBOX, "--", sys.executable, "-c", RECORDER, str(received))
+        made = Session(server, tmp_path, *args)
+        try:
+            made.child.expect_exact(b"ready")
+            size = (24, 80)
+            for keys, pause, new_size in typing:
+                made.child.send(keys)
+                if new_size is not None:
+                    size = new_size
+                    made.child.setwinsize(*size)
+                time.sleep(pause)
+            made.child.send(b"q")
+            assert made.ended() == 0, seed
+            reconnects = len(server.requests_to("connect")) - 1
+        finally:
+            made.child.close(force=True)
+    typed = b"".join(keys for keys, _, _ in typing)
+    assert received.read_bytes() == typed, seed  # every key once, in order
+    shown = re.sub(rb"\x1b7.*?\x1b\[m|\x1b8\x1b\[K", b"", made.shown()).split(b"ended")[0]
+    lines = re.findall(rb"(?m)^(got ..|size \d+ \d+|line \d+)\r$", shown)
+    expected = [b"got %02x" % key for key in typed] + [b"size %d %d" % size]
+    assert lines == expected + [b"line %d" % n for n in range(1, BURST + 1)], seed
+    return len(cuts) + lost_answers, reconnects, len(typed)
+
+
+def test_sessions_under_random_faults_double_and_lose_nothing(tmp_path, figures):
+    totals = collections.Counter()
+    for index in range(TERMINAL_RUNS):
+        seed = TERMINAL_SEED + index
+        directory = tmp_path / str(seed)
+        directory.mkdir()
+        faults, reconnects, keys = _run_session(seed, directory)
+        totals.update(runs=1, faults=faults, reconnects=reconnects, keys=keys)
+    assert totals["reconnects"] > 0
+    figures.record("15. terminal sessions", seed=TERMINAL_SEED, **totals)

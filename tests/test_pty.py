@@ -5,6 +5,8 @@ server's real pseudo-terminals, under both readings where docs/protocol.md
 from __future__ import annotations
 
 import sys
+import threading
+import time
 from typing import Any, List
 
 import pytest
@@ -159,3 +161,45 @@ def test_a_stream_of_the_other_kind_of_process_fails_closed(rsps, kind, stream):
     assert info.value.process_id == PID
     assert len(calls(rsps, "GET", CONNECT)) == 1
     assert_deleted_once(rsps)
+
+
+def test_keys_written_while_one_is_in_flight_go_together_in_the_next(client, server):
+    terminal = client.start(SANDBOX, ["cat"], pty=True)
+    server.lose_input_response(seconds=1.0)  # the first request is answered late: lost
+
+    def first():
+        with pytest.raises(cx.InputUnconfirmedError):
+            terminal.write("a")
+
+    typists = [threading.Thread(target=first)]
+    typists[0].start()
+    while terminal._stdin._next == 0:  # until "a" has left (its answer takes 1 s)
+        time.sleep(0.01)
+    typists += [threading.Thread(target=terminal.write, args=(key,)) for key in "bcd"]
+    for typist in typists[1:]:
+        typist.start()
+    for typist in typists:
+        typist.join()
+    assert len(server.requests_to("input")) == 2  # "a", then the three together, none again
+    shown = ""
+    for _, text in terminal.iter_output():
+        shown += text
+        if len(shown) >= 4:
+            break
+    assert sorted(shown) == ["a", "b", "c", "d"] and shown[0] == "a"
+    terminal.kill()
+
+
+def test_keys_still_waiting_at_the_deadline_are_taken_back(client, server):
+    terminal = client.start(SANDBOX, ["cat"], pty=True, timeout=1.0)
+    server.lose_input_response(seconds=3.0)
+    first = threading.Thread(target=lambda: pytest.raises(cx.CreateOSError, terminal.write, "a"))
+    first.start()
+    while terminal._stdin._next == 0:
+        time.sleep(0.01)
+    with pytest.raises(cx.WaitTimeout):
+        terminal.write("b")
+    assert terminal._stdin._waiting == []  # never to be sent
+    first.join()
+    assert len(server.requests_to("input")) <= 1
+    terminal.kill()
