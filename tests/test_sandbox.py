@@ -391,7 +391,7 @@ def test_the_sandbox_paused_resumed_or_destroyed_at_random_moments(figures):
     by_outcome: dict = {}
     for (_, _, outcome), count in outcomes.items():
         by_outcome[outcome] = by_outcome.get(outcome, 0) + count
-    figures.record("13. the sandbox around the process", runs=runs, seed=seed, **by_outcome)
+    figures.record("14. the sandbox around the process", runs=runs, seed=seed, **by_outcome)
 
 
 # The outage of the API at random moments of a run, for random lengths around
@@ -458,7 +458,7 @@ def test_outages_at_random_moments_around_the_budget(figures):
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         list(pool.map(one, range(runs)))
     assert not failures, "\n".join(failures[:5])
-    figures.record("13. the sandbox around the process, outages", outage_runs=runs, **outcomes)
+    figures.record("14. the sandbox around the process, outages", outage_runs=runs, **outcomes)
 
 
 # -- canned answers: what the view and the resume may answer -------------------------
