@@ -1462,7 +1462,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if "tail" in options.sections:
         run_tail(report, options.repeat, options.scale)
     if "latency" in options.sections:
-        run_latency(report, runs=50, resume_runs=15)
+        run_latency(
+            report, runs=scaled(50, options.scale, 3), resume_runs=scaled(15, options.scale, 2)
+        )
     if "pacing" in options.sections:
         run_pacing(report, options.scale)
     if "stdin" in options.sections:
