@@ -17,6 +17,9 @@
         again = client.process("sb_123", build.process_id)   # taken up later, by its id
         client.put("sb_123", "src.tar", "/app/src.tar")      # files, whole or not at all
         report = client.get("sb_123", "/app/report.html")    # bytes, checked by SHA-256
+        tar = client.execute("sb_123", ["tar", "c", "out"], text=False).stdout   # bytes
+        repl = client.start("sb_123", ["python3"], pty=True)   # a terminal: write() types
+        client.execute("sb_123", ["make"], resume=True)      # a paused sandbox is resumed
 
 A command runs as a CreateOS managed process. It is created exactly once; its
 output is read from a replayable NDJSON stream that is resumed from the last
@@ -26,7 +29,9 @@ remote process tree is terminated. start() returns a RemoteProcess at once, the
 counterpart of subprocess.Popen; execute() is start(...).wait(), and
 client.process() is a handle on a process started earlier. put() and get()
 move files in and out: streamed, checked by SHA-256 on both sides, renamed
-into place only once whole.
+into place only once whole. When the sandbox itself is paused or gone, the
+error says so (SandboxPausedError, SandboxGoneError), and resume=True goes on
+where the run stopped.
 `createos-exec --help` (or `python -m createos_exec --help`) is the command line;
 with -t, a terminal session that survives the network.
 
