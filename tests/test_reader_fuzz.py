@@ -415,7 +415,7 @@ def lines_oracle(data: bytes, limit: int) -> Tuple[List[bytes], Any]:
     return good, cx.ProtocolError if len(tail) > limit else cx._Retryable
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)  # a hang guard: coverage on a loaded machine slows hypothesis
 @FUZZ
 @given(data=BYTES, limit=st.integers(0, 40), sizes=CHUNK_SIZES)
 def test_lines_split_exactly_and_never_buffer_past_the_limit(data, limit, sizes):
@@ -436,7 +436,7 @@ def test_lines_split_exactly_and_never_buffer_past_the_limit(data, limit, sizes)
     assert feed.max_pending <= limit
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)  # a hang guard: coverage on a loaded machine slows hypothesis
 @FUZZ
 @given(data=BYTES | st.binary(max_size=400), sizes=CHUNK_SIZES)
 def test_arbitrary_bytes_fail_closed(data, sizes):
@@ -445,7 +445,7 @@ def test_arbitrary_bytes_fail_closed(data, sizes):
         assert all(isinstance(frame["type"], str) for frame in result.frames)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)  # a hang guard: coverage on a loaded machine slows hypothesis
 @FUZZ
 @given(valid=valid_streams(), sizes=CHUNK_SIZES)
 def test_valid_ndjson_in_any_chunks_decodes_exactly(valid, sizes):
@@ -461,7 +461,7 @@ def test_valid_ndjson_in_any_chunks_decodes_exactly(valid, sizes):
     assert feed.emitted == len(data) and feed.consumed == len(data)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)  # a hang guard: coverage on a loaded machine slows hypothesis
 @FUZZ
 @given(valid=valid_streams(), fields=FIELD_EDITS, edits=BYTE_EDITS, sizes=CHUNK_SIZES)
 def test_corrupted_ndjson_fails_closed(valid, fields, edits, sizes):
@@ -474,7 +474,7 @@ def test_corrupted_ndjson_fails_closed(valid, fields, edits, sizes):
         assert isinstance(result, Decoded) and result.status == valid.status
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)  # a hang guard: coverage on a loaded machine slows hypothesis
 @settings(FUZZ, max_examples=300)
 @given(text=st.text(alphabet="AQgw/+=9aZ_-\n ", max_size=13) | JSON)
 def test_base64_accepts_only_canonical_text(text):
@@ -532,7 +532,7 @@ def per_nd(lines: List[bytes]) -> Tuple[List[Any], bool]:
     return values, False
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)  # a hang guard: coverage on a loaded machine slows hypothesis
 @settings(FUZZ, max_examples=400)
 @given(lines=LINES)
 @example(lines=[b'{"type":"a"},{"type":"b"}', b'{"type":"c","x":"', b'"}'])  # 3 lines, 3 objects
@@ -588,7 +588,7 @@ PLAIN_LINES = st.lists(
 )
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)  # a hang guard: coverage on a loaded machine slows hypothesis
 @settings(FUZZ, max_examples=400)
 @given(lines=PLAIN_LINES)
 def test_plain_data_lines_are_read_exactly_as_json(lines):
@@ -630,7 +630,7 @@ LONG_VARIANTS = [  # each is a line the JSON scanner must decide
 ]
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)  # a hang guard: coverage on a loaded machine slows hypothesis
 @settings(FUZZ, max_examples=200)
 @given(
     field=st.sampled_from([None, *PLAIN_VARIANTS]),
@@ -691,7 +691,7 @@ def as_one_block(texts: List[str]) -> Tuple[bytes, bool]:
     return "".join(text for _, text in delivered).encode("latin-1"), failed
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)  # a hang guard: coverage on a loaded machine slows hypothesis
 @settings(FUZZ, max_examples=400)
 @given(texts=st.lists(base64_texts(), min_size=1, max_size=4))
 @example(texts=["QUI=", "QUJDA==", "QQ=="])  # in the pattern, but not whole quanta
@@ -899,7 +899,7 @@ DEEP = "[" * 100_000 + "]" * 100_000  # RecursionError inside json.loads
 FIRST = nd(data(1, "stdout", b"first\n"))
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)  # a hang guard: coverage on a loaded machine slows hypothesis
 @pytest.mark.parametrize("where", ["410 on connect", "wait", "create", "delete"])
 def test_deeply_nested_json_answers_are_protocol_errors(where):
     mock = responses.RequestsMock(assert_all_requests_are_fired=False)
