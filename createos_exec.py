@@ -1217,6 +1217,7 @@ class Client:
         *,
         after: int = 0,
         stdin: None = None,
+        pty: None = None,
         **options: Unpack[_TextFollow],
     ) -> RemoteProcess[str]: ...
     @overload
@@ -1303,6 +1304,7 @@ class Client:
         *,
         after: int = 0,
         stdin: None = None,
+        pty: None = None,
         **options: Unpack[_TextFollow],
     ) -> ExecResult[str]: ...
     @overload
@@ -1457,10 +1459,7 @@ def execute(
     **options: Any,
 ) -> ExecResult[Any]:
     """Client.execute() with a client built from the environment (or the one given)."""
-    if client is not None:
-        return client.execute(sandbox_id, command, **options)
-    with Client() as own:
-        return own.execute(sandbox_id, command, **options)
+    return _on_a_client(client, lambda on: on.execute(sandbox_id, command, **options))
 
 
 @overload
@@ -1576,7 +1575,7 @@ def _until_it_runs(
     lookup): return to send it again once the sandbox runs again (one on its
     way to running, or with `resume` a paused one); otherwise raise what
     happened to the sandbox (`process_id` and the cursor, `after`, in its error)."""
-    if refused.status not in (404, 409) or isinstance(refused, SandboxError):
+    if not _blames_the_sandbox(refused):
         raise refused
     looked = sandbox.diagnosed(refused, process_id, after)
     if not (isinstance(looked, SandboxPausedError) and _to_wait_for(looked, resume)):
@@ -1691,7 +1690,6 @@ class RemoteProcess(Generic[_AnyStr]):
         self._launch: Optional[_Launch] = launch  # its staged file is removed when the run fails
         self._handover: Optional[_Handover] = None  # made by the first loop over the output
         self._longest_line: int = max(options.max_output_chars, _TAIL_PART)
-        self._text: bool = options.text
         self._turn: _Turn = _Turn()  # to read the stream
         self._outcome: Union[ExecResult[Any], BaseException, None] = None  # once the run has ended
         self._exited: Optional[_Exit] = None  # learned by poll()
@@ -1783,7 +1781,9 @@ class RemoteProcess(Generic[_AnyStr]):
         return loop
 
     def _iterate(self, until: _Deadline, lines: bool, me: List[Any]) -> Iterator[_Piece]:
-        handover = self._handover = self._handover or _Handover(self._longest_line, self._text)
+        handover = self._handover = self._handover or _Handover(
+            self._longest_line, self._follower.options.text
+        )
         with self._turn.held(until, loop=me[0]) as mine:
             if not mine:
                 raise self._wait_timeout(until, read=False)
@@ -1930,8 +1930,10 @@ class RemoteProcess(Generic[_AnyStr]):
         except APIError as refused:
             looked: CreateOSError = refused
             if _blames_the_sandbox(refused):
-                looked = self._endpoints.sandbox.diagnosed(refused)
-            if isinstance(looked, SandboxError):
+                looked = self._endpoints.sandbox.diagnosed(
+                    refused, self.process_id, self._follower.cursor
+                )
+            elif isinstance(looked, SandboxError):  # the probe's own: named after this process
                 looked.process_id, looked.after = self.process_id, self._follower.cursor
             raise looked  # noqa: B904 (itself, or chained from it by diagnosed())
 
@@ -2561,14 +2563,14 @@ class _Follower:
             ended: Union[_Exit, None, _Retryable]  # what ended one connection
             try:
                 response = self.endpoints.connect(cursor, deadline)
-                if self._reconnecting:
-                    self._tell_reconnecting(False)
                 unblocked = (
                     _unblocked_by(deadline, response)
                     if deadline.at is not None or deadline.cancel is not None
                     else contextlib.nullcontext()  # nothing can end the read sooner
                 )
                 with contextlib.closing(response), unblocked:
+                    if self._reconnecting:  # a notice's hook may raise: the response is closed
+                        self._tell_reconnecting(False)
                     interrupted = functools.partial(deadline.check, self.process_id)
                     ended = yield from self._reader.read(_arriving(response), interrupted, until)
             except _Retryable as failure:
@@ -3264,10 +3266,11 @@ class _Sandbox:
     def remove(self, path: str, what: str, hurry: Optional[threading.Event] = None) -> None:
         """Remove a file this client left at `path`, best-effort, within a
         cleanup_timeout: `what` names it in the warning when that fails."""
-        cleanup = _Deadline.after(self.transport.cleanup_timeout, "cleanup", time.monotonic())
+        now = time.monotonic()
+        cleanup = _Deadline.after(self.transport.cleanup_timeout, "cleanup", now, hurry=hurry)
         try:
-            self.exec(["rm", "-f", "--", path], f"removal of {what}", cleanup._replace(hurry=hurry))
-        except (CreateOSError, _Retryable):
+            self.exec(["rm", "-f", "--", path], f"removal of {what}", cleanup)
+        except CreateOSError:
             logger.warning("Could not remove %s from the sandbox", what)
 
 
@@ -4881,30 +4884,32 @@ class _Transport:
     ) -> requests.Response:
         """One request, retried under the retry policy while it fails and time remains.
         A cancel ends its waits (see _Deadline.pause)."""
-        budget = _Budget(self.retry)
-        while True:
-            answer = self.attempt(
+
+        def once(now: _Deadline) -> requests.Response:
+            return self.send(
                 method,
                 path,
                 operation=operation,
                 read_timeout=read_timeout,
-                deadline=deadline,
+                deadline=now,
                 process_id=process_id,
                 **request,
             )
-            if not isinstance(answer, _Retryable):
-                return answer
-            delay = budget.delay_within(answer.retry_after, deadline)
-            if delay is None:
-                raise answer.final(process_id) from answer.__cause__
-            deadline = deadline.pause(delay)  # the run names the process on a cancel
+
+        return self.retried(once, deadline, process_id=process_id)
 
     def retried(
-        self, once: Callable[[_Deadline], _T], deadline: _Deadline, *, repeatable: bool = True
+        self,
+        once: Callable[[_Deadline], _T],
+        deadline: _Deadline,
+        *,
+        repeatable: bool = True,
+        process_id: Optional[str] = None,
     ) -> _T:
         """once(deadline): a step of several requests (or one that builds its body
         afresh), taken again under the retry policy while it fails and time
-        remains, when it is `repeatable`; else its first failure is final."""
+        remains, when it is `repeatable`; else its first failure is final (and
+        names `process_id`)."""
         budget = _Budget(self.retry)
         while True:
             try:
@@ -4913,8 +4918,8 @@ class _Transport:
                 failed = failure  # raised below: the public error must not have it as context
             delay = budget.delay_within(failed.retry_after, deadline) if repeatable else None
             if delay is None:
-                raise failed.final(None) from failed.__cause__
-            deadline = deadline.pause(delay)
+                raise failed.final(process_id) from failed.__cause__
+            deadline = deadline.pause(delay)  # the run names the process on a cancel
 
     def attempt(self, method: str, path: str, **send: Any) -> Union[requests.Response, _Retryable]:
         """The response, or the failure worth another attempt (returned, not raised:
@@ -6631,7 +6636,7 @@ class _Session:
 
     def show(self, stream: str, data: bytes) -> None:
         self._status.clear()
-        _write_through(sys.stdout, data)
+        echo("stdout", data)
 
     def run(self, process: RemoteProcess, rebuild: bool) -> ExecResult:
         """The session to its end: the process's result, or _Detached."""
@@ -6639,7 +6644,7 @@ class _Session:
             raise ConfigError(f"process {process.process_id} has no terminal: attach without -t.")
         process._follower.on_reconnect = self._reconnecting
         if rebuild:  # the replay draws the screen again from a blank one
-            _write_through(sys.stdout, _RESET_TERMINAL)
+            echo("stdout", _RESET_TERMINAL)
         try:
             with _raw_terminal(self._fd), self._signals(process):
                 self._resized(process)
@@ -6730,13 +6735,13 @@ class _StatusLine:
         with self._lock:
             take_back = b"\x1b8\x1b[K" if self._shown else b""
             line = f"\x1b7\x1b[7m[{message}]\x1b[m".encode("utf-8", "replace")
-            _write_through(sys.stderr, take_back + line)
+            echo("stderr", take_back + line)
             self._shown = True
 
     def clear(self) -> None:
         with self._lock:
             if self._shown:
-                _write_through(sys.stderr, b"\x1b8\x1b[K")
+                echo("stderr", b"\x1b8\x1b[K")
                 self._shown = False
 
 
@@ -6842,13 +6847,7 @@ def _print_live(stream: str, text: str) -> None:
     if getattr(out, "buffer", None) is None:
         out.write(text)
     else:
-        _write_through(out, text.encode("utf-8", "surrogateescape"))
-
-
-def _write_through(out: Any, data: bytes) -> None:
-    out.flush()
-    out.buffer.write(data)
-    out.buffer.flush()
+        echo(stream, text.encode("utf-8", "surrogateescape"))
 
 
 def _attach_again(prog: str, options: argparse.Namespace, process: RemoteProcess) -> str:
