@@ -2056,6 +2056,9 @@ class RemoteProcess(Generic[_AnyStr]):
                 raise ProtocolError("the journal ends before output already read")
         except _TimedOut:
             return ending  # still paused: nothing to terminate
+        except SandboxGoneError as gone:  # destroyed while it resumed: nothing to terminate
+            gone.process_id, gone.after, gone.result = self.process_id, paused.after, paused.result
+            return _Ending(error=gone, gone=True)
         except APIError as refused:
             if refused.status != 404:
                 return _Ending(error=refused)

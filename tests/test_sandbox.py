@@ -572,3 +572,15 @@ def test_a_run_whose_sandbox_does_not_come_back_ends_paused(rsps, resume, views,
         make_client().execute(SB, ["true"], resume=resume, timeout=timeout)
     assert (caught.value.after, caught.value.result.stdout) == (1, "one\n")
     assert calls(rsps, "DELETE", PROC) == []  # nothing terminated while it is frozen
+
+
+def test_a_sandbox_destroyed_while_it_resumes_is_gone_with_nothing_deleted(rsps):
+    add_created(rsps)
+    add_connect(rsps, nd(data(1, "stdout", b"one\n")))  # then the stream ends
+    rsps.add(responses.GET, CONNECT, status=409, json=PAUSED)
+    add_views(rsps, "paused", "destroyed")
+    rsps.add(responses.POST, VIEW + "/resume", status=202, json=ok({"status": "resuming"}))
+    with pytest.raises(cx.SandboxGoneError) as caught:
+        make_client().execute(SB, ["true"], resume=True)
+    assert caught.value.result.stdout == "one\n"
+    assert [call.request.method for call in rsps.calls].count("DELETE") == 0
