@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import importlib
+import itertools
 import json
 import os
 import re
@@ -427,11 +428,25 @@ def shown_parts() -> List[Tuple[str, str, str]]:
     return [(m.group(1), m.group(2), textwrap.dedent(m.group(3)).strip()) for m in marked]
 
 
+# Ports below the kernel's ephemeral range (32768 and up here), a block of
+# them for each test process: a port the kernel hands out for a bind to 0 or
+# an outgoing connection, or another test process, can never take one.
+_OWN_PORTS = itertools.cycle(
+    range(10000 + os.getpid() % 1000 * 20, 10020 + os.getpid() % 1000 * 20)
+)
+
+
 def closed_port() -> int:
-    """A loopback port nobody listens on: bound once, then let go."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+    """A loopback port nobody listens on, and that nothing else on this
+    machine is given while the test uses it (see _OWN_PORTS)."""
+    for port in itertools.islice(_OWN_PORTS, 20):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:  # held by a program outside the suite, or in TIME_WAIT
+                continue
+            return port
+    raise RuntimeError("every port of this test process's block is taken")
 
 
 # --------------------------------------------------------------------------
