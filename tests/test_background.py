@@ -426,7 +426,7 @@ def test_every_keyword_reaches_the_options(client, monkeypatch):
 
 # -- ported from subprocess.run and Popen ---------------------------------------------
 # Each snippet runs as it is against subprocess and against the local server: what
-# README's and docs/background-processes.md's tables call "the same".
+# docs/api.md's and docs/background-processes.md's tables call "the same".
 
 
 def ported_run(run, popen):

@@ -1,4 +1,4 @@
-"""The command line (docs/design.md "Command line"; the README's "Command line"):
+"""The command line (docs/design.md "Command line"; docs/command-line.md):
 the remote exit code, 128+N for signal N, 124 on timeout, 125 with one line
 for the library's, the API's and the connection's errors (the ConfigError and
 APIError rows of the failure table), 2 for a usage error; options reach the

@@ -1,4 +1,4 @@
-"""Containment (docs/design.md rules 5 and 6): the README's failure-table rows
+"""Containment (docs/design.md rules 5 and 6): docs/failures.md's rows
 "`timeout` expires", "`cancel` is set", "`on_output` raises", "Ctrl-C" and
 "termination not confirmed".
 

@@ -1,4 +1,4 @@
-"""Creating the process: the rows of the README's failure table "4xx on process
+"""Creating the process: the rows of docs/failures.md's table "4xx on process
 creation other than 429", "429 on process creation", "connection refused on
 creation" and "creation answer lost, timed out or 5xx" (docs/design.md rule 1), and
 what a normal run sends: the wrapper script, its marker, and env and stdin

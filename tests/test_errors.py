@@ -1,4 +1,4 @@
-"""Errors and results: the README's failure-table rows "bad URL, missing key,
+"""Errors and results: docs/failures.md's rows "bad URL, missing key,
 invalid sandbox id, env name, NUL byte, bad option" (ConfigError before
 anything is sent; docs/design.md rule 9), "any 3xx" (never followed), "check=True
 and exit code != 0, signal or timeout" (CommandError), and the sentences after

@@ -1,4 +1,4 @@
-"""The stream's frames, and the output they carry: the README's "Malformed input
+"""The stream's frames, and the output they carry: docs/failures.md's "Malformed input
 from the service" table (every row but the last, which tests/test_recovery.py
 holds) and the rows "invalid frame", "HTTP 410 or an output_offset_expired
 frame" and "exit frame without a status" of the failure table (docs/design.md

@@ -1,4 +1,4 @@
-"""Pacing (docs/design.md rule 10; the README's "Threads and process pools"): one
+"""Pacing (docs/design.md rule 10; docs/threads-and-pools.md): one
 window per origin, shared by the threads of a process and the processes of a
 user, adding no delay below the limit, and narrowed after a 429 (the
 narrowing the failure-table rows "429 on process creation" and "5xx/429 on

@@ -1,4 +1,4 @@
-"""Resume and recovery: the README's failure-table rows "reset, refused, truncated
+"""Resume and recovery: docs/failures.md's rows "reset, refused, truncated
 chunk, clean EOF before the exit frame, 5xx/429 on connect" and "failures
 without progress exhaust the retry policy", and the last row of "Malformed
 input from the service" (an unterminated last line is a broken connection)
