@@ -167,30 +167,20 @@ def test_client_refuses_bad_timeouts(name: str, value: Any) -> None:
 
 
 @pytest.mark.parametrize(
-    "value",
+    "settings",
     [
-        (0, 60.0),
-        (-1, 60.0),
-        (10, 0),
-        (10, -1.0),
-        (1.5, 1.0),
-        (True, 1.0),
-        (1, True),
-        "300/60",
-        (1, 2, 3),
-        5,
+        *(
+            {"rate_limit": value}
+            for value in [(0, 60.0), (-1, 60.0), (10, 0), (10, -1.0), (1.5, 1.0), (True, 1.0)]
+        ),
+        *({"rate_limit": value} for value in [(1, True), "300/60", (1, 2, 3), 5]),
+        {"rate_limit": None, "retry": {"max_attempts": 3}},
+        {"rate_limit": None, "session": object()},
     ],
 )
-def test_client_refuses_bad_rate_limit(value: Any) -> None:
+def test_client_refuses_bad_rate_limit_retry_and_session(settings: Dict[str, Any]) -> None:
     with pytest.raises(cx.ConfigError):
-        cx.Client(BASE, KEY, rate_limit=value)
-
-
-def test_client_refuses_bad_retry_and_session() -> None:
-    with pytest.raises(cx.ConfigError):
-        cx.Client(BASE, KEY, rate_limit=None, retry={"max_attempts": 3})
-    with pytest.raises(cx.ConfigError):
-        cx.Client(BASE, KEY, rate_limit=None, session=object())
+        cx.Client(BASE, KEY, **settings)
 
 
 @pytest.mark.parametrize(
@@ -745,14 +735,10 @@ def test_only_the_program_is_named_never_the_other_arguments():
     message = str(cx.CommandError(_sample_result(args=["make", "--token", "s3cret"])))
     assert "'make'" in message and "s3cret" not in message and "--token" not in message
     assert f"(process {PID})" in message
-
-
-def test_a_long_script_is_cut_and_an_unknown_command_is_not_named():
-    script = "echo start; " + "x" * 500
-    long = str(cx.CommandError(_sample_result(args=script)))
-    assert "'echo start; " in long and "x" * 100 not in long
+    long = str(cx.CommandError(_sample_result(args="echo start; " + "x" * 500)))
+    assert "'echo start; " in long and "x" * 100 not in long  # a long script is cut
     followed = str(cx.CommandError(_sample_result(args=None, process_id=None)))
-    assert followed.startswith("The command exited with status 1;")
+    assert followed.startswith("The command exited with status 1;")  # none: not named
 
 
 def test_check_returncode_of_a_timed_out_result_still_says_it_timed_out():
@@ -787,33 +773,23 @@ def nothing_sent(rsps):
     assert len(rsps.calls) == 0
 
 
-def test_encoding_none_says_text_false_gives_bytes(nothing_sent):
-    with pytest.raises(cx.ConfigError, match="encoding=None .* text=False does"):
-        nothing_sent.execute(SB, ["cat"], encoding=None)
-    with pytest.raises(cx.ConfigError, match="encoding and errors are for text mode only"):
-        nothing_sent.execute(SB, ["cat"], text=False, encoding=None)
-    with pytest.raises(cx.ConfigError, match=r"input=data\.encode\(\)"):
-        nothing_sent.start(SB, ["cat"], text=False, input="secret")
-
-
-def test_an_unknown_codec_or_handler_is_named(nothing_sent):
-    with pytest.raises(cx.ConfigError, match="'utf-9'"):
-        nothing_sent.execute(SB, ["cat"], encoding="utf-9")
-    with pytest.raises(cx.ConfigError) as raised:
-        nothing_sent.execute(SB, ["cat"], errors="bogus")
-    message = str(raised.value)
-    assert "'bogus'" in message and "surrogateescape" in message and "text=False" in message
-
-
-def test_invalid_arguments_are_named(nothing_sent):
-    with pytest.raises(cx.ConfigError, match="'1A'"):
-        nothing_sent.execute(SB, ["true"], env={"1A": "x"})
-    with pytest.raises(cx.ConfigError, match="'sb/x'"):
-        nothing_sent.execute("sb/x", ["true"])
-    with pytest.raises(cx.ConfigError, match="timeout must be a positive number.* -1"):
-        nothing_sent.execute(SB, ["true"], timeout=-1)
-    with pytest.raises(cx.ConfigError, match="at least the program"):
-        nothing_sent.execute(SB, [])
+@pytest.mark.parametrize(
+    "call, sandbox, command, kwargs, words",
+    [
+        ("execute", SB, ["cat"], {"encoding": None}, "encoding=None .* text=False does"),
+        ("execute", SB, ["cat"], {"text": False, "encoding": None}, "for text mode only"),
+        ("start", SB, ["cat"], {"text": False, "input": "secret"}, r"input=data\.encode\(\)"),
+        ("execute", SB, ["cat"], {"encoding": "utf-9"}, "'utf-9'"),
+        ("execute", SB, ["cat"], {"errors": "bogus"}, "'bogus'.* \"surrogateescape\".*text=False"),
+        ("execute", SB, ["true"], {"env": {"1A": "x"}}, "'1A'"),
+        ("execute", "sb/x", ["true"], {}, "'sb/x'"),
+        ("execute", SB, ["true"], {"timeout": -1}, "timeout must be a positive number.* -1"),
+        ("execute", SB, [], {}, "at least the program"),
+    ],
+)
+def test_invalid_arguments_are_named(nothing_sent, call, sandbox, command, kwargs, words):
+    with pytest.raises(cx.ConfigError, match=words):
+        getattr(nothing_sent, call)(sandbox, command, **kwargs)
 
 
 def test_an_api_key_with_a_newline_says_so():
