@@ -517,3 +517,15 @@ def figures_at_end(item: str, figures_of: Callable[[], Optional[Dict[str, float]
             figures.record(item, **found)
 
     return _figures_at_end
+
+
+def until(condition: Callable[[], Any], timeout: float = 15.0, what: str = "it") -> Any:
+    """Wait until `condition()` is true (polled every 10 ms) and return its value;
+    fail the test when `timeout` seconds pass first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"{what} did not come within {timeout} s"
+        time.sleep(0.01)
