@@ -21,7 +21,7 @@ import warnings
 import pytest
 import requests
 from local_server import LocalServer
-from support import SANDBOX, Recorder, make_client, python
+from support import SANDBOX, Recorder, make_client, python, until
 
 import createos_exec as cx
 
@@ -191,12 +191,13 @@ def test_the_command_timeout_contains_the_tree_during_a_loop(client, server):
 def test_eviction_during_a_loop_raises_with_what_was_read(client, server):
     server.drop_stream(after_frames=1)  # the connection breaks after "one"
     code = (
-        "import os, time\nos.write(1, b'one\\n')\ntime.sleep(0.1)\nprint('two')\nprint('three')\n"
+        "import os, time\nos.write(1, b'one\\n')\ntime.sleep(0.1)\nos.write(1, b'two\\nthree\\n')\n"
     )
     proc = client.start(SANDBOX, python(code + "time.sleep(60)"))
     loop = proc.iter_output()
     assert next(loop) == ("stdout", "one\n")
-    time.sleep(0.5)  # the loop's body takes its time; "two" and "three" are journalled
+    # The loop's body takes its time: "two" and "three" are journalled meanwhile.
+    until(lambda: server.process(proc.process_id)["output"]["newest_seq"] >= 2)
     server.evict(proc.process_id)  # and lost before the loop reads them
     with pytest.raises(cx.OutputEvictedError) as caught:
         list(loop)  # a live reader is never handed output after a gap
@@ -318,8 +319,7 @@ def small_journal(server_reading):
 def test_evicted_output_nobody_read_is_the_head_of_the_result(small_journal):
     with make_client(small_journal) as client:
         proc = client.start(SANDBOX, FLOOD)
-        while proc.poll() is None:  # nobody reads: the journal drops its oldest frames
-            time.sleep(0.05)
+        until(lambda: proc.poll() is not None)  # nobody reads: the journal drops its oldest
         result = proc.wait()
     assert result.exit_code == 3 and result.output_evicted
     assert result.stdout_truncated and result.output_truncated
@@ -356,6 +356,7 @@ FOLLOW_KEYWORDS = {
     "resume",
 }  # fmt: skip
 RUN_KEYWORDS = {field.name for field in dataclasses.fields(cx._Options)}
+RUN_METHODS, RUN_FUNCTIONS = (cx.Client.execute, cx.Client.start), (cx.execute, cx.start)
 
 
 @pytest.mark.parametrize("output", ["Text", "Bytes", "Any"])  # what each overload takes
@@ -367,19 +368,14 @@ def test_the_typed_keywords_are_the_options(output):
 @pytest.mark.parametrize(
     "function, own, keywords",
     [
-        (cx.Client.execute, {"self", "sandbox_id", "command"}, RUN_KEYWORDS),
-        (cx.Client.start, {"self", "sandbox_id", "command"}, RUN_KEYWORDS),
-        (cx.execute, {"sandbox_id", "command", "client"}, RUN_KEYWORDS),
-        (cx.start, {"sandbox_id", "command", "client"}, RUN_KEYWORDS),
-        (
-            cx.Client.process,
-            {"self", "sandbox_id", "process_id", "after", "stdin", "pty"},
-            FOLLOW_KEYWORDS,
+        *((method, {"self", "sandbox_id", "command"}, RUN_KEYWORDS) for method in RUN_METHODS),
+        *(
+            (function, {"sandbox_id", "command", "client"}, RUN_KEYWORDS)
+            for function in RUN_FUNCTIONS
         ),
-        (
-            cx.Client.attach,
-            {"self", "sandbox_id", "process_id", "after", "stdin", "pty"},
-            FOLLOW_KEYWORDS,
+        *(
+            (method, {"self", "sandbox_id", "process_id", "after", "stdin", "pty"}, FOLLOW_KEYWORDS)
+            for method in (cx.Client.process, cx.Client.attach)
         ),
     ],
 )
