@@ -69,6 +69,7 @@ from support import (
     process_record,
     query,
     require_cgroup,
+    until,
 )
 
 import createos_exec as cx
@@ -238,11 +239,8 @@ def test_a_second_sigint_aborts_a_slow_cleanup_at_once(server):
         pids = read_until_ready(child)
         process_id = only_process(server)
         child.send_signal(signal.SIGINT)
-        deadline = time.monotonic() + 10
-        while not server.requests_to("delete"):
-            assert time.monotonic() < deadline, "cleanup never started"
-            time.sleep(0.02)
-        time.sleep(1.0)
+        until(lambda: server.requests_to("delete"), 10, "the cleanup")
+        time.sleep(1.0)  # no second DELETE meanwhile: none may come before Retry-After
         # Still cleaning up (waiting out Retry-After), and no second attempt yet.
         assert child.poll() is None
         assert [r.status for r in server.requests_to("delete")] == [503]
@@ -565,9 +563,7 @@ GRACEFUL = "trap 'echo bye; sleep 0.5; exit 0' TERM\necho started\nsleep 30 &\nw
 
 def settle(server: Any) -> None:
     """Let a DELETE still in flight finish, so that nothing outlives the test."""
-    deadline = time.monotonic() + 15
-    while not server.requests_to("delete") and time.monotonic() < deadline:
-        time.sleep(0.05)
+    until(lambda: server.requests_to("delete"), 15, "the DELETE")
     assert server.wait_tree_gone(only_process(server))
 
 
@@ -634,5 +630,7 @@ def test_cancel_is_prompt_even_without_heartbeats():
             client.execute(SANDBOX, "echo go; sleep 30", shell=True, cancel=cancel)
         assert time.monotonic() - started < 3
         assert server.wait_tree_gone(caught.value.process_id)
-    time.sleep(0.5)  # the watcher ends within one poll of the cancel event
-    assert not [t for t in threading.enumerate() if t.name == "createos_exec-cancel"]
+    watchers = [t for t in threading.enumerate() if t.name == "createos_exec-cancel"]
+    for watcher in watchers:
+        watcher.join(timeout=5)  # it ends within one poll of the cancel event
+    assert not [watcher for watcher in watchers if watcher.is_alive()]
