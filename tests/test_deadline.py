@@ -32,6 +32,7 @@ from support import (
     figures_at_end,
     make_client,
     require_cgroup,
+    until,
 )
 
 import createos_exec as cx
@@ -197,13 +198,16 @@ def test_a_run_that_timed_out_leaves_no_double_forked_daemon(client, server, tmp
 
 
 @pytest.mark.both_readings
-def test_a_result_waited_for_after_the_watchdog_fired_is_timed_out_with_grace_output(client):
+def test_a_result_waited_for_after_the_watchdog_fired_is_timed_out_with_grace_output(
+    client, server
+):
     script = (
         "trap 'echo in-grace; sleep 0.2; echo grace-done; exit 7' TERM; "
         "echo started; sleep 30 & wait"
     )
     proc = client.start(SANDBOX, script, shell=True, timeout=1.0)
-    time.sleep(1.0 + GRACE + 0.5)  # nobody waits: the sandbox kept the deadline alone
+    # Nobody waits: the sandbox keeps the deadline alone.
+    assert server.wait_tree_gone(proc.process_id, 1.0 + GRACE + SLACK + 10)
     result = proc.wait()
     assert result.timed_out and result.exit_code is None
     assert result.stdout == "started\nin-grace\ngrace-done\n"
@@ -213,33 +217,23 @@ def test_a_result_waited_for_after_the_watchdog_fired_is_timed_out_with_grace_ou
 
 
 @pytest.mark.both_readings
+@pytest.mark.parametrize("later", [False, True], ids=["at-once", "waited-for-after-it"])
 @pytest.mark.parametrize(
     "script, exit_code, signal",
-    [("exit 3", 3, None), ("kill -SEGV $$", None, "SIGSEGV"), ("echo out; exit 0", 0, None)],
+    [("exit 3", 3, None), ("kill -SEGV $$", None, "SIGSEGV"), ("exit 0", 0, None)],
     ids=["exit-3", "sigsegv", "exit-0"],
 )
 def test_a_program_that_ends_before_its_deadline_reports_its_own_status(
-    client, script, exit_code, signal
+    client, server, script, exit_code, signal, later
 ):
-    result = client.execute(SANDBOX, script, shell=True, timeout=30.0)
+    if later:  # the client's deadline passes before anyone waits
+        proc = client.start(SANDBOX, "echo out; " + script, shell=True, timeout=0.5)
+        time.sleep(1.0)
+        result = proc.wait()
+        assert result.stdout == "out\n" and not server.tree_alive(proc.process_id)
+    else:
+        result = client.execute(SANDBOX, script, shell=True, timeout=30.0)
     assert (result.exit_code, result.signal, result.timed_out) == (exit_code, signal, False)
-
-
-@pytest.mark.both_readings
-@pytest.mark.parametrize(
-    "script, exit_code, signal",
-    [("echo out; exit 3", 3, None), ("echo out; kill -SEGV $$", None, "SIGSEGV")],
-    ids=["exit-3", "sigsegv"],
-)
-def test_a_program_that_ended_before_its_deadline_and_is_waited_for_after_it(
-    client, server, script, exit_code, signal
-):
-    proc = client.start(SANDBOX, script, shell=True, timeout=0.5)
-    time.sleep(1.0)  # the client's deadline passes before anyone waits
-    result = proc.wait()
-    assert (result.exit_code, result.signal, result.timed_out) == (exit_code, signal, False)
-    assert result.stdout == "out\n"
-    assert not server.tree_alive(proc.process_id)
 
 
 PROBE = [
@@ -281,8 +275,8 @@ def test_what_the_program_left_in_the_background_is_left_alone(client, server, t
     pid_file = tmp_path / "background"
     script = f"sleep 3 </dev/null >/dev/null 2>&1 & echo $! >{pid_file}; echo out"
     proc = client.start(SANDBOX, script, shell=True, timeout=1.0)
-    while proc.poll() is None:  # the leader; under the alternative reading no exit frame
-        time.sleep(0.05)  # comes before the whole tree has ended
+    # The leader; under the alternative reading no exit frame comes before the tree ended.
+    until(lambda: proc.poll() is not None)
     background = int(pid_file.read_text())
     try:
         time.sleep(1.0 + GRACE + 0.3)  # past the deadline and the grace period
