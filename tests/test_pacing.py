@@ -61,6 +61,14 @@ def files_in(runtime_dir):
     return list((runtime_dir / f"createos_exec-{os.getuid()}").iterdir())
 
 
+def seconds_for(limiter, count, status=200):
+    """Seconds that `count` places take, each released at once with `status`."""
+    started = time.monotonic()
+    for _ in range(count):
+        limiter.release(limiter.acquire(1.0), status)
+    return time.monotonic() - started
+
+
 def churn(origin, count):
     """Windows that come and go beside others: each holds one place for a moment."""
     for n in range(count):
@@ -152,21 +160,6 @@ def test_limiters_on_one_file_share_the_window(runtime_dir):
     assert time.monotonic() - started < 0.4  # below the limit nothing waits
     second.release(second.acquire(1.0), 200)  # the third waits for the first place
     assert time.monotonic() - started >= 0.55
-
-
-def test_a_place_on_its_way_holds_in_the_file_until_answered(runtime_dir):
-    first, second = shared_limiter(1, 0.2), shared_limiter(1, 0.2)
-    place = first.acquire(5.0)
-    admitted = []
-    waiter = threading.Thread(target=lambda: admitted.append(second.acquire(5.0)))
-    waiter.start()
-    churn(ORIGIN, 50)  # windows added and dropped beside it by a third limiter
-    time.sleep(0.4)  # two periods: a place stamped when let through would have freed
-    assert admitted == []
-    first.release(place, 200)
-    released = time.monotonic()
-    waiter.join(3)
-    assert admitted and admitted[0].let_through - released >= 0.15
 
 
 DIES_HOLDING = """\
@@ -301,10 +294,7 @@ def test_garbage_in_the_window_file_is_written_over(runtime_dir):
     limiter._update(lambda window, now: None)  # the file exists, 0600
     with open(window_path(limiter), "wb") as handle:
         handle.write(os.urandom(1000))
-    started = time.monotonic()
-    for _ in range(3):
-        limiter.release(limiter.acquire(1.0), 200)
-    assert time.monotonic() - started < 2.5  # garbage holds no place
+    assert seconds_for(limiter, 3) < 2.5  # garbage holds no place
     with open(window_path(limiter), "rb") as handle:
         assert handle.read().startswith(cx._WINDOW_MAGIC)
 
@@ -317,10 +307,7 @@ def test_without_fcntl_each_process_paces_alone(runtime_dir, monkeypatch):
     assert cx._window_file(ORIGIN, 3, 1.0) is None
     limiter = cx._RateLimiter.for_origin("https://no-fcntl.example.test", 3, 0.3)
     assert limiter._file is None
-    started = time.monotonic()
-    for _ in range(4):
-        limiter.release(limiter.acquire(1.0), 200)
-    assert time.monotonic() - started >= 0.25  # still paced, per process
+    assert seconds_for(limiter, 4) >= 0.25  # still paced, per process
 
 
 def test_a_window_file_others_can_read_is_not_used(runtime_dir):
@@ -344,11 +331,8 @@ def test_a_folder_others_can_write_to_is_not_used(runtime_dir):
 def test_a_window_file_that_fails_falls_back_to_this_process(runtime_dir):
     limiter = shared_limiter(2, 0.3)
     os.mkdir(window_path(limiter))  # cannot be opened as a file
-    started = time.monotonic()
-    for _ in range(3):
-        limiter.release(limiter.acquire(1.0), 200)
+    assert seconds_for(limiter, 3) >= 0.25  # paced all the same
     assert limiter._file is None
-    assert time.monotonic() - started >= 0.25  # paced all the same
 
 
 def test_for_origin_shares_the_file_and_none_disables_pacing(runtime_dir):
@@ -409,25 +393,24 @@ def test_rate_limiter_threads_share_the_window() -> None:
     assert stamps[4] < 2.0
 
 
-def test_rate_limiter_holds_a_place_until_the_answer_starts() -> None:
+@pytest.mark.parametrize("shared", [False, True], ids=["in-process", "through-the-file"])
+def test_rate_limiter_holds_a_place_until_the_answer_starts(runtime_dir, shared):
     # A request still on its way may arrive late: its place in the window runs
     # from its answer, so the server never counts more than the limit.
-    limiter = cx._RateLimiter(1, 0.2)
-    place = limiter.acquire()
-    admitted: List[float] = []
-
-    def second() -> None:
-        limiter.acquire()
-        admitted.append(time.monotonic())
-
-    thread = threading.Thread(target=second)
-    thread.start()
-    time.sleep(0.4)  # two periods: a place stamped at acquire() would have expired
+    first = shared_limiter(1, 0.2) if shared else cx._RateLimiter(1, 0.2)
+    second = shared_limiter(1, 0.2) if shared else first  # another process: a limiter of its own
+    place = first.acquire(5.0)
+    admitted = []
+    waiter = threading.Thread(target=lambda: admitted.append(second.acquire(5.0)))
+    waiter.start()
+    if shared:
+        churn(ORIGIN, 50)  # windows added and dropped beside it by a third limiter
+    time.sleep(0.4)  # two periods: a place stamped when let through would have freed
     assert admitted == []
-    limiter.release(place)
+    first.release(place, 200)
     released = time.monotonic()
-    thread.join(2)
-    assert admitted and admitted[0] - released >= 0.15
+    waiter.join(3)
+    assert admitted and admitted[0].let_through - released >= 0.15
 
 
 def test_rate_limiter_shared_per_origin(runtime_dir) -> None:
@@ -478,9 +461,7 @@ def test_the_narrowing_is_shared_through_the_file(runtime_dir):
     first, second = shared_limiter(8, 1.0), shared_limiter(8, 1.0)
     first.release(first.acquire(1.0), 429)  # allowance 4, one place held
     started = time.monotonic()
-    for _ in range(3):
-        second.release(second.acquire(1.0), None)
-    assert time.monotonic() - started < 0.5
+    assert seconds_for(second, 3, None) < 0.5
     second.release(second.acquire(1.0), None)  # the fifth: the window allows four
     assert time.monotonic() - started >= 0.8
 
