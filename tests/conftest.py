@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
 
 import pytest
@@ -16,6 +17,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from local_server import CONSERVATIVE, READINGS, LocalServer, Reading  # noqa: E402
 from support import Figures, make_client  # noqa: E402
+
+# A suite started in the background of a shell without job control inherits
+# SIGINT ignored, and so would every program it starts (an ignored signal
+# survives exec): the tests of Ctrl-C would then see nothing arrive. Python's
+# own handler here is reset to the default in every child.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_make_parametrize_id(config, val, argname):
