@@ -14,7 +14,7 @@ import time
 
 import pytest
 from local_server import LocalServer
-from support import NO_RETRY, SANDBOX, make_client, python
+from support import NO_RETRY, SANDBOX, make_client, python, until
 
 import createos_exec as cx
 
@@ -40,6 +40,14 @@ def wait_until_printed(proc, seen, text, limit=10.0):
 def collector():
     seen = []
     return seen, lambda stream, text: seen.append((stream, text))
+
+
+def started_up(client, command=TRAPS_TERM):
+    """`command` started, once it has printed "up"."""
+    seen, on_output = collector()
+    proc = client.start(SANDBOX, command, on_output=on_output)
+    wait_until_printed(proc, seen, "up\n")
+    return proc
 
 
 def deletes(server, process_id):
@@ -158,7 +166,7 @@ def test_wait_contains_an_invalid_stream_and_raises_again_later(client, server):
 
 def test_the_commands_own_timeout_counts_from_start_and_terminates_the_tree(client, server):
     proc = client.start(SANDBOX, "echo started; sleep 30", shell=True, timeout=0.5)
-    time.sleep(0.8)  # the deadline passes before anyone waits
+    assert server.wait_tree_gone(proc.process_id)  # the deadline passes before anyone waits
     began = time.monotonic()
     result = proc.wait()
     assert result.timed_out and result.exit_code is None
@@ -250,9 +258,7 @@ def test_a_wait_timeout_holds_between_heartbeats_far_apart(server_reading, wait)
 
 @pytest.mark.both_readings
 def test_terminate_ends_the_tree_with_its_grace_period_confirmed(client, server):
-    seen, on_output = collector()
-    proc = client.start(SANDBOX, TRAPS_TERM, on_output=on_output)
-    wait_until_printed(proc, seen, "up\n")
+    proc = started_up(client)
     proc.terminate()
     assert not server.tree_alive(proc.process_id)  # confirmed before terminate() returned
     (delete,) = deletes(server, proc.process_id)
@@ -265,9 +271,7 @@ def test_terminate_ends_the_tree_with_its_grace_period_confirmed(client, server)
 
 @pytest.mark.both_readings
 def test_kill_sends_sigkill_first_then_confirms_the_tree_gone(client, server):
-    seen, on_output = collector()
-    proc = client.start(SANDBOX, TRAPS_TERM, on_output=on_output)  # SIGTERM would say bye
-    wait_until_printed(proc, seen, "up\n")
+    proc = started_up(client)  # SIGTERM would say bye
     proc.kill()
     assert not server.tree_alive(proc.process_id)
     (delete,) = deletes(server, proc.process_id)
@@ -281,7 +285,6 @@ def test_kill_sends_sigkill_first_then_confirms_the_tree_gone(client, server):
 
 @pytest.mark.both_readings
 def test_send_signal_reaches_the_process(client, server):
-    seen, on_output = collector()
     handler = python(
         "import signal, sys, time\n"
         "def got(number, _): print('got', number); sys.exit(3)\n"
@@ -290,13 +293,10 @@ def test_send_signal_reaches_the_process(client, server):
         "print('up')\n"
         "time.sleep(60)\n"
     )
-    first = client.start(SANDBOX, handler, on_output=on_output)
-    wait_until_printed(first, seen, "up\n")
+    first = started_up(client, handler)
     first.send_signal("SIGINT")
     assert first.wait().stdout == f"up\ngot {int(signal.SIGINT)}\n"
-    seen.clear()
-    second = client.start(SANDBOX, handler, on_output=on_output)
-    wait_until_printed(second, seen, "up\n")
+    second = started_up(client, handler)
     second.send_signal(signal.SIGUSR1)
     result = second.wait()
     assert (result.exit_code, result.stdout) == (3, f"up\ngot {int(signal.SIGUSR1)}\n")
@@ -308,13 +308,11 @@ def test_send_signal_reaches_the_process(client, server):
 
 
 def test_terminate_from_another_thread_ends_a_wait_in_progress(client, server):
-    seen, on_output = collector()
-    proc = client.start(SANDBOX, TRAPS_TERM, on_output=on_output)
-    wait_until_printed(proc, seen, "up\n")
-    results = []
+    proc = started_up(client)
+    results, reads = [], len(server.requests_to("connect"))
     waiter = threading.Thread(target=lambda: results.append(proc.wait()))
     waiter.start()
-    time.sleep(0.3)  # the waiter is reading the stream
+    until(lambda: len(server.requests_to("connect")) > reads)  # the waiter reads the stream
     proc.terminate()
     assert not server.tree_alive(proc.process_id)
     waiter.join(10)
