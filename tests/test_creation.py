@@ -132,21 +132,18 @@ def test_env_and_stdin_are_staged_never_in_process_record(rsps: responses.Reques
     assert methods.index("PUT") < methods.index("POST")
 
 
-def test_module_level_execute_with_client(rsps: responses.RequestsMock) -> None:
-    add_created(rsps)
-    add_connect(rsps, nd(data(1, "stdout", b"x"), EXIT0))
-    assert cx.execute(SB, "true", client=make_client()).stdout == "x"
-
-
-def test_module_level_execute_from_environment(
+def test_module_level_execute_with_a_client_or_from_the_environment(
     rsps: responses.RequestsMock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    add_created(rsps)
+    add_connect(rsps, nd(data(1, "stdout", b"x"), EXIT0))
+    assert cx.execute(SB, "true", client=make_client(api_key="other-key")).stdout == "x"
     monkeypatch.setenv("CREATEOS_API_URL", BASE + "/v1")
     monkeypatch.setenv("CREATEOS_SANDBOX_API_KEY", KEY)
     add_created(rsps)
     add_connect(rsps, nd(EXIT0))
     assert cx.execute(SB, "true").exit_code == 0
-    assert rsps.calls[0].request.headers["X-Api-Key"] == KEY
+    assert rsps.calls[-1].request.headers["X-Api-Key"] == KEY
 
 
 # --------------------------------------------------------------------------
@@ -245,6 +242,17 @@ def _listing(creation: _Creation, include: bool, pid: Any = PID, args: Any = Non
     return callback
 
 
+def add_creation(
+    rsps: responses.RequestsMock, answer: Any, listed: Any = None, **record: Any
+) -> None:
+    """A creation answered `answer`; then, unless `listed` is None, a listing that
+    shows its process (with the `record` fields of _listing) or not."""
+    creation = _Creation(answer)
+    rsps.add_callback(responses.POST, PROCS, callback=creation)
+    if listed is not None:
+        rsps.add_callback(responses.GET, PROCS, callback=_listing(creation, listed, **record))
+
+
 def add_listing(rsps: responses.RequestsMock, listing: Any) -> None:
     """The answer to GET …/processes: (status, headers, body), or an exception raised."""
     if isinstance(listing, BaseException):
@@ -257,13 +265,6 @@ def add_listing(rsps: responses.RequestsMock, listing: Any) -> None:
 REFUSED = (429, {"Retry-After": "0"}, json.dumps({"status": "fail", "data": "SECRET-BODY"}))
 
 
-def add_refused_creation(rsps: responses.RequestsMock, *, listed: bool) -> None:
-    """A creation answered 429, then a listing that shows its process or not."""
-    creation = _Creation(REFUSED)
-    rsps.add_callback(responses.POST, PROCS, callback=creation)
-    rsps.add_callback(responses.GET, PROCS, callback=_listing(creation, include=listed))
-
-
 def public_chain(exc: BaseException) -> bool:
     """No exception a caller can reach from `exc` is a private class of the module."""
     return all(not type(link).__name__.startswith("_") for link in chain(exc))
@@ -272,7 +273,7 @@ def public_chain(exc: BaseException) -> bool:
 def test_creation_429_is_waited_out_and_sent_again_after_a_listing(
     rsps: responses.RequestsMock,
 ) -> None:
-    add_refused_creation(rsps, listed=False)
+    add_creation(rsps, REFUSED, listed=False)
     add_created(rsps)
     add_connect(rsps, nd(data(1, "stdout", b"once\n"), EXIT0))
     result = make_client().execute(SB, ["true"])
@@ -288,7 +289,7 @@ def test_creation_429_that_went_through_is_adopted_not_created_again(
     rsps: responses.RequestsMock,
 ) -> None:
     # A proxy that answers 429 to a request it forwarded all the same.
-    add_refused_creation(rsps, listed=True)
+    add_creation(rsps, REFUSED, listed=True)
     add_connect(rsps, nd(data(1, "stdout", b"adopted\n"), EXIT0))
     result = make_client().execute(SB, ["true"])
     assert result.stdout == "adopted\n" and result.process_id == PID
@@ -300,7 +301,7 @@ def test_creation_429_until_the_policy_runs_out_is_api_error_429(
     rsps: responses.RequestsMock,
 ) -> None:
     rsps.add(responses.PUT, FILES, json=ok({}))
-    add_refused_creation(rsps, listed=False)
+    add_creation(rsps, REFUSED, listed=False)
     rsps.add(responses.POST, EXEC, json=ok({"result": {"exit_code": 0}}))
     with pytest.raises(cx.APIError) as info:
         make_client().execute(SB, ["true"], env={"A": "1"})
@@ -406,9 +407,7 @@ AMBIGUOUS = {
 
 @pytest.mark.parametrize("answer", AMBIGUOUS.values(), ids=list(AMBIGUOUS))
 def test_ambiguous_creation_is_found_by_marker(rsps: responses.RequestsMock, answer: Any) -> None:
-    creation = _Creation(answer)
-    rsps.add_callback(responses.POST, PROCS, callback=creation)
-    rsps.add_callback(responses.GET, PROCS, callback=_listing(creation, include=True))
+    add_creation(rsps, answer, listed=True)
     add_connect(rsps, nd(data(1, "stdout", b"found\n"), EXIT0))
     result = make_client().execute(SB, ["true"])
     assert result.creation_recovered is True
@@ -422,9 +421,7 @@ def test_ambiguous_creation_is_found_by_marker(rsps: responses.RequestsMock, ans
 def test_ambiguous_creation_not_listed_is_unconfirmed(
     rsps: responses.RequestsMock, answer: Any
 ) -> None:
-    creation = _Creation(answer)
-    rsps.add_callback(responses.POST, PROCS, callback=creation)
-    rsps.add_callback(responses.GET, PROCS, callback=_listing(creation, include=False))
+    add_creation(rsps, answer, listed=False)
     with pytest.raises(cx.CleanupError) as info:
         make_client().execute(SB, ["true"])
     assert info.value.creation_unconfirmed is True
@@ -448,8 +445,7 @@ def test_ambiguous_creation_not_listed_is_unconfirmed(
 def test_ambiguous_creation_with_failed_listing_is_unconfirmed(
     rsps: responses.RequestsMock, listing: Any
 ) -> None:
-    creation = _Creation((500, {}, ""))
-    rsps.add_callback(responses.POST, PROCS, callback=creation)
+    add_creation(rsps, (500, {}, ""))
     add_listing(rsps, listing)
     with pytest.raises(cx.CleanupError) as info:
         make_client().execute(SB, ["true"])
@@ -465,9 +461,7 @@ def test_ambiguous_creation_with_failed_listing_is_unconfirmed(
 def test_a_listed_record_that_cannot_be_the_process_is_unconfirmed(
     rsps: responses.RequestsMock, pid: str, args: Any
 ) -> None:
-    creation = _Creation((500, {}, ""))
-    rsps.add_callback(responses.POST, PROCS, callback=creation)
-    rsps.add_callback(responses.GET, PROCS, callback=_listing(creation, True, pid=pid, args=args))
+    add_creation(rsps, (500, {}, ""), listed=True, pid=pid, args=args)
     with pytest.raises(cx.CleanupError) as info:
         make_client().execute(SB, ["true"])
     assert info.value.creation_unconfirmed is True
