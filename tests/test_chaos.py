@@ -115,6 +115,13 @@ def draw_process(rng):
     return shape, writes, ending
 
 
+BREAKS = {  # a broken stream: the server's method and its options
+    "reset": ("drop_stream", {}),
+    "mid-frame": ("drop_stream", {"mid_frame": True}),
+    "eof": ("end_stream", {}),
+}
+
+
 def draw_faults(rng):
     """A list of (method name, keyword arguments), queued in order."""
     faults = []
@@ -126,14 +133,9 @@ def draw_faults(rng):
             weights=[4, 4, 3, 1, 3, 2, 2, 2],
         )[0]
         after = rng.choice([0, 0, 1, 1, 2, 3, 5, 8, 13, 40, 100])
-        if kind == "reset" and failures < MAX_FAILURES:
-            faults.append(("drop_stream", {"after_frames": after}))
-            failures += 1
-        elif kind == "mid-frame" and failures < MAX_FAILURES:
-            faults.append(("drop_stream", {"after_frames": after, "mid_frame": True}))
-            failures += 1
-        elif kind == "eof" and failures < MAX_FAILURES:
-            faults.append(("end_stream", {"after_frames": after}))
+        if kind in BREAKS and failures < MAX_FAILURES:
+            name, extra = BREAKS[kind]
+            faults.append((name, {"after_frames": after, **extra}))
             failures += 1
         elif kind == "stall" and not stalled and failures < MAX_FAILURES:
             faults.append(("stall_stream", {"after_frames": after, "seconds": STALL}))
@@ -368,22 +370,19 @@ def test_chaos_schedules_all_come_back_exact(tmp_path, figures):
         reconnects=totals["reconnects"],
     )
     failures.sort(key=lambda failure: failure[0]["seed"])
-    for schedule, problems in failures:
-        print(
-            "FAILED chaos seed %d: %s\n  schedule: %s\n  replay: CREATEOS_CHAOS_SEED=%d "
-            "CREATEOS_CHAOS_RUNS=1 python -m pytest tests/test_chaos.py"
-            % (schedule["seed"], "; ".join(problems), describe(schedule), schedule["seed"])
-        )
+    told = [
+        "seed %d: %s\n  schedule: %s\n  replay: CREATEOS_CHAOS_SEED=%d CREATEOS_CHAOS_RUNS=1 "
+        "python -m pytest tests/test_chaos.py"
+        % (schedule["seed"], "; ".join(problems), describe(schedule), schedule["seed"])
+        for schedule, problems in failures
+    ]
+    for failure in told:
+        print("FAILED chaos " + failure)
     assert not stuck, "%d worker threads still running after 600 s" % stuck
     assert not failures, "%d of %d chaos schedules failed (seeds %s); first:\n%s" % (
         len(failures),
         runs,
         ", ".join(str(schedule["seed"]) for schedule, _ in failures),
-        "\n".join(
-            "seed %d: %s\n  schedule: %s\n  replay: CREATEOS_CHAOS_SEED=%d CREATEOS_CHAOS_RUNS=1 "
-            "python -m pytest tests/test_chaos.py"
-            % (schedule["seed"], "; ".join(problems), describe(schedule), schedule["seed"])
-            for schedule, problems in failures[:SHOWN]
-        ),
+        "\n".join(told[:SHOWN]),
     )
     assert totals["runs"] == runs
