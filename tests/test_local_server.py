@@ -10,6 +10,7 @@ import json
 import os
 import re
 import select
+import shlex
 import signal
 import socket
 import stat
@@ -418,8 +419,13 @@ def test_reader_behind_eviction_gets_an_error_frame():
 
 
 @BOTH_TREES
-def test_wait_for_leader_and_for_tree(server, api):
-    process_id = api.sh("sleep 1 >/dev/null 2>&1 & exit 0")
+def until_told(go) -> str:
+    """A child left in the background that lives until the file `go` exists."""
+    return "(while [ ! -e %s ]; do sleep 0.02; done) >/dev/null 2>&1 &" % shlex.quote(str(go))
+
+
+def test_wait_for_leader_and_for_tree(server, api, tmp_path):
+    process_id = api.sh(until_told(tmp_path / "go") + " exit 0")
     leader = api.wait(process_id, scope="leader")
     assert leader["leader_exited"] is True and leader["tree_exited"] is False
     expired = api.request(
@@ -427,6 +433,7 @@ def test_wait_for_leader_and_for_tree(server, api):
     )
     assert expired.status_code == 408 and expired.json()["status"] == "fail"
     assert server.tree_alive(process_id)
+    (tmp_path / "go").touch()
     assert api.wait(process_id, scope="tree")["tree_exited"] is True
     assert not server.tree_alive(process_id)
     for params in ({"scope": "all"}, {"scope": "tree", "timeout_ms": "soon"}):
@@ -434,13 +441,14 @@ def test_wait_for_leader_and_for_tree(server, api):
         assert response.status_code == 400, params
 
 
-def test_wait_without_scope_waits_for_the_leader(server, api):
-    process_id = api.sh("sleep 0.2; sleep 1 >/dev/null 2>&1 & exit 0")
+def test_wait_without_scope_waits_for_the_leader(server, api, tmp_path):
+    process_id = api.sh("sleep 0.2; " + until_told(tmp_path / "go") + " exit 0")
     for params in ({}, {"scope": ""}):  # left out (PY, Java, Rust) or empty (Go)
         response = api.request("GET", "/processes/%s/wait" % process_id, params=params)
         assert response.status_code == 200, params
         record = response.json()["data"]
         assert record["leader_exited"] is True and record["tree_exited"] is False
+    (tmp_path / "go").touch()
     assert server.wait_tree_gone(process_id)
 
 
