@@ -18,7 +18,7 @@ import time
 from typing import Iterator, List, Set
 
 import pytest
-from support import alive
+from support import alive, until
 
 import createos_exec as cx
 
@@ -76,6 +76,13 @@ def targets(leader: int, agent: int) -> List[Set[int]]:
     return [{int(pid) for pid in line.split()} for line in done.stdout.split("\n")[:2]]
 
 
+def terminate(leader: int, agent: str) -> None:
+    """The watchdog's SIGTERM to the tree of `leader`, sent as by `agent` ("$$": bash's own)."""
+    done = bash(WATCHDOG + f"_cx_leader=$1 _cx_agent={agent} _cx_group=$1\n_cx_signal TERM",
+                str(leader))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+
+
 @pytest.fixture
 def tree() -> Iterator["subprocess.Popen[str]"]:
     leader = started(TREE)
@@ -110,6 +117,8 @@ def test_the_wrapper_refuses_a_bash_older_than_5_with_125_and_a_sentence(major, 
 
 def test_the_tree_is_the_group_the_reparented_and_the_descendants_outside_it(tree):
     child, orphan, apart = tree.members
+    # Its pid is printed at the fork, before setsid has made it a session of its own.
+    until(lambda: os.getsid(apart) == apart, 5, "the session of its own")
     stranger = subprocess.Popen(["sleep", "30"])
     try:
         members, outside = targets(tree.pid, os.getpid())
@@ -123,40 +132,36 @@ def test_the_tree_is_the_group_the_reparented_and_the_descendants_outside_it(tre
 def test_a_signal_reaches_each_process_of_the_tree_and_no_other(tree):
     stranger = subprocess.Popen(["sleep", "30"])
     try:
-        done = bash(
-            WATCHDOG + "_cx_leader=$1 _cx_agent=$$ _cx_group=$1\n_cx_signal TERM", str(tree.pid)
-        )
-        assert done.returncode == 0, done.stderr
+        terminate(tree.pid, "$$")
         assert tree.wait(5) == -signal.SIGTERM
-        deadline = time.monotonic() + 5
-        while any(map(alive, tree.members)) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not any(map(alive, tree.members))
+        until(lambda: not any(map(alive, tree.members)), 5, "the end of the tree")
         assert stranger.poll() is None
     finally:
         stranger.kill()
         stranger.wait()
 
 
-def watch(leader: "subprocess.Popen[str]", due_cs: int, read: int) -> "subprocess.Popen[str]":
-    """The watchdog of `leader` alone, on a pipe whose write end the leader holds."""
-    return subprocess.Popen(
+def watched(script: str, due_cs: int) -> "tuple[subprocess.Popen[str], subprocess.Popen[str]]":
+    """A leader running `script` and its watchdog alone, due in `due_cs` centiseconds,
+    on a pipe whose write end (`{write}` in the script) the leader holds."""
+    read, write = os.pipe()
+    leader = subprocess.Popen(
+        ["bash", "-c", script.format(write=write)], pass_fds=(write,), start_new_session=True
+    )
+    watchdog = subprocess.Popen(
         ["bash", "-c", WATCHDOG + '_cx_watch "$@"', "watchdog", str(leader.pid), str(os.getpid()),
          str(due_cs), "10", str(read)],
         pass_fds=(read,),
     )  # fmt: skip
+    os.close(read)
+    os.close(write)
+    return leader, watchdog
 
 
 @pytest.mark.parametrize("leader_script", ["sleep 0.2", "sleep 30 >/dev/null & sleep 0.2"])
 def test_the_watchdog_leaves_when_the_leader_ends_whoever_holds_the_pipe(leader_script):
     # With a background child the pipe stays open: the look at /proc sees the end.
-    read, write = os.pipe()
-    leader = subprocess.Popen(
-        ["bash", "-c", leader_script], pass_fds=(write,), start_new_session=True
-    )
-    watchdog = watch(leader, 6000, read)
-    os.close(read)
-    os.close(write)
+    leader, watchdog = watched(leader_script, 6000)
     try:
         leader.wait(5)
         assert watchdog.wait(1.0) == 0  # generous: it has 0.1 s at most
@@ -168,13 +173,7 @@ def test_the_watchdog_leaves_when_the_leader_ends_whoever_holds_the_pipe(leader_
 
 
 def test_a_leader_that_closed_the_pipe_is_still_ended_at_the_deadline():
-    read, write = os.pipe()
-    leader = subprocess.Popen(
-        ["bash", "-c", f"exec {write}>&-; sleep 30"], pass_fds=(write,), start_new_session=True
-    )
-    watchdog = watch(leader, 30, read)
-    os.close(read)
-    os.close(write)
+    leader, watchdog = watched("exec {write}>&-; sleep 30", 30)
     try:
         assert leader.wait(5) == -signal.SIGTERM
         assert watchdog.wait(5) == 0
@@ -217,12 +216,7 @@ def test_the_leaders_own_cgroup_holds_the_daemon_the_tree_misses(cgroup):
         assert daemon in members and daemon in outside
         # The cgroup of the agent (here the leader itself) is not one of its own.
         assert daemon not in targets(leader.pid, leader.pid)[0]
-        done = bash(WATCHDOG + "_cx_leader=$1 _cx_agent=$2 _cx_group=$1\n_cx_signal TERM",
-                    str(leader.pid), str(os.getpid()))  # fmt: skip
-        assert done.returncode == 0, done.stderr
-        deadline = time.monotonic() + 5
-        while alive(daemon) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not alive(daemon)
+        terminate(leader.pid, str(os.getpid()))
+        until(lambda: not alive(daemon), 5, "the daemon's end")
     finally:
         end(leader)
