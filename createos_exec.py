@@ -6359,8 +6359,8 @@ _HEADER_LINE = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+):[\t ]*([\t !-~\x80-\x
 # What a refused tunnel means, by status, where the module's advice does not fit.
 _TUNNEL_ADVICE = {
     404: "no sandbox with this id here, or a service without tunnels",
-    502: "nothing listens on that port in the sandbox; start the server first (start(), "
-    "then wait_for_port()), listening on 127.0.0.1 or 0.0.0.0 there",
+    502: "nothing listens on that port in the sandbox; start the server there first, on "
+    "127.0.0.1 or 0.0.0.0, and wait until it listens",
 }
 
 
@@ -6942,6 +6942,16 @@ def _parser() -> argparse.ArgumentParser:
         "exit status (repeatable)",
     )
     parser.add_argument(
+        "--forward",
+        action="append",
+        default=[],
+        type=_forward_option,
+        metavar="[BIND:]LOCAL:REMOTE",
+        help="listen at BIND:LOCAL here (BIND 127.0.0.1 unless given; LOCAL 0: a free port) and "
+        "lead each connection to port REMOTE in the sandbox, as ssh -L does (repeatable); "
+        "until Ctrl-C, or with a command for as long as it runs",
+    )
+    parser.add_argument(
         "--resume",
         action="store_true",
         help="resume the sandbox when it is found paused (before or during the run) and go on",
@@ -6980,6 +6990,47 @@ def _transfer_option(option: str, remote_first: bool) -> Callable[[str], _Transf
     return transfer
 
 
+class _ForwardSpec(NamedTuple):
+    """One --forward: where to listen, and the port in the sandbox."""
+
+    bind: str
+    local: int
+    remote: int
+
+
+_FORWARD_SPEC = re.compile(r"(?:(\[[0-9A-Fa-f:.]+\]|[^:\[\]]+):)?([0-9]{1,5}):([0-9]{1,5})\Z")
+
+
+def _forward_option(text: str) -> _ForwardSpec:
+    """--forward [BIND:]LOCAL:REMOTE: ssh -L's without its host (the sandbox is the
+    host); BIND an address ([::1] bracketed, * for every interface)."""
+    match = _FORWARD_SPEC.match(text)
+    local, remote = (int(match.group(2)), int(match.group(3))) if match else (-1, 0)
+    if match is None or local > 65535 or not 0 < remote <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"expected [BIND:]LOCAL:REMOTE, ports from 1 to 65535 (LOCAL 0: a free one), "
+            f"as in 8080:80 or 127.0.0.1:8080:80, not {_shown(text)}"
+        )
+    bind = (match.group(1) or "127.0.0.1").strip("[]")
+    return _ForwardSpec("0.0.0.0" if bind == "*" else bind, local, remote)
+
+
+def _forwarding(
+    client: Client, options: argparse.Namespace, serving: bool, say: Callable[[str], None]
+) -> contextlib.ExitStack:
+    """Every --forward open (checked at once when `serving`: no command starts the
+    server), each saying where it listens; closed with the stack returned."""
+    with contextlib.ExitStack() as opening:
+        for spec in options.forward:
+            transport, sandbox_id = client._transport, options.sandbox_id
+            fw = opening.enter_context(
+                _forward(transport, sandbox_id, spec.remote, spec.local, spec.bind, check=serving)
+            )
+            until = "Ctrl-C stops" if serving else "while the command runs"
+            say(f"forwarding {fw.address} to port {fw.port} of the sandbox {sandbox_id} ({until})")
+        return opening.pop_all()
+
+
 def _after_option(text: str) -> int:
     if not text.isdigit():
         raise argparse.ArgumentTypeError(f"expected a frame number >= 0, not {_shown(text)}")
@@ -7009,7 +7060,8 @@ def _command_and_env(
         parser.error("give --attach PROCESS_ID or -- COMMAND, not both")
     if options.after and options.attach is None:
         parser.error("--after goes with --attach PROCESS_ID")
-    if not command and (options.put or options.get or options.attach is not None):
+    wanted = options.put or options.get or options.forward or options.attach is not None
+    if not command and wanted:
         return None, None
     if not command:
         parser.error("no command given: put it after --, as in: SANDBOX_ID -- uname -a")
@@ -7314,13 +7366,17 @@ def _run_with_files(
     stdin: Union[bytes, int, None],
     started: List[RemoteProcess],
     failures: List[CreateOSError],
+    say: Callable[[str], None],
 ) -> Optional[ExecResult]:
-    """The --put files, the command (if any), then the --get files once a command
-    that was started has ended, however it ended: the command's error is raised
-    after them."""
-    with Client(api_url=options.api_url) as client:
+    """The --forward listeners, the --put files, the command (if any), then the --get
+    files once a command that was started has ended, however it ended: the command's
+    error is raised after them. Forwards without a command serve until Ctrl-C."""
+    serving = command is None and options.attach is None
+    with Client(api_url=options.api_url) as client, _forwarding(client, options, serving, say):
         for transfer in options.put:
             _transfer(transfer, client.put, options.sandbox_id, transfer.local, transfer.remote)
+        while serving and options.forward:
+            time.sleep(3600)  # until Ctrl-C's KeyboardInterrupt
         result, failure = None, None
         try:
             if command is not None or options.attach is not None:
@@ -7411,7 +7467,7 @@ def _in_shell_words(error: CreateOSError) -> str:
             f"still run; its output after seq {error.after or 0} is kept, and the process "
             "can be taken up again by its id once the API answers."
         )
-    if not isinstance(error, SandboxError):
+    if not isinstance(error, SandboxError) or error.operation.startswith(_TUNNEL_TO):
         return str(error)
     sandbox = f"the sandbox {error.sandbox_id} {_sandbox_is(error.sandbox_status)}"
     if isinstance(error, SandboxGoneError):
@@ -7481,7 +7537,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     failures: List[CreateOSError] = []
     try:
         with _counted_interrupts(interrupts):
-            result = _run_with_files(options, command, env, stdin, started, failures)
+            result = _run_with_files(options, command, env, stdin, started, failures, report.line)
     except KeyboardInterrupt:
         report.line("interrupted" if len(interrupts) < 2 else _cleanup_cut_short(started))
         return 130
