@@ -6630,7 +6630,14 @@ class _Flow:
                 raise _Broken(self.source) from error
             self.ended = not count
             self.pending = memoryview(self.buffer)[:count]
+            if 0 < count < len(self.buffer) and not self._buffered():
+                self._written()  # the source is drained: the selector says when more comes
+                return False
         return True
+
+    def _buffered(self) -> bool:
+        """TLS: bytes read and decrypted already, which no selector sees."""
+        return isinstance(self.source, ssl.SSLSocket) and self.source.pending() > 0
 
     def _written(self) -> bool:
         while self.pending:
@@ -6701,16 +6708,25 @@ class _Bridge:
             while not self._stopped:
                 ready = self._selector.select(0 if again else None)
                 flows, again = again, []
-                for key, _ in ready:
+                for key, events in ready:
                     if key.fileobj is self._listener:
                         self._accept()
                     elif key.fileobj is self._woken:
                         self._take_opened()
                     else:
-                        flows.extend(self._flows.get(key.fileobj, ()))  # type: ignore[call-overload]
+                        flows.extend(self._flows_of(key.fileobj, events))  # type: ignore[arg-type]
                 again = [flow for flow in dict.fromkeys(flows) if self._moved(flow)]
         finally:
             self._close_all()
+
+    def _flows_of(self, sock: socket.socket, events: int) -> List[_Flow]:
+        """The flows that `sock` being readable or writable (`events`) moves on."""
+        return [
+            flow
+            for flow in self._flows.get(sock, ())
+            if (flow.source is sock and events & selectors.EVENT_READ)
+            or (flow.sink is sock and events & selectors.EVENT_WRITE)
+        ]
 
     def _accept(self) -> None:
         while True:

@@ -76,9 +76,7 @@ def test_concurrent_connections_are_byte_exact_both_ways_with_the_half_close_pas
 
 
 @pytest.mark.parametrize("state", ["closed port", "paused", "gone"])
-def test_a_refusal_at_entry_is_a_typed_error_naming_the_sandbox_and_the_port(
-    client, server, state
-):
+def test_a_refusal_at_entry_is_a_typed_error_naming_the_sandbox_and_the_port(client, server, state):
     port = closed_port() if state == "closed port" else reverser()
     if state == "paused":
         server.pause("sb_local")
