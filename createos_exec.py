@@ -6650,18 +6650,17 @@ class _Flow:
         return True
 
     def _shut_sink(self) -> None:
-        """The half-close: a FIN; over TLS the close_notify first, as Go's
-        CloseWrite sends it (unwrap() sends it and, the peer's own not being
-        there yet, leaves the connection readable)."""
+        """The half-close: a FIN. Not over TLS: its ssl module has no close_notify
+        that leaves the connection readable (unwrap() does not, shutdown() drops
+        TLS at once, and a bare FIN breaks the tunnel), so a tunnel over TLS stays
+        open that way until the sandbox's side ends too."""
         if self.shut:
             return
         self.shut = True
+        if isinstance(self.sink, ssl.SSLSocket):
+            return
         try:
-            if isinstance(self.sink, ssl.SSLSocket):
-                with contextlib.suppress(*_WOULD_BLOCK):
-                    self.sink.unwrap()
-            else:
-                self.sink.shutdown(socket.SHUT_WR)
+            self.sink.shutdown(socket.SHUT_WR)
         except OSError as error:
             raise _Broken(self.sink) from error
 
