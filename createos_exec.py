@@ -6863,6 +6863,7 @@ examples:
   {prog} --put src.tar:/app/src.tar --get /app/report.html:report.html \
       sb_123 -- bash -c 'cd /app && tar xf src.tar && make report'
   {prog} --get /var/log/app.log:app.log sb_123     # transfers only
+  {prog} --forward 8080:8000 sb_123   # localhost:8080 here is port 8000 there, until Ctrl-C
 
 Files: each --put is written before the command, each --get fetched after it
 ends, whatever its exit status; a file arrives whole or not at all.
