@@ -29,7 +29,8 @@ remote process tree is terminated. start() returns a RemoteProcess at once, the
 counterpart of subprocess.Popen; execute() is start(...).wait(), and
 client.process() is a handle on a process started earlier. put() and get()
 move files in and out: streamed, checked by SHA-256 on both sides, renamed
-into place only once whole. When the sandbox itself is paused or gone, the
+into place only once whole. forward() leads a port of this machine to one in
+the sandbox, a tunnel per connection. When the sandbox itself is paused or gone, the
 error says so (SandboxPausedError, SandboxGoneError), and resume=True goes on
 where the run stopped.
 `createos-exec --help` (or `python -m createos_exec --help`) is the command line;
@@ -6450,7 +6451,7 @@ def _listener(bind: Any, port: int) -> socket.socket:
     try:
         return socket.create_server((host, port), family=family, backlog=128)
     except OSError as error:
-        why = error.strerror or "it cannot be had"
+        why = os.strerror(error.errno) if error.errno else "it cannot be had"
         raise ConfigError(f"Cannot listen on {bind}:{port} here: {why}.") from None
 
 
