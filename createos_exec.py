@@ -29,7 +29,8 @@ remote process tree is terminated. start() returns a RemoteProcess at once, the
 counterpart of subprocess.Popen; execute() is start(...).wait(), and
 client.process() is a handle on a process started earlier. put() and get()
 move files in and out: streamed, checked by SHA-256 on both sides, renamed
-into place only once whole. When the sandbox itself is paused or gone, the
+into place only once whole. forward() leads a port of this machine to one in
+the sandbox, a tunnel per connection. When the sandbox itself is paused or gone, the
 error says so (SandboxPausedError, SandboxGoneError), and resume=True goes on
 where the run stopped.
 `createos-exec --help` (or `python -m createos_exec --help`) is the command line;
@@ -49,7 +50,8 @@ Contents, in the order a call runs through them (each section opens with its con
     10. Deadlines and pacing
     11. Configuration checks: the URL, the key, ids, numbers
     12. Sandbox-side scripts
-    13. The command line, and its terminal sessions (-t)
+    13. Port forwarding: a local listener, a tunnel per connection
+    14. The command line, and its terminal sessions (-t)
 """
 
 from __future__ import annotations
@@ -79,8 +81,10 @@ import posixpath
 import random
 import re
 import secrets
+import selectors
 import signal as _signal
 import socket
+import ssl
 import stat
 import struct
 import subprocess
@@ -146,6 +150,7 @@ __all__ = [
     "CreateOSError",
     "ExecResult",
     "FileInfo",
+    "Forward",
     "InputUnconfirmedError",
     "OutputEvictedError",
     "OutputIncompleteError",
@@ -166,6 +171,7 @@ __all__ = [
     "WaitTimeout",
     "echo",
     "execute",
+    "forward",
     "get",
     "main",
     "put",
@@ -419,6 +425,7 @@ _SANDBOX_OPERATIONS = (
 _OF_A_FILE = ("upload of ", "download of ", "check of ", "creation of the directory of ")
 _NO_SANDBOX = "no sandbox with this id here (a wrong id, or a sandbox in another region)"
 _AFTER_RESUME = "process lookup after the sandbox's resume"
+_TUNNEL_TO = "tunnel to port "  # forward()'s operation, its port after it
 _LOST_IN_PAUSE = (
     "the service lost the process across the sandbox's pause; what it printed after "
     ".result, and how it ended, are unknown"
@@ -793,12 +800,18 @@ class SandboxError(APIError):
     def _is(self) -> str:
         return _sandbox_is(self.sandbox_status)
 
+    def _no_tunnel(self, advice: str) -> str:
+        """forward()'s: the tunnel (its operation names the port) and what to do."""
+        return f"The sandbox {self.sandbox_id} {self._is()}: no {self.operation}; {advice}."
+
 
 class SandboxPausedError(SandboxError):
     """The sandbox is paused: the process is frozen with it, not ended; `.after` is the cursor."""
 
     def __str__(self) -> str:
         sandbox = self.sandbox_id
+        if self.operation.startswith(_TUNNEL_TO):
+            return self._no_tunnel("resume it, then forward again")
         if self.process_id is None:
             return (
                 f"The sandbox {sandbox} {self._is()}: no process was started. Resume it "
@@ -817,6 +830,8 @@ class SandboxGoneError(SandboxError):
     """The sandbox is destroyed, failed or unknown: its processes went with it."""
 
     def __str__(self) -> str:
+        if self.operation.startswith(_TUNNEL_TO):
+            return self._no_tunnel("check the sandbox id, or forward to another sandbox")
         return f"The sandbox {self.sandbox_id} {self._is()}: {_GONE_ADVICE[self._unknown()]}."
 
     def _unknown(self) -> bool:
@@ -1425,6 +1440,18 @@ class Client:
         finally:
             sink.discard()
 
+    def forward(
+        self, sandbox_id: str, port: int, *, local_port: int = 0, bind: str = "127.0.0.1"
+    ) -> Forward:
+        """Listen at `bind`:`local_port` (0: a free port) on this machine and lead
+        every connection there to `port` in the sandbox, each through a tunnel of
+        its own, until close() (a context manager, as `with` closes it).
+
+        One tunnel is opened and closed first: a port nothing listens on, a
+        sandbox paused or gone, a refused tunnel raise here, naming both.
+        """
+        return _forward(self._transport, sandbox_id, port, local_port, bind)
+
 
 @overload
 def execute(
@@ -1553,6 +1580,28 @@ def get(
     return _on_a_client(
         client, lambda on: on.get(sandbox_id, path, destination, max_bytes=max_bytes)
     )
+
+
+def forward(
+    sandbox_id: str,
+    port: int,
+    *,
+    local_port: int = 0,
+    bind: str = "127.0.0.1",
+    client: Optional[Client] = None,
+) -> Forward:
+    """Client.forward() with a client built from the environment (or the one given);
+    a client built here is closed with the forward."""
+    if client is not None:
+        return client.forward(sandbox_id, port, local_port=local_port, bind=bind)
+    own = Client()
+    try:
+        forwarded = own.forward(sandbox_id, port, local_port=local_port, bind=bind)
+    except BaseException:
+        own.close()
+        raise
+    forwarded._owner = own
+    return forwarded
 
 
 def _on_a_client(client: Optional[Client], call: Callable[[Client], _T]) -> _T:
@@ -4996,6 +5045,13 @@ class _Transport:
             return response
         raise _refusal(response, operation, process_id)
 
+    def for_a_tunnel(self) -> Tuple[str, Optional[_RateLimiter], Dict[str, Any]]:
+        """What a tunnel's upgrade (section 13), the one request requests cannot
+        make, takes from here: the key, the pacing window, and the TLS settings
+        the session would use for this origin (`verify`, `cert`)."""
+        tls = self._session.merge_environment_settings(self.base, {}, None, None, None)
+        return self._auth._api_key, self._limiter, dict(tls)
+
 
 class _OnlyTheKey(requests.auth.AuthBase):
     """Every request's one credential: X-Api-Key.
@@ -6282,7 +6338,511 @@ _DESCRIBE_FAILURES = {3: "missing", 4: "no_tools", 5: "not_a_file", 6: "unreadab
 
 
 # ==========================================================================
-# 13. The command line, and its terminal sessions (-t)
+# 13. Port forwarding: a local listener, a tunnel per connection
+# ==========================================================================
+#
+# forward() listens on this machine, and each connection it accepts gets a
+# tunnel of its own to the sandbox's port (protocol 7b): one HTTP/1.1
+# Upgrade, written by hand on a socket of ours (requests cannot hand an
+# upgraded connection over), its answer's head read strictly; after a 101
+# the socket is a raw pipe. One thread serves a forward, through a
+# selector: its listener and both directions of every connection, each
+# direction holding at most one piece and ended on its own (half-close).
+# Only an opening, which waits for the service, has a thread while it
+# lasts. The key goes into the upgrade's header only, to the API origin.
+
+
+_TUNNEL_PIECE = 256 * 1024  # most bytes read at once, and held, per direction
+_TUNNEL_HEAD_LIMIT = 64 * 1024  # longest head of an answer to an upgrade
+_TUNNEL_TURNS = 16  # pieces one direction moves before the others get their turn
+_STATUS_LINE = re.compile(rb"HTTP/1\.[01] ([1-5][0-9][0-9])(?: [\t !-~\x80-\xff]*)?\Z")
+_HEADER_LINE = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+):[\t ]*([\t !-~\x80-\xff]*?)[\t ]*\Z")
+# What a refused tunnel means, by status, where the module's advice does not fit.
+_TUNNEL_ADVICE = {
+    404: "no sandbox with this id here, or a service without tunnels",
+    502: "nothing listens on that port in the sandbox; start the server there first, on "
+    "127.0.0.1 or 0.0.0.0, and wait until it listens",
+}
+
+
+class Forward:
+    """A port on this machine that leads to `port` in the sandbox (Client.forward()).
+
+    Every connection accepted at `address` ("host:port"; `url` is its
+    http:// URL) gets a tunnel of its own; both directions are copied until
+    both have ended, an end passed on as a half-close. A connection whose
+    tunnel cannot be opened, or breaks, is closed alone, counted in
+    `failures` and logged at WARNING. close() (or leaving the `with` block)
+    stops listening and closes every connection.
+    """
+
+    def __init__(
+        self, sandbox_id: str, port: int, listener: socket.socket, tunnels: _Tunnels
+    ) -> None:
+        self.sandbox_id = sandbox_id
+        self.port = port
+        host, self.local_port = listener.getsockname()[:2]
+        self.address = f"[{host}]:{self.local_port}" if ":" in host else f"{host}:{self.local_port}"
+        self.url = f"http://{self.address}/"
+        self._bridge = _Bridge(listener, tunnels)
+        self._owner: Optional[Client] = None  # cx.forward()'s own client, closed with it
+
+    @property
+    def failures(self) -> int:
+        """Connections closed because their tunnel could not be opened or broke."""
+        return self._bridge.failures
+
+    def close(self) -> None:
+        """Stop listening and close every connection (at once, as ssh -L does on exit)."""
+        self._bridge.stop()
+        if self._owner is not None:
+            self._owner.close()
+
+    def __enter__(self) -> "Forward":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"Forward(address={self.address!r}, sandbox_id={self.sandbox_id!r}, "
+            f"port={self.port!r}, failures={self.failures!r})"
+        )
+
+
+def _forward(
+    transport: _Transport,
+    sandbox_id: str,
+    port: int,
+    local_port: int,
+    bind: str,
+    *,
+    check: bool = True,
+) -> Forward:
+    """Listen at `bind`:`local_port`, then (`check`) open one tunnel and close it,
+    so that a port nothing listens on or a sandbox that does not run is an error
+    now, not at the first connection."""
+    tunnels = _Tunnels(_Sandbox(transport, sandbox_id), _tunnel_port("port", port, 1))
+    listener = _listener(bind, _tunnel_port("local_port", local_port, 0))
+    try:
+        if check:
+            tunnels.check()
+        return Forward(sandbox_id, port, listener, tunnels)
+    except BaseException:
+        listener.close()
+        raise
+
+
+def _tunnel_port(name: str, value: Any, lowest: int) -> int:
+    if not _is_int(value) or not lowest <= value <= 65535:
+        raise ConfigError(
+            f"{name} must be a port number from {lowest} to 65535, not {_shown(value)}."
+        )
+    return int(value)
+
+
+def _listener(bind: Any, port: int) -> socket.socket:
+    """The listening socket; a ConfigError when the address cannot be had."""
+    if not isinstance(bind, str) or not _HOST.match(bind.strip("[]")):
+        raise ConfigError(f"bind must be a host name or an IP address, not {_shown(bind)}.")
+    host = bind.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family, backlog=128)
+    except OSError as error:
+        why = os.strerror(error.errno) if error.errno else "it cannot be had"
+        raise ConfigError(f"Cannot listen on {bind}:{port} here: {why}.") from None
+
+
+class _Tunnels:
+    """The tunnels to one port of one sandbox, each opened by an upgrade request of
+    its own, paced as every request is, its timeouts the client's request_timeout."""
+
+    def __init__(self, sandbox: _Sandbox, port: int) -> None:
+        self.sandbox = sandbox
+        self.port = port
+        self.operation = f"{_TUNNEL_TO}{port}"
+        transport = sandbox.transport
+        key, self._limiter, tls = transport.for_a_tunnel()
+        origin = urllib.parse.urlsplit(transport.base)
+        self._https = origin.scheme == "https"
+        self._host = origin.hostname or ""
+        self._origin_port = origin.port or (443 if self._https else 80)
+        self._address = _address(transport.base)
+        self._timeout = transport.request_timeout
+        self._tls = _tls_context(tls.get("verify", True), tls.get("cert")) if self._https else None
+        self._request = (
+            f"POST {origin.path}{sandbox.path}/tunnel/{port} HTTP/1.1\r\n"
+            f"Host: {origin.netloc}\r\nX-Api-Key: {key}\r\nConnection: Upgrade\r\n"
+            "Upgrade: tcp-tunnel\r\nContent-Length: 0\r\n\r\n"
+        ).encode("ascii")
+
+    def check(self) -> None:
+        """One tunnel opened and closed, under the retry policy; what refused it, raised."""
+        transport = self.sandbox.transport
+        try:
+            transport.retried(lambda now: self.open(now)[0].close(), _ENDLESS)
+        except APIError as refused:
+            raise self._refused(refused) from None
+
+    def open(self, deadline: _Deadline = _ENDLESS) -> Tuple[socket.socket, bytes]:
+        """One tunnel: its socket, and the first bytes of the pipe (read with the head).
+
+        _Retryable for what is worth another attempt (transport trouble, 408,
+        429, a 5xx other than 502), APIError for any other refusal,
+        ProtocolError for an answer that is not HTTP/1.1 as it should be."""
+        place = None
+        if self._limiter is not None:
+            place = self._limiter.acquire(3 * self._timeout, deadline)
+            if place is None:
+                raise _Retryable(self.operation, maybe_sent=False, address=self._address)
+        status: Optional[int] = None
+        try:
+            sock = self._connect(deadline)
+            try:
+                sock.sendall(self._request)
+                status, headers, early = self._answer(sock)
+            except BaseException:
+                sock.close()
+                raise
+        except ssl.SSLError:
+            raise TransportError(self.operation, address=self._address, reason="tls") from None
+        except OSError as error:
+            raise _transport_failure(error, self.operation, self.sandbox.transport.base) from None
+        finally:
+            if place is not None and self._limiter is not None:
+                self._limiter.release(place, status)
+        if status == 101:
+            sock.settimeout(None)
+            return sock, early
+        sock.close()
+        if status in (408, 429) or (status >= 500 and status != 502):
+            retry_after = _retry_after(headers.get("retry-after"))
+            raise _Retryable(self.operation, status=status, retry_after=retry_after)
+        raise APIError(status, self.operation)
+
+    def _connect(self, deadline: _Deadline) -> socket.socket:
+        timeout = deadline.within(self._timeout)
+        raw = socket.create_connection((self._host, self._origin_port), timeout)
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._tls is None:
+            return raw
+        try:
+            return self._tls.wrap_socket(raw, server_hostname=self._host)
+        except BaseException:
+            raw.close()
+            raise
+
+    def _answer(self, sock: socket.socket) -> Tuple[int, Dict[str, str], bytes]:
+        """The status and headers of the answer, and what came after its head."""
+        data = bytearray()
+        while True:
+            end = data.find(b"\r\n\r\n")
+            if end >= 0:
+                break
+            if len(data) > _TUNNEL_HEAD_LIMIT:
+                raise ProtocolError("the head of the answer to a tunnel is too long")
+            piece = sock.recv(_TUNNEL_PIECE)
+            if not piece:
+                raise ConnectionResetError("the connection closed before the answer's head")
+            data += piece
+        status_line, *lines = bytes(data[:end]).split(b"\r\n")
+        status = _STATUS_LINE.match(status_line)
+        fields = [_HEADER_LINE.match(line) for line in lines]
+        if status is None or not all(fields):
+            raise ProtocolError("the answer to a tunnel is not an HTTP/1.1 head")
+        headers = {f.group(1).decode().lower(): f.group(2).decode("latin-1") for f in fields if f}
+        return int(status.group(1)), headers, bytes(data[end + 4 :])
+
+    def _refused(self, refused: APIError) -> CreateOSError:
+        """The entry's refusal in words that name the sandbox and the port, and
+        for a 404 or 409 what the sandbox's view says of it."""
+        status = refused.status
+        advice = _TUNNEL_ADVICE.get(status) or _advice(status, self.operation)
+        refused.args = (
+            f"CreateOS refused a tunnel to port {self.port} of the sandbox "
+            f"{self.sandbox.sandbox_id} (HTTP {status})" + (f": {advice}." if advice else "."),
+        )
+        return self.sandbox.diagnosed(refused) if status in (404, 409) else refused
+
+
+def _tls_context(verify: Any, cert: Any) -> ssl.SSLContext:
+    """TLS as the session would make it for the API (its CA bundle, REQUESTS_CA_BUNDLE,
+    verify=False, a client certificate), ALPN http/1.1: HTTP/2 carries no Upgrade."""
+    context = ssl.create_default_context()
+    if verify is False:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    else:
+        bundle = requests.utils.DEFAULT_CA_BUNDLE_PATH if verify is True else verify
+        if os.path.isdir(bundle):
+            context.load_verify_locations(capath=bundle)
+        else:
+            context.load_verify_locations(cafile=bundle)
+    if cert:
+        context.load_cert_chain(*((cert,) if isinstance(cert, str) else cert))
+    context.set_alpn_protocols(["http/1.1"])
+    return context
+
+
+# A socket that would block (TLS: one that needs the other way first): wait for the selector.
+_WOULD_BLOCK = (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
+
+
+class _Broken(Exception):
+    """A connection's socket failed: `sock` is the one."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        super().__init__()
+        self.sock = sock
+
+
+class _Flow:
+    """One direction of a connection: the piece read from `source` and not yet
+    all written to `sink`, whether `source` has ended, and whether that end was
+    passed on to `sink`."""
+
+    __slots__ = ("source", "sink", "buffer", "pending", "ended", "shut")
+
+    def __init__(self, source: socket.socket, sink: socket.socket, early: bytes = b"") -> None:
+        self.source = source
+        self.sink = sink
+        self.buffer = bytearray(_TUNNEL_PIECE)
+        self.pending = memoryview(early)
+        self.ended = False
+        self.shut = False
+
+    def move(self) -> bool:
+        """Write what is pending, read the next piece, and so on until a side would
+        block, _TUNNEL_TURNS pieces at most: True when it stopped at that count.
+        _Broken when a socket fails."""
+        for _ in range(_TUNNEL_TURNS):
+            if not self._written():
+                return False
+            if self.ended:
+                self._shut_sink()
+                return False
+            try:
+                count = self.source.recv_into(self.buffer)
+            except _WOULD_BLOCK:
+                return False
+            except OSError as error:
+                raise _Broken(self.source) from error
+            self.ended = not count
+            self.pending = memoryview(self.buffer)[:count]
+            if 0 < count < len(self.buffer) and not self._buffered():
+                self._written()  # the source is drained: the selector says when more comes
+                return False
+        return True
+
+    def _buffered(self) -> bool:
+        """TLS: bytes read and decrypted already, which no selector sees."""
+        return isinstance(self.source, ssl.SSLSocket) and self.source.pending() > 0
+
+    def _written(self) -> bool:
+        while self.pending:
+            try:
+                self.pending = self.pending[self.sink.send(self.pending) :]
+            except _WOULD_BLOCK:
+                return False
+            except OSError as error:
+                raise _Broken(self.sink) from error
+        return True
+
+    def _shut_sink(self) -> None:
+        """The half-close: a FIN. Not over TLS: its ssl module has no close_notify
+        that leaves the connection readable (unwrap() does not, shutdown() drops
+        TLS at once, and a bare FIN breaks the tunnel), so a tunnel over TLS stays
+        open that way until the sandbox's side ends too."""
+        if self.shut:
+            return
+        self.shut = True
+        if isinstance(self.sink, ssl.SSLSocket):
+            return
+        try:
+            self.sink.shutdown(socket.SHUT_WR)
+        except OSError as error:
+            raise _Broken(self.sink) from error
+
+
+class _Bridge:
+    """A forward's thread: it accepts connections, has each one's tunnel opened
+    (on a thread of its own while the service is awaited), then copies both
+    directions of every connection, all through one selector."""
+
+    def __init__(self, listener: socket.socket, tunnels: _Tunnels) -> None:
+        self.failures = 0
+        self._listener = listener
+        self._tunnels = tunnels
+        self._selector = selectors.DefaultSelector()
+        self._wake, self._woken = socket.socketpair()
+        self._opened: Deque[Tuple[socket.socket, socket.socket, bytes]] = collections.deque()
+        self._flows: Dict[socket.socket, List[_Flow]] = {}  # socket -> the flows it is in
+        self._lock = threading.Lock()
+        self._stopped = False
+        listener.setblocking(False)
+        self._woken.setblocking(False)
+        self._selector.register(listener, selectors.EVENT_READ)
+        self._selector.register(self._woken, selectors.EVENT_READ)
+        name = f"createos_exec forward {tunnels.sandbox.sandbox_id}:{tunnels.port}"
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        self._nudge()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def _nudge(self) -> None:
+        with contextlib.suppress(OSError):  # closed: the thread is gone, and knows
+            self._wake.send(b"\0")
+
+    def _serve(self) -> None:
+        again: List[_Flow] = []  # flows that stopped at their turns, not at a block
+        try:
+            while not self._stopped:
+                ready = self._selector.select(0 if again else None)
+                flows, again = again, []
+                for key, events in ready:
+                    if key.fileobj is self._listener:
+                        self._accept()
+                    elif key.fileobj is self._woken:
+                        self._take_opened()
+                    else:
+                        flows.extend(self._flows_of(key.fileobj, events))  # type: ignore[arg-type]
+                again = [flow for flow in dict.fromkeys(flows) if self._moved(flow)]
+        finally:
+            self._close_all()
+
+    def _flows_of(self, sock: socket.socket, events: int) -> List[_Flow]:
+        """The flows that `sock` being readable or writable (`events`) moves on."""
+        return [
+            flow
+            for flow in self._flows.get(sock, ())
+            if (flow.source is sock and events & selectors.EVENT_READ)
+            or (flow.sink is sock and events & selectors.EVENT_WRITE)
+        ]
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                local, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # out of descriptors: the connection waits in the backlog
+                logger.warning("The forward to %s could not accept a connection", self._named())
+                return
+            threading.Thread(target=self._open, args=(local,), daemon=True).start()
+
+    def _open(self, local: socket.socket) -> None:
+        """The tunnel of one local connection; the connection closed if there is none."""
+        try:
+            remote, early = self._tunnels.open()
+        except (CreateOSError, _Retryable) as error:
+            failure = error.final(None) if isinstance(error, _Retryable) else error
+            self._failed(f"a connection was closed: {failure}")
+            local.close()
+            return
+        with self._lock:
+            if not self._stopped:
+                self._opened.append((local, remote, early))
+                self._nudge()
+                return
+        local.close()
+        remote.close()
+
+    def _take_opened(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while self._woken.recv(4096):
+                pass
+        while self._opened:
+            local, remote, early = self._opened.popleft()
+            for sock in (local, remote):
+                sock.setblocking(False)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            outgoing, incoming = _Flow(local, remote), _Flow(remote, local, early)
+            self._flows[local] = self._flows[remote] = [outgoing, incoming]
+            for sock in (local, remote):
+                self._selector.register(sock, selectors.EVENT_READ)
+            for flow in (outgoing, incoming):
+                self._moved(flow)
+
+    def _moved(self, flow: _Flow) -> bool:
+        """Move `flow` on, then watch its sockets for what it waits for now; a failed
+        socket closes its connection (a failure when it is the tunnel's). True
+        when it has more to move at once."""
+        pair = self._flows.get(flow.source)
+        if pair is None:  # its connection was closed meanwhile
+            return False
+        try:
+            more = flow.move()
+        except _Broken as broken:
+            self._close(pair)
+            if broken.sock is pair[0].sink:
+                self._failed("a connection's tunnel broke, and the connection was closed")
+            return False
+        if all(each.shut for each in pair):
+            self._close(pair)
+            return False
+        for sock in (flow.source, flow.sink):
+            self._watch(sock, pair)
+        return more
+
+    def _watch(self, sock: socket.socket, pair: List[_Flow]) -> None:
+        """Wait to read from `sock` while its direction has room, to write while the
+        other direction has a piece for it."""
+        events = 0
+        for flow in pair:
+            if flow.source is sock and not flow.pending and not flow.ended:
+                events |= selectors.EVENT_READ
+            if flow.sink is sock and flow.pending:
+                events |= selectors.EVENT_WRITE
+        key = self._selector.get_map().get(sock)
+        if key is not None and events == 0:
+            self._selector.unregister(sock)
+        elif key is None and events:
+            self._selector.register(sock, events)
+        elif key is not None and key.events != events:
+            self._selector.modify(sock, events)
+
+    def _close(self, pair: List[_Flow]) -> None:
+        for sock in (pair[0].source, pair[0].sink):
+            self._flows.pop(sock, None)
+            if sock in self._selector.get_map():
+                self._selector.unregister(sock)
+            sock.close()
+
+    def _failed(self, what: str) -> None:
+        with self._lock:
+            self.failures += 1
+        logger.warning("The forward to %s: %s", self._named(), what)
+
+    def _named(self) -> str:
+        return f"port {self._tunnels.port} of the sandbox {self._tunnels.sandbox.sandbox_id}"
+
+    def _close_all(self) -> None:
+        with self._lock:
+            self._stopped = True
+            opened = list(self._opened)
+            self._opened.clear()
+        for local, remote, _ in opened:
+            local.close()
+            remote.close()
+        for sock in list(self._flows):
+            sock.close()
+        self._flows.clear()
+        self._selector.close()
+        for sock in (self._listener, self._wake, self._woken):
+            sock.close()
+
+
+# ==========================================================================
+# 14. The command line, and its terminal sessions (-t)
 # ==========================================================================
 #
 # createos-exec: its messages speak to a shell user (the variable to set, the
@@ -6304,6 +6864,7 @@ examples:
   {prog} --put src.tar:/app/src.tar --get /app/report.html:report.html \
       sb_123 -- bash -c 'cd /app && tar xf src.tar && make report'
   {prog} --get /var/log/app.log:app.log sb_123     # transfers only
+  {prog} --forward 8080:8000 sb_123   # localhost:8080 here is port 8000 there, until Ctrl-C
 
 Files: each --put is written before the command, each --get fetched after it
 ends, whatever its exit status; a file arrives whole or not at all.
@@ -6398,6 +6959,16 @@ def _parser() -> argparse.ArgumentParser:
         "exit status (repeatable)",
     )
     parser.add_argument(
+        "--forward",
+        action="append",
+        default=[],
+        type=_forward_option,
+        metavar="[BIND:]LOCAL:REMOTE",
+        help="listen at BIND:LOCAL here (BIND 127.0.0.1 unless given; LOCAL 0: a free port) and "
+        "lead each connection to port REMOTE in the sandbox, as ssh -L does (repeatable); "
+        "until Ctrl-C, or with a command for as long as it runs",
+    )
+    parser.add_argument(
         "--resume",
         action="store_true",
         help="resume the sandbox when it is found paused (before or during the run) and go on",
@@ -6436,6 +7007,47 @@ def _transfer_option(option: str, remote_first: bool) -> Callable[[str], _Transf
     return transfer
 
 
+class _ForwardSpec(NamedTuple):
+    """One --forward: where to listen, and the port in the sandbox."""
+
+    bind: str
+    local: int
+    remote: int
+
+
+_FORWARD_SPEC = re.compile(r"(?:(\[[0-9A-Fa-f:.]+\]|[^:\[\]]+):)?([0-9]{1,5}):([0-9]{1,5})\Z")
+
+
+def _forward_option(text: str) -> _ForwardSpec:
+    """--forward [BIND:]LOCAL:REMOTE: ssh -L's without its host (the sandbox is the
+    host); BIND an address ([::1] bracketed, * for every interface)."""
+    match = _FORWARD_SPEC.match(text)
+    local, remote = (int(match.group(2)), int(match.group(3))) if match else (-1, 0)
+    if match is None or local > 65535 or not 0 < remote <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"expected [BIND:]LOCAL:REMOTE, ports from 1 to 65535 (LOCAL 0: a free one), "
+            f"as in 8080:80 or 127.0.0.1:8080:80, not {_shown(text)}"
+        )
+    bind = (match.group(1) or "127.0.0.1").strip("[]")
+    return _ForwardSpec("0.0.0.0" if bind == "*" else bind, local, remote)
+
+
+def _forwarding(
+    client: Client, options: argparse.Namespace, serving: bool, say: Callable[[str], None]
+) -> contextlib.ExitStack:
+    """Every --forward open (checked at once when `serving`: no command starts the
+    server), each saying where it listens; closed with the stack returned."""
+    with contextlib.ExitStack() as opening:
+        for spec in options.forward:
+            transport, sandbox_id = client._transport, options.sandbox_id
+            fw = opening.enter_context(
+                _forward(transport, sandbox_id, spec.remote, spec.local, spec.bind, check=serving)
+            )
+            until = "Ctrl-C stops" if serving else "while the command runs"
+            say(f"forwarding {fw.address} to port {fw.port} of the sandbox {sandbox_id} ({until})")
+        return opening.pop_all()
+
+
 def _after_option(text: str) -> int:
     if not text.isdigit():
         raise argparse.ArgumentTypeError(f"expected a frame number >= 0, not {_shown(text)}")
@@ -6465,7 +7077,8 @@ def _command_and_env(
         parser.error("give --attach PROCESS_ID or -- COMMAND, not both")
     if options.after and options.attach is None:
         parser.error("--after goes with --attach PROCESS_ID")
-    if not command and (options.put or options.get or options.attach is not None):
+    wanted = options.put or options.get or options.forward or options.attach is not None
+    if not command and wanted:
         return None, None
     if not command:
         parser.error("no command given: put it after --, as in: SANDBOX_ID -- uname -a")
@@ -6770,13 +7383,17 @@ def _run_with_files(
     stdin: Union[bytes, int, None],
     started: List[RemoteProcess],
     failures: List[CreateOSError],
+    say: Callable[[str], None],
 ) -> Optional[ExecResult]:
-    """The --put files, the command (if any), then the --get files once a command
-    that was started has ended, however it ended: the command's error is raised
-    after them."""
-    with Client(api_url=options.api_url) as client:
+    """The --forward listeners, the --put files, the command (if any), then the --get
+    files once a command that was started has ended, however it ended: the command's
+    error is raised after them. Forwards without a command serve until Ctrl-C."""
+    serving = command is None and options.attach is None
+    with Client(api_url=options.api_url) as client, _forwarding(client, options, serving, say):
         for transfer in options.put:
             _transfer(transfer, client.put, options.sandbox_id, transfer.local, transfer.remote)
+        while serving and options.forward:
+            time.sleep(3600)  # until Ctrl-C's KeyboardInterrupt
         result, failure = None, None
         try:
             if command is not None or options.attach is not None:
@@ -6867,7 +7484,7 @@ def _in_shell_words(error: CreateOSError) -> str:
             f"still run; its output after seq {error.after or 0} is kept, and the process "
             "can be taken up again by its id once the API answers."
         )
-    if not isinstance(error, SandboxError):
+    if not isinstance(error, SandboxError) or error.operation.startswith(_TUNNEL_TO):
         return str(error)
     sandbox = f"the sandbox {error.sandbox_id} {_sandbox_is(error.sandbox_status)}"
     if isinstance(error, SandboxGoneError):
@@ -6937,7 +7554,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     failures: List[CreateOSError] = []
     try:
         with _counted_interrupts(interrupts):
-            result = _run_with_files(options, command, env, stdin, started, failures)
+            result = _run_with_files(options, command, env, stdin, started, failures, report.line)
     except KeyboardInterrupt:
         report.line("interrupted" if len(interrupts) < 2 else _cleanup_cut_short(started))
         return 130

@@ -160,6 +160,7 @@ ENDPOINTS = (
     "sandbox_pause",
     "sandbox_resume",
     "sandbox_destroy",
+    "tunnel",
 )
 # The headers that carry a credential: X-Api-Key, and those read before it.
 CREDENTIAL_HEADERS = ("X-Api-Key", "Authorization", "X-Auth-Token", "X-Access-Token")
@@ -187,6 +188,7 @@ _ENDPOINTS_BY_PATH = {
     _PROC + r"/wait": "GET wait",
     _SB + r"/files": "GET files_get, PUT files_put",
     _SB + r"/exec": "POST exec",
+    _SB + r"/tunnel/([0-9]{1,5})": "POST tunnel",
 }
 # (method, path pattern, endpoint name)
 ROUTES = tuple(
@@ -1433,7 +1435,7 @@ def match_route(method: str, path: str) -> tuple[str, list[str]]:
     raise ApiError(404, {"path": "no such endpoint"})
 
 
-def check_post_framing(req: _Handler) -> None:
+def check_post_framing(req: _Handler, json: bool = True) -> None:
     """Refuse a POST the way the vendor's control forwarder does (strict mode).
 
     Every POST must frame its body, ``Content-Length`` (0 when there is
@@ -1441,13 +1443,16 @@ def check_post_framing(req: _Handler) -> None:
     application/json`` (parameters such as ``; charset=utf-8`` allowed),
     else 400. That holds for body-less POSTs (``stdin/close``) too: the
     forwarder rejects POSTs whose type is not JSON, and the vendor CLI sends
-    ``application/json`` on every request. File upload is a PUT: unchecked.
+    ``application/json`` on every request. File upload is a PUT: unchecked;
+    a tunnel's upgrade (not `json`) carries no body and no type.
     """
     if req.command != "POST":
         return
     chunked = req.headers.get("Transfer-Encoding", "").lower() == "chunked"
     if req.headers.get("Content-Length") is None and not chunked:
         raise ApiError(411, {"body": "Content-Length required"})
+    if not json:
+        return
     media_type = req.headers.get("Content-Type", "").split(";")[0].strip().lower()
     if media_type != "application/json":
         raise ApiError(400, {"content_type": "must be application/json"})
@@ -2293,7 +2298,7 @@ class LocalServer:
         else:
             req.body = req.read_body(JSON_BODY_LIMIT)
         if self.strict:
-            check_post_framing(req)
+            check_post_framing(req, json=endpoint != "tunnel")
         if endpoint == "healthz":
             req.send_json(200, envelope(200, {"up": True}))
             return
@@ -2707,6 +2712,87 @@ class LocalServer:
             },
             "exec_ms": (time.monotonic() - started) * 1000.0,
         }
+
+    # -- endpoint: tunnels ----------------------------------------------------------
+
+    def _ep_tunnel(self, req: _Handler, sandbox_id: str, port: str) -> None:
+        """An upgrade to a raw pipe to 127.0.0.1:port on this machine (docs/protocol.md
+        §7b): 101, then both directions copied, each one's end passed on; 502 when
+        nothing listens there, 400 without the upgrade's two headers."""
+        self._sandbox(sandbox_id)
+        connection = req.headers.get("Connection", "").lower()
+        if req.headers.get("Upgrade", "").lower() != "tcp-tunnel" or "upgrade" not in connection:
+            raise ApiError(400, {"upgrade": "expected Connection: Upgrade, Upgrade: tcp-tunnel"})
+        try:
+            upstream = socket.create_connection(("127.0.0.1", int(port)), timeout=5.0)
+        except OSError:
+            raise ApiError(502, {"port": "nothing listens on port %s" % port}) from None
+        upstream.settimeout(None)
+        upstream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._track_connection(upstream)
+        try:
+            req._start_answer(101, {"Connection": "Upgrade", "Upgrade": "tcp-tunnel"})
+            req.end_headers()
+            req.close_connection = True
+            early = buffered_bytes(req)
+            out = threading.Thread(target=pipe_one_way, args=(req.connection, upstream, early))
+            out.start()
+            pipe_one_way(upstream, req.connection)
+            out.join()
+        finally:
+            self._untrack_connection(upstream)
+            upstream.close()
+
+
+def buffered_bytes(req: _Handler) -> bytes:
+    """What the request's reader holds past the head: the first bytes of the pipe."""
+    req.connection.setblocking(False)
+    try:
+        return req.rfile.read1(FILE_PIECE) or b""
+    except OSError:  # nothing buffered, nothing arrived
+        return b""
+    finally:
+        req.connection.setblocking(True)
+
+
+def pipe_one_way(source: socket.socket, sink: socket.socket, first: bytes = b"") -> None:
+    """Copy `source` to `sink` until it ends, then pass the end on (a half-close);
+    a failure ends both directions."""
+    try:
+        sink.sendall(first)
+        (spliced if hasattr(os, "splice") else copied)(source, sink)
+        sink.shutdown(socket.SHUT_WR)
+    except OSError:
+        for sock in (source, sink):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+
+def spliced(source: socket.socket, sink: socket.socket) -> None:
+    """`source` to `sink` through a pipe, in the kernel (Linux): no copy through here."""
+    read_end, write_end = os.pipe()
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(write_end, 1031, FILE_PIECE)  # F_SETPIPE_SZ: a piece at once
+        while True:
+            count = os.splice(source.fileno(), write_end, FILE_PIECE)
+            if not count:
+                return
+            while count:
+                count -= os.splice(read_end, sink.fileno(), count)
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
+def copied(source: socket.socket, sink: socket.socket) -> None:
+    piece = bytearray(FILE_PIECE)
+    view = memoryview(piece)
+    while True:
+        count = source.recv_into(piece)
+        if not count:
+            return
+        sink.sendall(view[:count])
 
 
 # --------------------------------------------------------------------------

@@ -201,3 +201,18 @@ def test_verify_tells_the_streams_apart():
         readers.verify("swapped", right._replace(tails=swapped), expected)
     with pytest.raises(readers.VerificationError, match="heartbeats"):
         readers.verify("deaf", right._replace(heartbeats=0), expected)
+
+
+def test_the_tiny_forward_benchmark_reports_both_figures_side_by_side():
+    report = subprocess.run(
+        [sys.executable, os.path.join("benchmarks", "forward.py"), "--scale", "0.001"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,  # a hang guard only
+    )
+    assert report.returncode == 0, report.stderr
+    for label in ("download MiB/s", "round trip µs"):
+        assert re.search(
+            r"^%s +%s +%s +%sx$" % (label, NUMBER, NUMBER, NUMBER), report.stdout, re.M
+        )
