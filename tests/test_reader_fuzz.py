@@ -90,6 +90,12 @@ def examples(full: int) -> int:
     return full if FULL else full // 4
 
 
+def fuzz(full: Optional[int] = None, timeout: int = 180) -> Callable[[Any], Any]:
+    """FUZZ's settings (`full` examples in the campaign, a quarter in CI), and a hang guard."""
+    tuned = settings(FUZZ, max_examples=examples(full)) if full else FUZZ
+    return lambda test: pytest.mark.timeout(timeout)(tuned(test))
+
+
 def fuzz_figures() -> Dict[str, float]:
     return dict(
         examples=STATS["examples"],
@@ -424,8 +430,7 @@ def lines_oracle(data: bytes, limit: int) -> Tuple[List[bytes], Any]:
     return good, cx.ProtocolError if len(tail) > limit else cx._Retryable
 
 
-@pytest.mark.timeout(180)  # a hang guard
-@FUZZ
+@fuzz()
 @given(data=BYTES, limit=st.integers(0, 40), sizes=CHUNK_SIZES)
 def test_lines_split_exactly_and_never_buffer_past_the_limit(data, limit, sizes):
     STATS["examples"] += 1
@@ -445,8 +450,7 @@ def test_lines_split_exactly_and_never_buffer_past_the_limit(data, limit, sizes)
     assert feed.max_pending <= limit
 
 
-@pytest.mark.timeout(180)  # a hang guard
-@FUZZ
+@fuzz()
 @given(data=BYTES | st.binary(max_size=400), sizes=CHUNK_SIZES)
 def test_arbitrary_bytes_fail_closed(data, sizes):
     result = outcome(Feed(split(data, sizes)))
@@ -454,8 +458,7 @@ def test_arbitrary_bytes_fail_closed(data, sizes):
         assert all(isinstance(frame["type"], str) for frame in result.frames)
 
 
-@pytest.mark.timeout(180)  # a hang guard
-@FUZZ
+@fuzz()
 @given(valid=valid_streams(), sizes=CHUNK_SIZES)
 def test_valid_ndjson_in_any_chunks_decodes_exactly(valid, sizes):
     data, _ = valid.body()
@@ -470,8 +473,7 @@ def test_valid_ndjson_in_any_chunks_decodes_exactly(valid, sizes):
     assert feed.emitted == len(data) and feed.consumed == len(data)
 
 
-@pytest.mark.timeout(180)  # a hang guard
-@FUZZ
+@fuzz()
 @given(valid=valid_streams(), fields=FIELD_EDITS, edits=BYTE_EDITS, sizes=CHUNK_SIZES)
 def test_corrupted_ndjson_fails_closed(valid, fields, edits, sizes):
     data = corrupt(valid, fields, edits)
@@ -483,8 +485,7 @@ def test_corrupted_ndjson_fails_closed(valid, fields, edits, sizes):
         assert isinstance(result, Decoded) and result.status == valid.status
 
 
-@pytest.mark.timeout(180)  # a hang guard
-@settings(FUZZ, max_examples=examples(300))
+@fuzz(300)
 @given(text=st.text(alphabet="AQgw/+=9aZ_-\n ", max_size=13) | JSON)
 def test_base64_accepts_only_canonical_text(text):
     STATS["examples"] += 1
@@ -541,8 +542,7 @@ def per_nd(lines: List[bytes]) -> Tuple[List[Any], bool]:
     return values, False
 
 
-@pytest.mark.timeout(180)  # a hang guard
-@settings(FUZZ, max_examples=examples(400))
+@fuzz(400)
 @given(lines=LINES)
 @example(lines=[b'{"type":"a"},{"type":"b"}', b'{"type":"c","x":"', b'"}'])  # 3 lines, 3 objects
 @example(lines=[b'{"type":"a"},{"type":"b"}', b'{"type":"d","x":[{"y":1}', b'{"z":2}]}'])
@@ -597,8 +597,7 @@ PLAIN_LINES = st.lists(
 )
 
 
-@pytest.mark.timeout(180)  # a hang guard
-@settings(FUZZ, max_examples=examples(400))
+@fuzz(400)
 @given(lines=PLAIN_LINES)
 def test_plain_data_lines_are_read_exactly_as_json(lines):
     """The pattern for lines in the service's own form may only take lines whose
@@ -616,12 +615,8 @@ def test_plain_data_lines_are_read_exactly_as_json(lines):
                 assert value == {"type": "heartbeat"} and list(value) == ["type"]
                 continue
             assert value == {"type": "data", "seq": int(seq), "stream": stream, "data_base64": data}
-            assert type(value["seq"]) is int and list(value) == [
-                "type",
-                "seq",
-                "stream",
-                "data_base64",
-            ]
+            assert type(value["seq"]) is int
+            assert list(value) == ["type", "seq", "stream", "data_base64"]
             assert int(seq) >= 1 and stream in cx._ALL_STREAMS  # what _data_frame checks
     for cursor in (0, 1):
         agrees_with_json(block, cursor)
@@ -639,8 +634,7 @@ LONG_VARIANTS = [  # each is a line the JSON scanner must decide
 ]
 
 
-@pytest.mark.timeout(180)  # a hang guard
-@settings(FUZZ, max_examples=examples(200))
+@fuzz(200)
 @given(
     field=st.sampled_from([None, *PLAIN_VARIANTS]),
     data=st.sampled_from(['"%s"' % LONG, *LONG_VARIANTS]),
@@ -700,8 +694,7 @@ def as_one_block(texts: List[str]) -> Tuple[bytes, bool]:
     return "".join(text for _, text in delivered).encode("latin-1"), failed
 
 
-@pytest.mark.timeout(180)  # a hang guard
-@settings(FUZZ, max_examples=examples(400))
+@fuzz(400)
 @given(texts=st.lists(base64_texts(), min_size=1, max_size=4))
 @example(texts=["QUI=", "QUJDA==", "QQ=="])  # in the pattern, but not whole quanta
 def test_a_run_of_data_lines_decodes_exactly_as_frame_by_frame(texts):
@@ -778,11 +771,8 @@ def through_execute(max_examples: int, **strategies: Any) -> Callable[[Any], Any
     """A fuzz test of execute() on canned answers: valid_streams() read in
     CHUNK_SIZES and `strategies`, `max_examples` examples, 120 s in all."""
 
-    def decorate(test: Any) -> Any:
-        test = given(valid=valid_streams(), sizes=CHUNK_SIZES, **strategies)(test)
-        return pytest.mark.timeout(120)(settings(FUZZ, max_examples=examples(max_examples))(test))
-
-    return decorate
+    hunt = given(valid=valid_streams(), sizes=CHUNK_SIZES, **strategies)
+    return lambda test: fuzz(max_examples, timeout=120)(hunt(test))
 
 
 @through_execute(100, cuts=CUTS, limit=st.just(4 * 1024 * 1024) | st.integers(0, 40))
