@@ -4521,7 +4521,9 @@ def _frames(block: bytes, text: Optional[str]) -> Iterator[Any]:
             value, end = _JSON.raw_decode(text, position)
         except (ValueError, RecursionError):
             end = -1
-        if end < 0 or text[end] != "\n":  # whitespace around the value, or worse
+        # The line's first newline must end the value: whitespace around it, a
+        # value spread over lines ("[" then "]"), or worse, is judged line by line.
+        if end < 0 or text.find("\n", position, end + 1) != end:
             end = text.index("\n", position)
             value = _line_value(text[position:end])
         yield value

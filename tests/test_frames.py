@@ -385,6 +385,7 @@ def test_frames_of_a_block_in_order() -> None:
     [
         b'{"type":"a"},{"type":"b"}\n',  # two values on one line
         b'{"type":"a","x":"\n"}\n',  # one value over two lines
+        b'{"type":\n"a"}\n',  # the same, the newline between its tokens
         b"\n",
         b'{"type":"a"}x\n',
         b'{"type":"a","x":"\xff"}\n',  # not UTF-8
