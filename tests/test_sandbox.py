@@ -55,13 +55,19 @@ def lifecycle(server_reading):
             yield local, client
 
 
+def counting_until(fault, error, client):
+    """The error a counting run ends in when `fault` (pause_at, destroy_at) meets
+    it after its third line."""
+    fault("connect", after_frames=3)
+    with pytest.raises(error) as caught:
+        client.execute(SANDBOX, COUNT, shell=True)
+    return caught.value
+
+
 @pytest.mark.both_readings
 def test_a_pause_mid_run_is_a_paused_error_with_the_cursor_and_nothing_terminated(lifecycle):
     server, client = lifecycle
-    server.pause_at("connect", after_frames=3)
-    with pytest.raises(cx.SandboxPausedError) as caught:
-        client.execute(SANDBOX, COUNT, shell=True)
-    paused = caught.value
+    paused = counting_until(server.pause_at, cx.SandboxPausedError, client)
     assert isinstance(paused, cx.SandboxError) and isinstance(paused, cx.APIError)
     assert (paused.sandbox_id, paused.sandbox_status, paused.after) == (SANDBOX, "paused", 3)
     assert paused.result is not None and paused.result.stdout == "1\n2\n3\n"
@@ -82,10 +88,7 @@ def test_a_pause_mid_run_is_a_paused_error_with_the_cursor_and_nothing_terminate
 @pytest.mark.both_readings
 def test_a_sandbox_destroyed_mid_run_is_gone_with_nothing_to_terminate(lifecycle):
     server, client = lifecycle
-    server.destroy_at("connect", after_frames=3)
-    with pytest.raises(cx.SandboxGoneError) as caught:
-        client.execute(SANDBOX, COUNT, shell=True)
-    gone = caught.value
+    gone = counting_until(server.destroy_at, cx.SandboxGoneError, client)
     expected = "destroyed" if server.reading.destroyed_view == 200 else "not found"
     assert (gone.sandbox_status, gone.result.stdout) == (expected, "1\n2\n3\n")
     assert "nothing of this run" in str(gone) and gone.process_id is not None
