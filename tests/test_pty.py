@@ -32,8 +32,7 @@ from support import (
 
 import createos_exec as cx
 
-if sys.platform == "win32":  # pragma: no cover - the local server is Linux only
-    pytest.skip("pseudo-terminals are POSIX", allow_module_level=True)
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="pseudo-terminals are POSIX")
 
 # Whether all three standard streams are the terminal, its size and its type.
 SEES_A_TERMINAL = '[ -t 0 ] && [ -t 1 ] && [ -t 2 ] && tty >/dev/null && echo "$(stty size) $TERM"'
