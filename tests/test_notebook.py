@@ -68,18 +68,10 @@ def _next_message(receive, msg_id, deadline, what):
             return msg
 
 
-def _next_iopub(kc, msg_id, deadline, what):
-    return _next_message(kc.get_iopub_msg, msg_id, deadline, what)
-
-
-def _shell_reply(kc, msg_id, deadline, what):
-    return _next_message(kc.get_shell_msg, msg_id, deadline, what)
-
-
 def _drain_until_idle(kc, msg_id, deadline, what, outputs):
     """Collect the execution's iopub messages until the kernel reports idle."""
     while True:
-        msg = _next_iopub(kc, msg_id, deadline, what)
+        msg = _next_message(kc.get_iopub_msg, msg_id, deadline, what)
         kind = msg["msg_type"]
         if kind == "status" and msg["content"]["execution_state"] == "idle":
             return
@@ -122,7 +114,7 @@ def test_interrupting_a_notebook_cell_terminates_the_remote_tree(server, tmp_pat
         deadline = started_at + STEP_TIMEOUT
         outputs = []
         while "started" not in _streamed(outputs, "stdout") or not _streamed(outputs, "stderr"):
-            msg = _next_iopub(kc, msg_id, deadline, "the live output of cell 1")
+            msg = _next_message(kc.get_iopub_msg, msg_id, deadline, "the live output of cell 1")
             assert msg["msg_type"] != "error", msg["content"]
             outputs.append(msg)
 
@@ -134,7 +126,9 @@ def test_interrupting_a_notebook_cell_terminates_the_remote_tree(server, tmp_pat
         assert server.requests_to("delete") == []
 
         km.interrupt_kernel()
-        reply = _shell_reply(kc, msg_id, time.monotonic() + STEP_TIMEOUT, "the interrupted cell")
+        reply = _next_message(
+            kc.get_shell_msg, msg_id, time.monotonic() + STEP_TIMEOUT, "the interrupted cell"
+        )
         _drain_until_idle(kc, msg_id, time.monotonic() + STEP_TIMEOUT, "idle after cell 1", outputs)
         # Far from the 60 s of the command: the interrupt, not its end, stopped the cell.
         assert time.monotonic() - started_at < 30
@@ -155,7 +149,7 @@ def test_interrupting_a_notebook_cell_terminates_the_remote_tree(server, tmp_pat
         # Cell 2: the kernel, and the module in it, still work.
         cell = f"cx.execute({SANDBOX!r}, ['echo', 'again'], on_output=cx.echo).exit_code"
         msg_id = kc.execute(cell)
-        reply = _shell_reply(kc, msg_id, time.monotonic() + STEP_TIMEOUT, "cell 2")
+        reply = _next_message(kc.get_shell_msg, msg_id, time.monotonic() + STEP_TIMEOUT, "cell 2")
         outputs = []
         _drain_until_idle(kc, msg_id, time.monotonic() + STEP_TIMEOUT, "idle after cell 2", outputs)
         assert reply["content"]["status"] == "ok", reply["content"]
