@@ -67,10 +67,7 @@ def test_hostile_strings_round_trip_exactly(
     )
     assert result.exit_code == 0, result.stderr
     seen = json.loads(result.stdout)
-    assert seen["argv"] == [names, *argv]
-    assert seen["cwd"] == cwd
-    assert seen["env"] == env
-    assert seen["stdin"] == stdin
+    assert seen == {"argv": [names, *argv], "cwd": cwd, "env": env, "stdin": stdin}
     assert not os.path.exists(CANARY)
     figures.record("6. hostile input", runs=1, exact=1, strings=len(argv) + len(env) + 2)
 
