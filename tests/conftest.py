@@ -53,10 +53,27 @@ def server_reading(request):
 
 
 @pytest.fixture
-def server(server_reading):
+def local_server(server_reading):
+    """Every local server of a test: `local_server(**options)` starts one of the
+    test's reading (unless `reading=` says otherwise), heartbeats every 0.5 s
+    unless told, and stops it when the test ends, however it ends."""
+    started = []
+
+    def start(**options):
+        options.setdefault("reading", server_reading)
+        options.setdefault("heartbeat_interval", 0.5)
+        started.append(LocalServer(**options).start())
+        return started[-1]
+
+    yield start
+    for local in reversed(started):
+        local.stop()
+
+
+@pytest.fixture
+def server(local_server):
     """A local server; `server.reading` says which reading of docs/protocol.md §11 it plays."""
-    with LocalServer(heartbeat_interval=0.5, reading=server_reading) as local:
-        yield local
+    return local_server()
 
 
 @pytest.fixture

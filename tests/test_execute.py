@@ -7,7 +7,6 @@ import pickle
 import threading
 
 import pytest
-from local_server import LocalServer
 from support import SANDBOX, make_client
 
 import createos_exec as cx
@@ -117,10 +116,11 @@ def test_multibyte_text_split_across_frames_and_a_reconnect(client, server):
     assert result.reconnects == 1
 
 
-def test_large_output_is_exact():
+def test_large_output_is_exact(local_server):
     # A journal larger than the output: a reader slowed down by a loaded
     # machine must not turn this into a test of eviction (tested elsewhere).
-    with LocalServer(journal_limit=64 * 1024 * 1024) as server, make_client(server) as client:
+    server = local_server(journal_limit=64 * 1024 * 1024)
+    with make_client(server) as client:
         result = client.execute(SANDBOX, ["seq", "1", "300000"])
     assert result.stdout == "".join(f"{i}\n" for i in range(1, 300001))
 
@@ -212,7 +212,7 @@ def test_arguments_larger_than_one_exec_string_limit(client):
     assert result.stdout == f"{first}|{second}"
 
 
-def test_a_stream_without_chunking_is_still_delivered_as_it_arrives(tmp_path):
+def test_a_stream_without_chunking_is_still_delivered_as_it_arrives(tmp_path, local_server):
     """A proxy may remove the chunking: the body then ends only with the connection.
 
     The command prints one line, then waits (at most 10 s) until on_output has
@@ -228,7 +228,8 @@ def test_a_stream_without_chunking_is_still_delivered_as_it_arrives(tmp_path):
         delivered.append(text)
         seen.touch()
 
-    with LocalServer(chunked=False) as server, make_client(server) as client:
+    server = local_server(chunked=False)
+    with make_client(server) as client:
         command = ["bash", "-c", script, "-", str(seen)]
         result = client.execute(SANDBOX, command, on_output=on_output)
         connects = [r for r in server.requests if r.path.endswith("/connect")]

@@ -25,7 +25,6 @@ import time
 
 import local_server
 import pytest
-from local_server import LocalServer
 from support import SANDBOX, alive, make_client, require
 
 import createos_exec as cx
@@ -323,29 +322,29 @@ def test_eviction_of_live_output_is_a_410_or_an_error_event(sdk, sandbox, server
     processes.delete(process_id)
 
 
-def test_strict_mode_refuses_only_the_sdks_body_less_post(sdk, server_reading, monkeypatch):
-    with LocalServer(strict=True, reading=server_reading) as strict:
-        monkeypatch.setenv("CREATEOS_SANDBOX_BASE_URL", strict.url)
-        monkeypatch.setenv("CREATEOS_API_KEY", strict.api_key)
-        with sdk.Client() as client:
-            processes = client.get_sandbox(SANDBOX).processes
-            process_id = processes.create(
-                sdk.ManagedProcessCreateRequest(command="sleep", arguments=["30"])
-            ).process_id
-            processes.input(process_id, "x")
-            # httpx sends Content-Length: 0 and no Content-Type on a POST without
-            # a body, which strict mode refuses as the vendor forwarder would.
-            with pytest.raises(sdk.APIError) as caught:
-                processes.close_standard_input(process_id)
-            assert caught.value.status_code == 400 and "application/json" in str(caught.value)
-            processes.signal(process_id, sdk.ManagedProcessSignal.KILL)
-            assert processes.wait(process_id).leader_exited
-            sandbox = client.get_sandbox(SANDBOX)
-            path = os.path.join(strict.process(process_id)["cwd"], "blob")
-            sandbox.files.upload(path, b"raw")  # a PUT: not a JSON POST
-        assert [r.status for r in strict.requests_to("stdin_close")] == [400]
-        posts = [r.status for r in strict.requests if r.method == "POST"]
-        assert posts[0] in (200, 201) and posts[1:] == [200, 400, 200]  # create, input, …
+def test_strict_mode_refuses_only_the_sdks_body_less_post(sdk, local_server, monkeypatch):
+    strict = local_server(strict=True)
+    monkeypatch.setenv("CREATEOS_SANDBOX_BASE_URL", strict.url)
+    monkeypatch.setenv("CREATEOS_API_KEY", strict.api_key)
+    with sdk.Client() as client:
+        processes = client.get_sandbox(SANDBOX).processes
+        process_id = processes.create(
+            sdk.ManagedProcessCreateRequest(command="sleep", arguments=["30"])
+        ).process_id
+        processes.input(process_id, "x")
+        # httpx sends Content-Length: 0 and no Content-Type on a POST without
+        # a body, which strict mode refuses as the vendor forwarder would.
+        with pytest.raises(sdk.APIError) as caught:
+            processes.close_standard_input(process_id)
+        assert caught.value.status_code == 400 and "application/json" in str(caught.value)
+        processes.signal(process_id, sdk.ManagedProcessSignal.KILL)
+        assert processes.wait(process_id).leader_exited
+        sandbox = client.get_sandbox(SANDBOX)
+        path = os.path.join(strict.process(process_id)["cwd"], "blob")
+        sandbox.files.upload(path, b"raw")  # a PUT: not a JSON POST
+    assert [r.status for r in strict.requests_to("stdin_close")] == [400]
+    posts = [r.status for r in strict.requests if r.method == "POST"]
+    assert posts[0] in (200, 201) and posts[1:] == [200, 400, 200]  # create, input, …
 
 
 def test_files_upload_then_download_the_same_bytes(sdk, sandbox, server, tmp_path):
