@@ -2770,16 +2770,17 @@ def pipe_one_way(source: socket.socket, sink: socket.socket, first: bytes = b"")
 
 def spliced(source: socket.socket, sink: socket.socket) -> None:
     """`source` to `sink` through a pipe, in the kernel (Linux): no copy through here."""
+    splice = os.splice  # novermin: called only where os has it (3.10 and later)
     read_end, write_end = os.pipe()
     try:
         with contextlib.suppress(OSError):
             fcntl.fcntl(write_end, 1031, FILE_PIECE)  # F_SETPIPE_SZ: a piece at once
         while True:
-            count = os.splice(source.fileno(), write_end, FILE_PIECE)
+            count = splice(source.fileno(), write_end, FILE_PIECE)
             if not count:
                 return
             while count:
-                count -= os.splice(read_end, sink.fileno(), count)
+                count -= splice(read_end, sink.fileno(), count)
     finally:
         os.close(read_end)
         os.close(write_end)
