@@ -44,14 +44,15 @@ Contents, in the order a call runs through them (each section opens with its con
      4. Following: the stream read to its end, resumed after every failure
      5. Launch: the plan, the staged secrets, one creation
      6. The service: what a sandbox and a process answer
-     7. The stream: bytes -> blocks of complete lines -> frames
-     8. Capture: incremental decoders and bounded tails
-     9. Transport: requests, retries, the one exception map
-    10. Deadlines and pacing
-    11. Configuration checks: the URL, the key, ids, numbers
-    12. Sandbox-side scripts
-    13. Port forwarding: a local listener, a tunnel per connection
-    14. The command line, and its terminal sessions (-t)
+     7. Files: put() and get(), whole or not at all
+     8. The stream: bytes -> blocks of complete lines -> frames
+     9. Capture: incremental decoders and bounded tails
+    10. Transport: requests, retries, the one exception map
+    11. Deadlines and pacing
+    12. Configuration checks: the URL, the key, ids, numbers
+    13. Sandbox-side scripts
+    14. Port forwarding: a local listener, a tunnel per connection
+    15. The command line, and its terminal sessions (-t)
 """
 
 from __future__ import annotations
@@ -3804,7 +3805,11 @@ def _evicted_seq(response: requests.Response) -> Optional[int]:
     return oldest if _is_int(oldest) else None
 
 
-# Files. The service writes and reads a file in place, unchecked
+# ==========================================================================
+# 7. Files: put() and get(), whole or not at all
+# ==========================================================================
+#
+# The service writes and reads a file in place, unchecked
 # (docs/protocol.md 7): put() sends it under a temporary name beside its path,
 # and a script in the sandbox (_PUT_FINISH) checks its size and SHA-256, gives
 # it its mode and renames it into place; get() has the sandbox compute them
@@ -4199,7 +4204,7 @@ def _sink_for(destination: Any, most: int) -> _Sink:
 
 
 # ==========================================================================
-# 7. The stream: bytes -> blocks of complete lines -> frames
+# 8. The stream: bytes -> blocks of complete lines -> frames
 # ==========================================================================
 #
 # A response's bytes become blocks of complete lines (b"\n" only), lines
@@ -4690,7 +4695,7 @@ def _signal_number(name: str) -> Optional[int]:
 
 
 # ==========================================================================
-# 8. Capture: incremental decoders and bounded tails
+# 9. Capture: incremental decoders and bounded tails
 # ==========================================================================
 #
 # Each stream has its own incremental decoder, so a character split across
@@ -4886,7 +4891,7 @@ class _Tail:
 
 
 # ==========================================================================
-# 9. Transport: requests, retries, the one exception map
+# 10. Transport: requests, retries, the one exception map
 # ==========================================================================
 #
 # Every request goes through _Transport: paced by the shared window, its
@@ -5048,7 +5053,7 @@ class _Transport:
         raise _refusal(response, operation, process_id)
 
     def for_a_tunnel(self) -> Tuple[str, Optional[_RateLimiter], Dict[str, Any]]:
-        """What a tunnel's upgrade (section 13), the one request requests cannot
+        """What a tunnel's upgrade (section 14), the one request requests cannot
         make, takes from here: the key, the pacing window, and the TLS settings
         the session would use for this origin (`verify`, `cert`)."""
         tls = self._session.merge_environment_settings(self.base, {}, None, None, None)
@@ -5291,7 +5296,7 @@ class _Budget:
 
 
 # ==========================================================================
-# 10. Deadlines and pacing
+# 11. Deadlines and pacing
 # ==========================================================================
 #
 # One deadline type for every wait: when it ends, which kind of limit it
@@ -5691,7 +5696,7 @@ class _RateLimiter:
 
 
 # ==========================================================================
-# 11. Configuration checks: the URL, the key, ids, numbers
+# 12. Configuration checks: the URL, the key, ids, numbers
 # ==========================================================================
 #
 # What a caller gives is checked before anything is sent; a ConfigError
@@ -5832,7 +5837,7 @@ def _is_number(value: Any) -> bool:
 
 
 # ==========================================================================
-# 12. Sandbox-side scripts
+# 13. Sandbox-side scripts
 # ==========================================================================
 
 
@@ -6340,7 +6345,7 @@ _DESCRIBE_FAILURES = {3: "missing", 4: "no_tools", 5: "not_a_file", 6: "unreadab
 
 
 # ==========================================================================
-# 13. Port forwarding: a local listener, a tunnel per connection
+# 14. Port forwarding: a local listener, a tunnel per connection
 # ==========================================================================
 #
 # forward() listens on this machine, and each connection it accepts gets a
@@ -6844,7 +6849,7 @@ class _Bridge:
 
 
 # ==========================================================================
-# 14. The command line, and its terminal sessions (-t)
+# 15. The command line, and its terminal sessions (-t)
 # ==========================================================================
 #
 # createos-exec: its messages speak to a shell user (the variable to set, the
