@@ -1705,6 +1705,11 @@ def _codec_known(lookup: Callable[[Any], Any], name: Any) -> bool:
 # error, Ctrl-C, an asked termination) goes through _end: the tree is
 # terminated and that confirmed unless the process ended by itself, then the
 # result, or the error with the partial result attached.
+#
+# At about 800 lines it is the longest section, and one on purpose: the
+# handle (RemoteProcess, Popen's methods and the loop over the output), its
+# ending (_end, _Termination) and how the result is built share one state,
+# the run's, which a reader follows in one place from start() to the result.
 
 
 class RemoteProcess(Generic[_AnyStr]):
