@@ -1125,11 +1125,20 @@ def take_terminal(cgroup: Cgroup | None) -> None:
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
 
+def guest_environment() -> dict[str, str]:
+    """What every process in a sandbox inherits before the sandbox's and the
+    request's variables: this machine's environment (a test's command finds the
+    same interpreter), without what measures this machine's own Python processes
+    (coverage's COVERAGE_* variables): a guest's programs are not the client's
+    code, and a coverage hook started in each of them doubled the suite's CPU."""
+    return {key: value for key, value in os.environ.items() if not key.startswith("COVERAGE_")}
+
+
 def terminal_inheritance(reading: Reading) -> dict[str, str]:
-    """What a terminal's program inherits before the sandbox's and the request's
-    variables: this machine's environment without its TERM, which a guest would
-    not share, then the TERM the reading's service sets, if any (§11.20)."""
-    env = {key: value for key, value in os.environ.items() if key != "TERM"}
+    """What a terminal's program inherits: the guest's environment without this
+    machine's TERM, which a guest would not share, then the TERM the reading's
+    service sets, if any (§11.20)."""
+    env = {key: value for key, value in guest_environment().items() if key != "TERM"}
     if reading.pty_term is not None:
         env["TERM"] = reading.pty_term
     return env
@@ -1521,8 +1530,8 @@ def command_of(spec: dict[str, Any]) -> tuple[str, list[str]]:
 def environment_of(
     spec: dict[str, Any], sandbox: Sandbox, inherited: dict[str, str] | None = None
 ) -> dict[str, str]:
-    """os.environ (or ``inherited``) + sandbox envs + request env (declared keys
-    only, docs/protocol.md §4)."""
+    """The guest's environment (or ``inherited``) + sandbox envs + request env
+    (declared keys only, docs/protocol.md §4)."""
     env = spec.get("env") or {}
     if not isinstance(env, dict) or not all(
         isinstance(key, str) and isinstance(value, str) for key, value in env.items()
@@ -1533,7 +1542,7 @@ def environment_of(
         raise ApiError(
             400, {"env": "keys not declared for this sandbox: %s" % ", ".join(undeclared)}
         )
-    merged = dict(os.environ if inherited is None else inherited)
+    merged = guest_environment() if inherited is None else dict(inherited)
     merged.update(sandbox.envs)
     merged.update(env)
     return merged
