@@ -223,6 +223,7 @@ _CANCEL_POLL = 0.1  # seconds between looks at the cancel event while a read blo
 _EXIT_CHECK_MS = 5_000  # how long an exit frame without status is checked against `wait`
 _LIVENESS_POLL_MS = 1_000  # the `wait` that tells a quiet process from an exited one
 _KILLED_POLL_MS = 2_000  # the `wait` for the leader's end after kill()'s SIGKILL
+_GRACE_CONNECT = 2.0  # seconds the stream may take to open before a DELETE is sent anyway
 _LISTING_PAGE_SIZE = 500  # the most the service's paginated lists hold in a page
 _LISTING_PAGES = 20  # pages of the process listing read at most: 10,000 processes
 _RESUME_POLL = 0.25  # seconds before the first look at a resuming sandbox; it doubles
@@ -2127,14 +2128,21 @@ class RemoteProcess(Generic[_AnyStr]):
     def _contain(self, ending: _Ending) -> _Steps[_Ending]:
         """Terminate the tree and confirm it, then say how the run ended.
 
-        The DELETE starts first. After a timeout or an asked termination, the
-        output of the grace period is read while the DELETE waits it out (a
-        service may forget a process once it is deleted); whatever ends that
-        reading, the DELETE is waited for (a second Ctrl-C ends that wait).
+        After a timeout or an asked termination, the output of the grace period
+        is read while the DELETE waits it out, on a stream opened before the
+        DELETE is sent (a service may forget a process once it is deleted, and
+        answer a later connect 404); whatever ends that reading, the DELETE is
+        waited for (a second Ctrl-C ends that wait).
         """
+        opened = None
+        reads_grace = ending.timed_out or ending.asked
+        try:
+            opened = self._follower.opened(_GRACE_CONNECT, self._deadline) if reads_grace else None
+        except BaseException as exc:  # Ctrl-C, a cancel: raised once the tree is confirmed gone
+            ending, reads_grace = ending._replace(error=exc), False
         termination = _Termination(self._endpoints, ending.grace, self._deadline.cancel)
-        if ending.timed_out or ending.asked:
-            ending = yield from self._through_termination(ending)
+        if reads_grace:
+            ending = yield from self._through_termination(ending, opened)
         first = ending.error
         unconfirmed = termination.unconfirmed()
         if first is None and ending.exited is None and termination.record is not None:
@@ -2167,7 +2175,9 @@ class RemoteProcess(Generic[_AnyStr]):
             return None
         return _Ending(exited=exited, timed_out=ended_by_deadline, gone=True)
 
-    def _through_termination(self, ending: _Ending) -> _Steps[_Ending]:
+    def _through_termination(
+        self, ending: _Ending, opened: Optional[requests.Response]
+    ) -> _Steps[_Ending]:
         """While the tree is terminated: read what the process prints in its grace period.
 
         A cancel, a callback's error or Ctrl-C ends the reading and becomes
@@ -2175,7 +2185,8 @@ class RemoteProcess(Generic[_AnyStr]):
         """
         follower = self._follower
         try:
-            exited = yield from follower.follow(follower.reading_deadline(self._deadline))
+            reading = follower.reading_deadline(self._deadline)
+            exited = yield from follower.follow(reading, opened)
         except CancelledError as exc:
             return ending._replace(error=exc)
         except (_TimedOut, CreateOSError):
@@ -2605,8 +2616,21 @@ class _Follower:
             duration=time.monotonic() - self.started,
         )
 
-    def follow(self, deadline: _Deadline) -> _Steps[_Exit]:
-        """Follow the stream to its end, resuming it after every transport failure.
+    def opened(self, seconds: float, run: _Deadline) -> Optional[requests.Response]:
+        """The stream from the cursor, opened now for a follow() to come, within
+        `seconds` and the run's cancel; None when it does not open at once (that
+        follow() connects as ever)."""
+        deadline = _Deadline.after(seconds, "cleanup", time.monotonic(), run.cancel)
+        try:
+            return self.endpoints.connect(self._reader.cursor, deadline)
+        except (_Retryable, _TimedOut, CreateOSError):
+            return None
+
+    def follow(
+        self, deadline: _Deadline, opened: Optional[requests.Response] = None
+    ) -> _Steps[_Exit]:
+        """Follow the stream to its end, resuming it after every transport failure;
+        on `opened` first, a stream of opened().
 
         Only a new frame is progress. When the retry policy is spent without
         any, a short `wait` tells a quiet process (followed on, with a fresh
@@ -2620,7 +2644,8 @@ class _Follower:
             until = None if record is None else _output_seq(record, "newest_seq")
             ended: Union[_Exit, None, _Retryable]  # what ended one connection
             try:
-                response = self.endpoints.connect(cursor, deadline)
+                response = opened or self.endpoints.connect(cursor, deadline)
+                opened = None
                 unblocked = (
                     _unblocked_by(deadline, response)
                     if deadline.at is not None or deadline.cancel is not None

@@ -263,6 +263,8 @@ def test_terminate_ends_the_tree_with_its_grace_period_confirmed(client, server)
     assert not server.tree_alive(proc.process_id)  # confirmed before terminate() returned
     (delete,) = deletes(server, proc.process_id)
     assert delete.query["grace_ms"] == "1000"
+    # The grace period's stream is opened first: a deleted process may be forgotten (§11.12).
+    assert server.requests_to("connect")[-1].time < delete.time
     result = proc.wait()
     assert (result.exit_code, result.signal) == (7, None)
     assert result.stdout == "up\nbye\n"  # what it printed in its grace period was read
