@@ -20,7 +20,6 @@ import warnings
 
 import pytest
 import requests
-from local_server import LocalServer
 from support import SANDBOX, Recorder, make_client, python, until
 
 import createos_exec as cx
@@ -283,13 +282,13 @@ def test_processes_lists_what_createos_exec_started_as_it_was_given(client, serv
     assert running.wait().signal == "SIGKILL"
 
 
-def test_processes_follows_the_pages_of_a_paginated_listing(server):
-    with LocalServer(reading="alternative", list_page_size=2) as paged:
-        with make_client(paged) as client:
-            ids = [client.execute(SANDBOX, ["true"]).process_id for _ in range(5)]
-            assert [info.process_id for info in client.processes(SANDBOX)][-5:] == ids
+def test_processes_follows_the_pages_of_a_paginated_listing(local_server):
+    paged = local_server(reading="alternative", list_page_size=2)
+    with make_client(paged) as client:
+        ids = [client.execute(SANDBOX, ["true"]).process_id for _ in range(5)]
+        assert [info.process_id for info in client.processes(SANDBOX)][-5:] == ids
     with pytest.raises(cx.ConfigError):
-        make_client(server).processes("bad id")
+        make_client(paged).processes("bad id")
 
 
 # -- a log nobody reads keeps its ending --------------------------------------------
@@ -307,12 +306,9 @@ FLOOD_OUT = "".join("%07d\n" % i for i in range(40000))
 
 
 @pytest.fixture
-def small_journal(server_reading):
+def small_journal(local_server):
     # Frames of 4 KiB: the journal holds several, whatever the reading adds at EOF.
-    with LocalServer(
-        heartbeat_interval=0.5, reading=server_reading, journal_limit=32768, frame_limit=4096
-    ) as local:
-        yield local
+    return local_server(journal_limit=32768, frame_limit=4096)
 
 
 @pytest.mark.both_readings

@@ -35,7 +35,6 @@ from typing import Any, Dict, List, Optional, Tuple
 import pytest
 import requests
 import responses
-from local_server import LocalServer
 from support import (
     CANNED_RETRY,
     CONNECT,
@@ -617,12 +616,11 @@ def test_an_interruption_during_the_grace_period_returns_after_the_delete_answer
         assert isinstance(caught, cx.CancelledError), repr(caught)
 
 
-def test_cancel_is_prompt_even_without_heartbeats():
+def test_cancel_is_prompt_even_without_heartbeats(local_server):
     # No byte for a minute and a long idle timeout: the cancel must not wait
     # for the next byte (or for the idle timeout) to be seen.
-    with LocalServer(heartbeat_interval=60) as server, make_client(
-        server, stream_idle_timeout=30
-    ) as client:
+    server = local_server(heartbeat_interval=60)
+    with make_client(server, stream_idle_timeout=30) as client:
         cancel = threading.Event()
         threading.Timer(0.5, cancel.set).start()
         started = time.monotonic()

@@ -147,10 +147,10 @@ def test_a_client_killed_after_start_leaves_no_tree_past_the_deadline(server, sc
     assert seconds >= GRACE - 0.1
 
 
-def test_clients_killed_at_random_moments_leave_no_tree():
+def test_clients_killed_at_random_moments_leave_no_tree(local_server):
     # Once, under the conservative reading: the alternative one is measured above.
-    with LocalServer(heartbeat_interval=0.5) as server:
-        killed_at_random(server)
+    server = local_server()
+    killed_at_random(server)
 
 
 def killed_at_random(server: LocalServer) -> None:

@@ -22,7 +22,6 @@ import pytest
 import requests
 import responses
 import urllib3
-from local_server import LocalServer
 from support import (
     BASE,
     CONNECT,
@@ -912,16 +911,16 @@ def test_proxies_from_the_environment_are_still_used(server, monkeypatch):
         proxy.close()
 
 
-def test_the_client_passes_the_strict_control_forwarder():
+def test_the_client_passes_the_strict_control_forwarder(local_server):
     """Under strict mode every POST needs a Content-Length and a JSON Content-Type
     (the vendor's control forwarder answers 411 or 400 otherwise)."""
-    with LocalServer(strict=True, heartbeat_interval=0.5) as strict:
-        with make_client(strict) as client:
-            done = client.execute(SANDBOX, "cat; echo $A", shell=True, env={"A": "1"}, stdin="x")
-            late = client.execute(SANDBOX, ["sleep", "30"], timeout=0.3)
-            strict.lose_create_response()
-            found = client.execute(SANDBOX, ["echo", "found"])
-        assert done.stdout == "x1\n" and late.timed_out and found.creation_recovered
-        statuses = {(record.method, record.status) for record in strict.requests}
-        assert all(status < 400 for _, status in statuses), statuses
-        assert ("POST", 200) in statuses
+    strict = local_server(strict=True)
+    with make_client(strict) as client:
+        done = client.execute(SANDBOX, "cat; echo $A", shell=True, env={"A": "1"}, stdin="x")
+        late = client.execute(SANDBOX, ["sleep", "30"], timeout=0.3)
+        strict.lose_create_response()
+        found = client.execute(SANDBOX, ["echo", "found"])
+    assert done.stdout == "x1\n" and late.timed_out and found.creation_recovered
+    statuses = {(record.method, record.status) for record in strict.requests}
+    assert all(status < 400 for _, status in statuses), statuses
+    assert ("POST", 200) in statuses

@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 import responses
-from local_server import READINGS, LocalServer
+from local_server import READINGS
 from support import (
     CONNECT,
     EXIT0,
@@ -827,21 +827,21 @@ def test_410_on_reconnect_is_eviction(client, server):
 
 
 @pytest.mark.parametrize("reading", READINGS)
-def test_a_reader_left_behind_by_the_journal_gets_output_evicted(reading):
-    with LocalServer(journal_limit=64 * 1024, heartbeat_interval=0.5, reading=reading) as server:
-        seen = []
+def test_a_reader_left_behind_by_the_journal_gets_output_evicted(local_server, reading):
+    server = local_server(journal_limit=64 * 1024, reading=reading)
+    seen = []
 
-        def fall_behind(stream, text):
-            if not seen:  # meanwhile the flood outruns the socket buffers and the journal
-                seen.append(text)
-                time.sleep(1.3)
-                (process_id,) = [p["process_id"] for p in server.processes()]
-                assert server.wait_tree_gone(process_id)  # and the output is final
+    def fall_behind(stream, text):
+        if not seen:  # meanwhile the flood outruns the socket buffers and the journal
+            seen.append(text)
+            time.sleep(1.3)
+            (process_id,) = [p["process_id"] for p in server.processes()]
+            assert server.wait_tree_gone(process_id)  # and the output is final
 
-        script = "echo first; sleep 0.3; head -c 30000000 /dev/zero"
-        with make_client(server) as client, pytest.raises(cx.OutputEvictedError) as caught:
-            client.execute(SANDBOX, script, shell=True, on_output=fall_behind)
-        connects = [r.status for r in server.requests_to("connect")]
+    script = "echo first; sleep 0.3; head -c 30000000 /dev/zero"
+    with make_client(server) as client, pytest.raises(cx.OutputEvictedError) as caught:
+        client.execute(SANDBOX, script, shell=True, on_output=fall_behind)
+    connects = [r.status for r in server.requests_to("connect")]
     assert seen == ["first\n"] and caught.value.result.stdout.startswith("first\n")
     # Conservative: an error frame on the live stream, naming the restart point.
     # Alternative: the stream is cut, and the reconnect meets a 410 whose plain

@@ -15,7 +15,6 @@ from typing import Any, Dict, List
 import pytest
 import requests
 import responses
-from local_server import LocalServer
 from support import NO_RETRY, PROCS, SANDBOX, SB, calls, make_client, ok, process_record
 
 import createos_exec as cx
@@ -27,18 +26,18 @@ def paginated(records: List[Dict[str, Any]], offset: int, limit: int, total: int
 
 
 @pytest.mark.parametrize("page_size", [1, 2, 100])
-def test_a_lost_creation_is_found_on_a_later_page(page_size):
-    with LocalServer(reading="alternative", list_page_size=page_size) as server:
-        with make_client(server) as client:
-            for number in range(4):
-                assert client.execute(SANDBOX, ["echo", str(number)]).exit_code == 0
-            server.lose_create_response()
-            result = client.execute(SANDBOX, ["echo", "found"])
-        assert result.creation_recovered and result.stdout == "found\n"
-        # The first page as the service chooses it, then the rest in pages of 500.
-        offsets = [int(record.query.get("offset", 0)) for record in server.requests_to("list")]
-        assert offsets == ([0] if page_size >= 5 else [0, page_size])
-        assert len(server.processes()) == 5  # never a second one
+def test_a_lost_creation_is_found_on_a_later_page(local_server, page_size):
+    server = local_server(reading="alternative", list_page_size=page_size)
+    with make_client(server) as client:
+        for number in range(4):
+            assert client.execute(SANDBOX, ["echo", str(number)]).exit_code == 0
+        server.lose_create_response()
+        result = client.execute(SANDBOX, ["echo", "found"])
+    assert result.creation_recovered and result.stdout == "found\n"
+    # The first page as the service chooses it, then the rest in pages of 500.
+    offsets = [int(record.query.get("offset", 0)) for record in server.requests_to("list")]
+    assert offsets == ([0] if page_size >= 5 else [0, page_size])
+    assert len(server.processes()) == 5  # never a second one
 
 
 def records_with_marker_on(request_body: bytes, count: int) -> List[Dict[str, Any]]:

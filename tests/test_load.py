@@ -17,7 +17,6 @@ import threading
 import time
 
 import pytest
-from local_server import LocalServer
 from support import SANDBOX, campaign_size, make_client
 
 COMMANDS = campaign_size("CREATEOS_LOAD_COMMANDS", 300, 1000)
@@ -73,9 +72,9 @@ def expected(i):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/fd")
 @pytest.mark.timeout(150)
-def test_64_threads_share_one_client_for_1000_commands(figures):
-    with LocalServer(heartbeat_interval=0.5) as server:
-        run_load(server, figures)
+def test_64_threads_share_one_client_for_1000_commands(local_server, figures):
+    server = local_server()
+    run_load(server, figures)
 
 
 def run_load(server, figures):

@@ -469,11 +469,11 @@ def test_the_narrowing_is_shared_through_the_file(runtime_dir):
 # -- creation against the local server's own limit -------------------------------------
 
 
-def test_a_refused_creation_narrows_the_window_and_succeeds(runtime_dir):
-    with LocalServer(heartbeat_interval=0.5, rate_limit=(4, 1.0)) as server:
-        with make_client(server, rate_limit=(8, 1.0)) as client:
-            results = [client.execute(SANDBOX, ["echo", str(i)]) for i in range(4)]
-            allowance = client._transport._limiter._update(lambda window, now: window.allowance)
+def test_a_refused_creation_narrows_the_window_and_succeeds(local_server, runtime_dir):
+    server = local_server(rate_limit=(4, 1.0))
+    with make_client(server, rate_limit=(8, 1.0)) as client:
+        results = [client.execute(SANDBOX, ["echo", str(i)]) for i in range(4)]
+        allowance = client._transport._limiter._update(lambda window, now: window.allowance)
     assert [r.stdout for r in results] == [f"{i}\n" for i in range(4)]
     assert len(server.processes()) == 4
     refused = [r for r in server.requests if r.status == 429]

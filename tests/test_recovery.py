@@ -24,7 +24,7 @@ from typing import Any, Callable, List, Tuple
 import pytest
 import requests
 import responses
-from local_server import CONSERVATIVE, LocalServer
+from local_server import CONSERVATIVE
 from support import (
     CANNED_RETRY,
     CONNECT,
@@ -490,7 +490,7 @@ QUIET_SECONDS = float(os.environ.get("CREATEOS_QUIET_JOB_SECONDS", "12"))
 
 
 @pytest.mark.timeout(QUIET_SECONDS + 90)
-def test_a_quiet_job_whose_streams_end_after_each_heartbeat_completes_live():
+def test_a_quiet_job_whose_streams_end_after_each_heartbeat_completes_live(local_server):
     # Promise 3: when the budget is spent, a short `wait` poll tells a quiet live
     # job from an exited one and the live one keeps being followed with a fresh
     # budget: silent for several whole budgets, it still completes exactly, with
@@ -502,7 +502,8 @@ def test_a_quiet_job_whose_streams_end_after_each_heartbeat_completes_live():
     seen = Recorder()
     # A budget of 2 s, so that the quiet job is silent for several whole budgets.
     quiet = dataclasses.replace(THREE_TRIES, budget=2.0)
-    with LocalServer(reading=recycled) as server, make_client(server, retry=quiet) as client:
+    server = local_server(reading=recycled, heartbeat_interval=5.0)
+    with make_client(server, retry=quiet) as client:
         started = time.monotonic()
         result = client.execute(SANDBOX, script, shell=True, on_output=seen)
         returned = time.monotonic()

@@ -48,11 +48,11 @@ SHORT = cx.RetryPolicy(max_attempts=4, budget=2.0, initial_backoff=0.01, max_bac
 
 
 @pytest.fixture
-def lifecycle(server_reading):
+def lifecycle(local_server):
     """A server of the test's reading whose resumes take 0.2 s, and a client of it."""
-    with LocalServer(heartbeat_interval=0.5, reading=server_reading, resume_seconds=0.2) as local:
-        with make_client(local, retry=SHORT) as client:
-            yield local, client
+    local = local_server(resume_seconds=0.2)
+    with make_client(local, retry=SHORT) as client:
+        yield local, client
 
 
 def counting_until(fault, error, client):

@@ -248,9 +248,9 @@ def get(server, below=""):
 
 
 @pytest.fixture
-def server():
-    with LocalServer(api_key=KEY, heartbeat_interval=0.5) as local:
-        yield local
+def server(local_server):
+    local = local_server(api_key=KEY)
+    yield local
 
 
 @pytest.fixture(autouse=True)

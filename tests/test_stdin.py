@@ -25,7 +25,6 @@ import time
 import pytest
 import requests
 import urllib3
-from local_server import LocalServer
 from support import (
     SANDBOX,
     THREE_TRIES,
@@ -403,28 +402,28 @@ def test_wait_for_port_raises_at_once_when_the_process_ends_first(client, server
 
 
 @pytest.mark.both_readings
-def test_wait_for_port_times_out_within_a_request_a_second(server_reading):
+def test_wait_for_port_times_out_within_a_request_a_second(local_server):
     # Heartbeats far apart: the timeout must not wait for the next one.
-    with LocalServer(heartbeat_interval=5.0, reading=server_reading) as quiet:
-        with make_client(quiet) as client:
-            proc = client.start(SANDBOX, ["sleep", "60"])
-            before = len(quiet.requests)
-            started = time.monotonic()
-            port = closed_port()
-            with pytest.raises(cx.WaitTimeout) as caught:
-                proc.wait_for_port(port, timeout=8)
-            took = time.monotonic() - started
-            assert 8 <= took < 9
-            assert caught.value.timeout == 8 and caught.value.process_id == proc.process_id
-            assert str(caught.value) == (
-                f"Port {port} did not accept a connection within 8 s; the command goes on running."
-            )
-            # On average at most one a second: 4 with a stream that lasts,
-            # 7 when the service recycles it every 2 s.
-            assert len(quiet.requests) - before <= 8
-            assert proc.poll() is None  # the process runs on
-            assert probes_all_gone(quiet, proc)
-            proc.kill()
+    quiet = local_server(heartbeat_interval=5.0)
+    with make_client(quiet) as client:
+        proc = client.start(SANDBOX, ["sleep", "60"])
+        before = len(quiet.requests)
+        started = time.monotonic()
+        port = closed_port()
+        with pytest.raises(cx.WaitTimeout) as caught:
+            proc.wait_for_port(port, timeout=8)
+        took = time.monotonic() - started
+        assert 8 <= took < 9
+        assert caught.value.timeout == 8 and caught.value.process_id == proc.process_id
+        assert str(caught.value) == (
+            f"Port {port} did not accept a connection within 8 s; the command goes on running."
+        )
+        # On average at most one a second: 4 with a stream that lasts,
+        # 7 when the service recycles it every 2 s.
+        assert len(quiet.requests) - before <= 8
+        assert proc.poll() is None  # the process runs on
+        assert probes_all_gone(quiet, proc)
+        proc.kill()
 
 
 @pytest.mark.parametrize(
