@@ -2136,10 +2136,11 @@ class RemoteProcess(Generic[_AnyStr]):
         """
         opened = None
         reads_grace = ending.timed_out or ending.asked
-        try:
-            opened = self._follower.opened(_GRACE_CONNECT, self._deadline) if reads_grace else None
-        except BaseException as exc:  # Ctrl-C, a cancel: raised once the tree is confirmed gone
-            ending, reads_grace = ending._replace(error=exc), False
+        if reads_grace:
+            try:
+                opened = self._follower.opened(_GRACE_CONNECT, self._deadline)
+            except BaseException as exc:  # Ctrl-C: raised once the tree is confirmed gone
+                ending, reads_grace = ending._replace(error=exc), False
         termination = _Termination(self._endpoints, ending.grace, self._deadline.cancel)
         if reads_grace:
             ending = yield from self._through_termination(ending, opened)

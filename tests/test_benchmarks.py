@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import readers  # noqa: E402
 import run as run_module  # noqa: E402
 import stream_server  # noqa: E402
+from local_server import guest_environment  # noqa: E402
 
 SHAPES = (
     "64 KiB frames, one HTTP chunk per frame",
@@ -37,6 +38,10 @@ READERS = (
     "official SDK processes.connect()",
 )
 NUMBER = r"[0-9]+(?:\.[0-9]+)?"
+# The benchmarks run unmeasured, as the sandbox's processes do: they drive the
+# routes the suite measures already, and coverage's hook in each of their
+# processes was a tenth of the suite's CPU.
+UNMEASURED = guest_environment()
 
 
 def run_tiny_benchmark(section):
@@ -46,9 +51,7 @@ def run_tiny_benchmark(section):
             "--scale", "0.001", "--repeat", "1", "--only", section,
         ],
         cwd=ROOT,
-        # Unmeasured: the benchmark drives the routes the suite measures already,
-        # and coverage's hook in each of its processes was a tenth of the suite's CPU.
-        env={key: value for key, value in os.environ.items() if not key.startswith("COVERAGE_")},
+        env=UNMEASURED,
         capture_output=True,
         text=True,
         timeout=300,  # a hang guard only: a loaded machine takes minutes
@@ -210,9 +213,7 @@ def test_the_tiny_forward_benchmark_reports_both_figures_side_by_side():
     report = subprocess.run(
         [sys.executable, os.path.join("benchmarks", "forward.py"), "--scale", "0.001"],
         cwd=ROOT,
-        # Unmeasured: the benchmark drives the routes the suite measures already,
-        # and coverage's hook in each of its processes was a tenth of the suite's CPU.
-        env={key: value for key, value in os.environ.items() if not key.startswith("COVERAGE_")},
+        env=UNMEASURED,
         capture_output=True,
         text=True,
         timeout=120,  # a hang guard only
