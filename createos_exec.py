@@ -3165,28 +3165,33 @@ class _Sandbox:
         """Resume it if it is paused (`ask`; otherwise return it paused), and return
         once it runs: its view asked at a growing pace within `deadline`
         (_TimedOut; its cancel, CancelledError). SandboxGoneError when it is
-        gone, or goes meanwhile."""
+        gone, or goes meanwhile. A request the deadline cuts short ends the
+        wait as the deadline does (_TimedOut), not as a network failure."""
         pace = _RESUME_POLL
-        while True:
-            info = self.info(deadline)
-            if info.running or (not ask and info.status not in _SANDBOX_ON_THE_WAY):
-                return info
-            if info.status in _SANDBOX_GONE:
-                raise SandboxGoneError(
-                    self.sandbox_id, info.status, status=404, operation="sandbox resume"
-                )
-            if info.status == "paused":  # 409: it moved meanwhile; its view says how
-                self.transport.call(
-                    "POST",
-                    self.path + "/resume",
-                    operation="sandbox resume",
-                    deadline=deadline,
-                    json_body={},
-                    ok_statuses=(409,),
-                ).close()
-            deadline.pause(pace)
+        try:
+            while True:
+                info = self.info(deadline)
+                if info.running or (not ask and info.status not in _SANDBOX_ON_THE_WAY):
+                    return info
+                if info.status in _SANDBOX_GONE:
+                    raise SandboxGoneError(
+                        self.sandbox_id, info.status, status=404, operation="sandbox resume"
+                    )
+                if info.status == "paused":  # 409: it moved meanwhile; its view says how
+                    self.transport.call(
+                        "POST",
+                        self.path + "/resume",
+                        operation="sandbox resume",
+                        deadline=deadline,
+                        json_body={},
+                        ok_statuses=(409,),
+                    ).close()
+                deadline.pause(pace)
+                deadline.check()
+                pace = min(2 * pace, _RESUME_POLL_MAX)
+        except TransportError:
             deadline.check()
-            pace = min(2 * pace, _RESUME_POLL_MAX)
+            raise
 
     def diagnosed(
         self, error: CreateOSError, process_id: Optional[str] = None, after: Optional[int] = None

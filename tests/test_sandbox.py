@@ -10,8 +10,10 @@ import dataclasses
 import os
 import random
 import sys
+import time
 
 import pytest
+import requests
 import responses
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -526,6 +528,27 @@ def test_a_sandbox_not_resumed_within_the_deadline_stays_paused(rsps):
     with pytest.raises(cx.SandboxPausedError) as caught:
         make_client().execute(SB, ["true"], resume=True, timeout=0.4)
     assert caught.value.process_id is None and calls(rsps, "POST", PROCS)
+
+
+def read_past_the_deadline(request):
+    time.sleep(0.1)  # past every deadline below, then the read times out
+    raise requests.exceptions.ReadTimeout("read timed out")
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda client: client.resume(SB, timeout=0.05),
+        lambda client: client.execute(SB, ["true"], resume=True, timeout=0.05),
+    ],
+    ids=["resume()", "execute(resume=True)"],
+)
+def test_a_resume_request_cut_short_by_the_deadline_ends_as_the_deadline(rsps, call):
+    rsps.add(responses.POST, PROCS, status=409, json=PAUSED)
+    add_views(rsps, "paused")
+    rsps.add_callback(responses.POST, VIEW + "/resume", callback=read_past_the_deadline)
+    with pytest.raises(cx.SandboxPausedError):  # not a TransportError: the network is fine
+        call(make_client())
 
 
 @pytest.mark.parametrize(
