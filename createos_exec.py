@@ -566,8 +566,8 @@ def _spool_loss(spool: Optional[str], held: Mapping[str, int], limit: int) -> st
     """What the spool could not give back, and from where, for OutputEvictedError."""
     if spool == "full":
         return (
-            f", and its spool in the sandbox keeps the first {limit // 2**20} MiB of each "
-            "stream: what the command printed past that is lost"
+            f", and its spool in the sandbox keeps the first {limit:,} bytes of each stream: "
+            "what the command printed past that is lost"
         )
     if spool == "gone":
         return (
@@ -2618,6 +2618,7 @@ class _Follower:
         # (from the first byte on, nothing dropped), and whether it is read now.
         self._spool_readable = spool is not None and cursor == 0
         self._spooling = False
+        self._oldest_kept: Optional[int] = None  # what the journal said it kept when it evicted
         self._output = _Output(
             options.encoding if options.text else None,
             options.errors,
@@ -2775,7 +2776,7 @@ class _Follower:
                 self.process_id,
                 self._reader.cursor,
             )
-            self._spooling = True
+            self._spooling, self._oldest_kept = True, evicted.oldest_available_seq
             return
         if self._output.live:
             raise evicted
@@ -2920,7 +2921,11 @@ class _Follower:
         if lost is None:
             return pieces
         evicted = OutputEvictedError(
-            None, process_id=self.process_id, spool=lost, held=dict(held), limit=spool.limit
+            self._oldest_kept,
+            process_id=self.process_id,
+            spool=lost,
+            held=dict(held),
+            limit=spool.limit,
         )
         if self._output.live:
             raise evicted
