@@ -8,13 +8,19 @@ are test_scripts.py's.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
+import logging
 import os
+import random
+import re
 import subprocess
-from typing import Any, List, Tuple
+import time
+from typing import Any, Dict, List, Tuple
 
 import pytest
 import responses
+from local_server import READINGS, LocalServer
 from support import (
     EXEC,
     PROC,
@@ -27,6 +33,7 @@ from support import (
     assert_deleted_once,
     body_of,
     calls,
+    campaign_size,
     cli_argv,
     cli_env,
     data,
@@ -197,3 +204,112 @@ def test_the_spoolers_outlive_the_signals_sent_to_the_group(client):
     proc.send_signal("SIGUSR1")
     assert [text for _, text in pieces][-1] == "end\n" and proc.wait().exit_code == 0
     assert "got" in proc.wait().stdout
+
+
+# -- the campaign: evictions at random points (RELIABILITY.md item 19) -------------------
+#
+# Each run prints 0.6 to 2 MiB of numbered lines on both streams, in bursts; the
+# consumer falls behind at random; the journal holds 64 KiB to 1 MiB, drops
+# everything at a random point, and the stream breaks, and (where a resumed
+# sandbox keeps its processes) the sandbox is paused and resumed with
+# resume=True at random points. Each stream must arrive whole, once, in order.
+#
+#   CREATEOS_SPOOL_RUNS=240       # runs (default: 12; 240 in the full campaign)
+#   CREATEOS_SPOOL_SEED=20261207  # base seed; run i uses base + i
+
+BURSTS = (
+    "import sys, time\n"
+    "for burst in range(%d):\n"
+    "    for i in range(%d):\n"
+    "        (sys.stderr if i %% 7 == 0 else sys.stdout).write('%%d %%090d\\n' %% (burst, i))\n"
+    "    time.sleep(0.01)\n"
+)
+
+
+def bursts_expected(bursts: int, lines: int) -> Tuple[str, str]:
+    out, err = [], []
+    for burst in range(bursts):
+        for i in range(lines):
+            (err if i % 7 == 0 else out).append("%d %090d\n" % (burst, i))
+    return "".join(out), "".join(err)
+
+
+class SpoolLog(logging.Handler):
+    """The bytes each process's output had read back from its spool (the client's log)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.read: Dict[str, int] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        found = re.match(
+            r"Read (\d+) bytes of the output of (\S+) from its spool", record.getMessage()
+        )
+        if found:
+            self.read[found.group(2)] = int(found.group(1))
+
+
+def one_eviction_run(rng: random.Random, reading: Any) -> Dict[str, int]:
+    bursts, lines = rng.randint(8, 20), rng.randint(700, 1100)
+    expected = bursts_expected(bursts, lines)
+    journal = rng.choice([64 * 1024, 256 * 1024, 1024 * 1024])
+    with LocalServer(
+        heartbeat_interval=0.5, reading=reading, journal_limit=journal, resume_seconds=0.1
+    ) as server:
+        got: Dict[str, List[str]] = {"stdout": [], "stderr": []}
+        evict_at, pause_at = rng.randint(1, 30), rng.randint(1, 60)
+        pauses = reading.resume_keeps_processes and rng.random() < 0.5
+
+        def consume(stream: str, text: str) -> None:
+            got[stream].append(text)
+            taken = len(got["stdout"]) + len(got["stderr"])
+            if taken == evict_at:
+                (record,) = server.processes()
+                server.evict(record["process_id"])
+            if pauses and taken == pause_at:
+                server.pause()
+            if rng.random() < 0.1:
+                time.sleep(rng.uniform(0.0, 0.1))
+
+        server.drop_stream(after_frames=rng.randint(0, 40))
+        with make_client(server, cleanup_timeout=10.0) as client:
+            command = ["python3", "-c", BURSTS % (bursts, lines)]
+            result = client.execute(SANDBOX, command, on_output=consume, resume=True)
+        assert ("".join(got["stdout"]), "".join(got["stderr"])) == expected
+        assert result.exit_code == 0 and (result.stdout, result.stderr) == expected
+        return {
+            "produced": sum(map(len, expected)),
+            "evicted": server.evicted_bytes(result.process_id),
+            "spooled": SPOOL_LOG.read.get(result.process_id, 0),
+        }
+
+
+SPOOL_LOG = SpoolLog()
+
+
+def test_output_past_the_journal_at_random_points_arrives_whole(figures):
+    runs = campaign_size("CREATEOS_SPOOL_RUNS", 12, 240)
+    seed = int(os.environ.get("CREATEOS_SPOOL_SEED", "20261207"))
+    totals = dict.fromkeys(("produced", "evicted", "spooled"), 0)
+    failures: List[str] = []
+    logger = logging.getLogger("createos_exec")
+    logger.addHandler(SPOOL_LOG)
+    level, logger.level = logger.level, logging.INFO
+
+    def one(i: int) -> None:
+        reading = READINGS[i % 2]
+        try:
+            for name, value in one_eviction_run(random.Random(seed + i), reading).items():
+                totals[name] += value
+        except BaseException as exc:  # reported with its seed below
+            failures.append("run %d (seed %d, %s): %r" % (i, seed + i, reading.name, exc))
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            list(pool.map(one, range(runs)))
+    finally:
+        logger.removeHandler(SPOOL_LOG)
+        logger.level = level
+    assert not failures, "\n".join(failures[:5])
+    assert totals["evicted"] > 0 and totals["spooled"] > 0  # the spool was needed, and read
+    figures.record("19. output past the journal", runs=runs, seed=seed, lost=0, **totals)
