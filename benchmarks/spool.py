@@ -88,7 +88,6 @@ def probe(url: str, mib: int) -> Dict[str, Any]:
     for i in range(mib * 2**20 // LINE):
         expected.update(b"%099d\n" % i)
     spooled: List[int] = []
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
 
     class Spooled(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
@@ -96,7 +95,9 @@ def probe(url: str, mib: int) -> Dict[str, Any]:
             if found:
                 spooled.append(int(found.group(1)))
 
-    logging.getLogger("createos_exec").addHandler(Spooled())
+    logger = logging.getLogger("createos_exec")
+    logger.addHandler(Spooled())
+    logger.setLevel(logging.INFO)
     got, pauses = hashlib.sha256(), [PAUSES]
 
     def slow(stream: str, text: str) -> None:
