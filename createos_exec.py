@@ -228,6 +228,15 @@ _LISTING_PAGE_SIZE = 500  # the most the service's paginated lists hold in a pag
 _LISTING_PAGES = 20  # pages of the process listing read at most: 10,000 processes
 _RESUME_POLL = 0.25  # seconds before the first look at a resuming sandbox; it doubles
 _RESUME_POLL_MAX = 2.0  # seconds between looks at most (a resume takes 10-13 s)
+# The spool (design item 19): what a stream's spool keeps at most (its first bytes),
+# the output under which both spools are dropped at their end (the ~1 MiB journal,
+# counted raw or in base64, keeps it all), what one read of it brings of each stream,
+# and the pauses between reads of a spool that has nothing new (they double).
+_SPOOL_LIMIT = 256 * 1024 * 1024
+_SPOOL_KEPT_FROM = 512 * 1024
+_SPOOL_PIECE = 1024 * 1024
+_SPOOL_POLL = 0.05
+_SPOOL_POLL_MAX = 1.0
 
 
 # ==========================================================================
@@ -526,24 +535,47 @@ class ProtocolError(CreateOSError):
 
 
 class OutputEvictedError(ProtocolError):
-    """Output that had not been read yet was evicted from the process journal."""
+    """Output not read yet was evicted from the journal, and the spool could not give it back."""
 
     def __init__(
         self,
         oldest_available_seq: Optional[int],
         *,
         process_id: Optional[str] = None,
+        spool: Optional[str] = None,
+        held: Optional[Mapping[str, int]] = None,
+        limit: int = 0,
     ) -> None:
         self.oldest_available_seq = oldest_available_seq
+        # Why the spool did not give it back: "gone" (removed, or never written),
+        # "full" (past its limit), or None (the process has no spool read here).
+        self.spool = spool
         CreateOSError.__init__(
             self,
-            "Output this client had not read yet was evicted from the CreateOS journal; "
-            "print less, or write large output to a file in the sandbox and fetch that: "
-            "get(sandbox_id, '/tmp/out.log', 'out.log'), or on the command line "
-            "--get /tmp/out.log:out.log with '> /tmp/out.log' in the command.",
+            "Output this client had not read yet was evicted from the CreateOS journal"
+            f"{_spool_loss(spool, held or {}, limit)}; print less, or write large output "
+            "to a file in the sandbox and fetch that: get(sandbox_id, '/tmp/out.log', "
+            "'out.log'), or on the command line --get /tmp/out.log:out.log with "
+            "'> /tmp/out.log' in the command.",
             process_id=process_id,
         )
         self.problem = "output evicted"
+
+
+def _spool_loss(spool: Optional[str], held: Mapping[str, int], limit: int) -> str:
+    """What the spool could not give back, and from where, for OutputEvictedError."""
+    if spool == "full":
+        return (
+            f", and its spool in the sandbox keeps the first {limit:,} bytes of each stream: "
+            "what the command printed past that is lost"
+        )
+    if spool == "gone":
+        return (
+            ", and its spool in the sandbox is gone (removed, or /tmp could not be "
+            f"written): what the command printed after byte {held.get('stdout', 0)} of "
+            f"stdout or byte {held.get('stderr', 0)} of stderr may be lost"
+        )
+    return ""
 
 
 class CleanupError(CreateOSError):
@@ -1223,6 +1255,7 @@ class Client:
             started=started,
             creation_recovered=recovered,
             terminal=checked.pty is not None,
+            spool=None if plan.spool is None else _Spool(sandbox, plan.spool, _SPOOL_LIMIT),
         )
         return RemoteProcess(follower, deadline, launch)
 
@@ -1310,6 +1343,7 @@ class Client:
             started=started,
             cursor=after,
             terminal=record.get("kind") == "pty",
+            spool=_spool_of(sandbox, record),
         )
         return RemoteProcess(follower, deadline)
 
@@ -2062,11 +2096,17 @@ class RemoteProcess(Generic[_AnyStr]):
         is terminated and that confirmed first; then the result, or the error
         with the partial result attached: the outcome every later wait gives."""
         try:
-            if not ending.gone and (ending.timed_out or ending.error is not None or ending.asked):
+            contained = not ending.gone and (
+                ending.timed_out or ending.error is not None or ending.asked
+            )
+            if contained:
                 ending = yield from self._contain(ending)
             if ending.error is not None:
                 raise ending.error
             self._outcome = self._follower.result(ending.exited, timed_out=ending.timed_out)
+            if not contained:  # a deadline the sandbox kept killed the spoolers with the tree
+                left = self._follower.spool_left(terminated=ending.timed_out)
+                self._endpoints.sandbox.remove(left, "the spool")
         except GeneratorExit:  # a loop was left during containment: the run goes on
             raise
         except BaseException as exc:
@@ -2152,9 +2192,13 @@ class RemoteProcess(Generic[_AnyStr]):
             with contextlib.suppress(ProtocolError):
                 ending = ending._replace(exited=_exit_status(termination.record))
         ending = self._contained(ending, unconfirmed)
-        confirmed = first is not None and ending.error is first
-        if confirmed and not isinstance(first, KeyboardInterrupt) and self._launch is not None:
-            self._launch.unstage(self._deadline.cancel)  # the wrapper may not have removed it
+        if unconfirmed is None and not isinstance(first, KeyboardInterrupt):
+            # What the killed tree left: its spool, and the staged file the wrapper
+            # may not have removed when the run failed.
+            left = self._follower.spool_left(terminated=True)
+            if first is not None and self._launch is not None:
+                left += self._launch.staged_files()
+            self._endpoints.sandbox.remove(left, "what the run left", self._deadline.cancel)
         return ending
 
     def _after_deadline(self) -> _Steps[Optional[_Ending]]:
@@ -2507,7 +2551,7 @@ class _PortWait:
         argv = [str(pid), self._host, str(self._port), str(limit)]
         command = ["bash", "-c", _PROBE_SCRIPT, "createos_exec-port-probe", *argv]
         sandbox = self._endpoints.sandbox
-        probe, _ = _Launch(sandbox, _plan(command, _Options())).create(deadline)
+        probe, _ = _Launch(sandbox, _plan(command, _Options(), spooled=False)).create(deadline)
         try:
             follower = _Follower(probe, _Options(), args=command, started=time.monotonic())
             return _to_end(follower.follow(deadline))
@@ -2535,7 +2579,9 @@ class _PortWait:
 # One process's output followed from the cursor: every transport failure
 # resumes it at the last accepted seq; once the retry budget is spent, the
 # exit status is recovered out of band (wait?scope=tree) and the missing
-# output replayed; a protocol error never reconnects.
+# output replayed; a protocol error never reconnects. Output the journal
+# evicted before it was read is read from the spool in the sandbox, and the
+# rest of the output with it (design item 19).
 
 
 class _Follower:
@@ -2562,10 +2608,17 @@ class _Follower:
         cursor: int = 0,
         creation_recovered: bool = False,
         terminal: bool = False,
+        spool: Optional[_Spool] = None,
     ) -> None:
         self.endpoints = endpoints
         self.options = options
         self.process_id = endpoints.process_id
+        self._spool = spool
+        # Whether the bytes of each stream read so far say where the spool goes on
+        # (from the first byte on, nothing dropped), and whether it is read now.
+        self._spool_readable = spool is not None and cursor == 0
+        self._spooling = False
+        self._oldest_kept: Optional[int] = None  # what the journal said it kept when it evicted
         self._output = _Output(
             options.encoding if options.text else None,
             options.errors,
@@ -2640,6 +2693,10 @@ class _Follower:
         deadline cut is no failure: the deadline ends the following.
         """
         while True:
+            if self._spooling:
+                spooled = yield from self._from_spool(deadline)
+                if spooled is not None:
+                    return spooled
             deadline.check(self.process_id)
             record, cursor, beats = self._record, self._reader.cursor, self._reader.heartbeats
             until = None if record is None else _output_seq(record, "newest_seq")
@@ -2660,9 +2717,7 @@ class _Follower:
             except _Retryable as failure:
                 ended = failure
             except OutputEvictedError as evicted:
-                if self._output.live:
-                    raise  # never hand a consumer output after a gap it was not told of
-                self._skip_to_kept(evicted, deadline)
+                self._after_eviction(evicted, deadline)
                 continue
             if ended is None:
                 return self._recovered(record)
@@ -2709,6 +2764,24 @@ class _Follower:
         if self.on_reconnect is not None:
             self.on_reconnect(under_way)
 
+    def _after_eviction(self, evicted: OutputEvictedError, deadline: _Deadline) -> None:
+        """The journal evicted output not read yet: read on from the spool, or
+        without one go on from the oldest output kept when nobody reads live;
+        `evicted` otherwise (a consumer is never handed output after a gap it
+        was not told of)."""
+        if self._spool_readable:
+            logger.info(
+                "Output of %s after seq %d was evicted from the journal; reading it from "
+                "the spool in the sandbox",
+                self.process_id,
+                self._reader.cursor,
+            )
+            self._spooling, self._oldest_kept = True, evicted.oldest_available_seq
+            return
+        if self._output.live:
+            raise evicted
+        self._skip_to_kept(evicted, deadline)
+
     def _skip_to_kept(self, evicted: OutputEvictedError, deadline: _Deadline) -> None:
         """Nobody reads live: the evicted output is the head of the output, not a
         hole in it. Drop what was read and go on from the oldest output kept."""
@@ -2724,6 +2797,7 @@ class _Follower:
             oldest,
         )
         self._output.drop_all()
+        self._spool_readable = self._spooling = False
         self._reader.cursor = oldest - 1
 
     def _exit_of_bare_frame(self, deadline: _Deadline) -> _Exit:
@@ -2790,6 +2864,155 @@ class _Follower:
         logger.info("Recovered the exit status of %s out of band", self.process_id)
         return exited
 
+    # -- the spool -------------------------------------------------------------
+
+    def _from_spool(self, deadline: _Deadline) -> _Steps[Optional[_Exit]]:
+        """The rest of the output, from the spool: each stream from the bytes held
+        on, a piece at a time, to its end; then the exit status, from the
+        record. None when the spool cannot go on and nobody reads live: the
+        journal's oldest output on, then.
+
+        No gap and no repeat in each stream; what came of both in one piece is
+        handed out stdout first (where they interleaved is not known). A
+        stream that its spooler could not mark ended (killed with the tree)
+        is read to its end once the record shows the tree gone.
+        """
+        spool, output = self._spool, self._output
+        assert spool is not None  # see _after_eviction
+        spooled, pause, settled = 0, _SPOOL_POLL, False
+        while True:
+            deadline.check(self.process_id)
+            pieces = self._spooled(spool, deadline)
+            if pieces is None:
+                return None
+            for stream, piece in zip(_STREAMS, pieces):
+                if piece.data:
+                    output.feed(stream, piece.data)
+                    spooled += len(piece.data)
+            if all(piece.left == 0 and (piece.ended or settled) for piece in pieces):
+                break
+            if any(piece.data for piece in pieces):
+                pause = _SPOOL_POLL
+                if self._reader.stepwise:
+                    yield
+                continue
+            if pause >= _SPOOL_POLL_MAX and not settled:
+                settled = self.endpoints.record(deadline).get("tree_exited") is True
+                if settled:
+                    continue  # what the spool holds now is all of it
+            self._pause(pause, deadline)
+            pause = min(2 * pause, _SPOOL_POLL_MAX)
+        logger.info("Read %d bytes of the output of %s from its spool", spooled, self.process_id)
+        exited = self._exit_after_spool(deadline)
+        self.endpoints.sandbox.remove(self.spool_left(), "the spool")
+        return exited
+
+    def _spooled(self, spool: _Spool, deadline: _Deadline) -> Optional[List[_Spooled]]:
+        """A piece of each stream's spool past the bytes held. A spool gone, or full
+        where a stream goes on past it, is the eviction, with what it lost, for
+        a consumer that reads live; None without one, after going back to the
+        journal's oldest output."""
+        held = self._output.received
+        try:
+            pieces = spool.read(held, deadline)
+            lost = "full" if any(held[s] >= spool.limit for s in _STREAMS) else None
+        except _SpoolGone:
+            lost = "gone"
+        if lost is None:
+            return pieces
+        evicted = OutputEvictedError(
+            self._oldest_kept,
+            process_id=self.process_id,
+            spool=lost,
+            held=dict(held),
+            limit=spool.limit,
+        )
+        if self._output.live:
+            raise evicted
+        self._skip_to_kept(evicted, deadline)
+        return None
+
+    def _exit_after_spool(self, deadline: _Deadline) -> _Exit:
+        """The exit status once the spool was read to its end: the record's, once
+        the leader has exited (its streams may end before it does)."""
+        record = None
+        while record is None:
+            record = self.endpoints.exit_record("leader", _LIVENESS_POLL_MS, deadline)
+        return self._recovered(record)
+
+    def spool_left(self, terminated: bool = False) -> List[str]:
+        """The spool's files to remove now that the run has ended, forgotten here:
+        all of them after a termination (its spoolers were killed with the tree)
+        or once it was read, and when the output was big enough for the
+        spoolers to keep it for this client (or how big it was is not known);
+        none when the spoolers drop it themselves."""
+        spool, self._spool = self._spool, None
+        small = sum(self._output.received.values()) < _SPOOL_KEPT_FROM
+        kept = terminated or self._spooling or not (small and self._spool_readable)
+        self._spool_readable = self._spooling = False
+        return spool.files() if spool is not None and kept else []
+
+
+class _Spooled(NamedTuple):
+    """A piece of one stream's spool: its bytes past those held, how many more
+    it holds (a read brings _SPOOL_PIECE at most), and whether the stream has
+    ended (the spool then holds all of it)."""
+
+    data: bytes
+    left: int
+    ended: bool
+
+
+class _SpoolGone(Exception):
+    """A spool was removed, or could not be written or read."""
+
+
+# What the chore prints: for stdout, then stderr, "SIZE ENDED" and a line of base64.
+_SPOOLED = re.compile(r"([0-9]{1,15}) ([01])\n([A-Za-z0-9+/=]*)\n" * 2)
+
+
+def _spooled(held: int, size: str, ended: str, text: str) -> _Spooled:
+    """One stream's piece, as the chore printed it, checked against the bytes held."""
+    try:
+        data = _a2b_base64(text, strict_mode=True)  # novermin: its own before 3.11
+    except ValueError:
+        raise ProtocolError("the reading of the spool carries invalid base64") from None
+    if int(size) < held or len(data) != min(int(size) - held, _SPOOL_PIECE):
+        raise ProtocolError("the spool does not hold the output already read")
+    return _Spooled(data, int(size) - held - len(data), ended == "1")
+
+
+class _Spool:
+    """The spool of one process in the sandbox (design item 19, see _SPOOL): each
+    of its streams as the wrapper copied it into a file of its own, from the
+    first byte, `limit` bytes at most; read a piece at a time by a chore
+    (_SPOOL_READ) through the exec endpoint, which reading twice does no harm."""
+
+    def __init__(self, sandbox: _Sandbox, path: str, limit: int) -> None:
+        self.sandbox = sandbox
+        self.path = path
+        self.limit = limit
+
+    def read(self, held: Mapping[str, int], deadline: _Deadline) -> List[_Spooled]:
+        """What each stream's spool holds past the bytes `held` of it; _SpoolGone
+        when a spool is gone or cannot be read."""
+        argv = ["bash", "-c", _SPOOL_READ, "createos_exec-spool", self.path]
+        argv += [str(held[stream]) for stream in _STREAMS] + [str(_SPOOL_PIECE)]
+        ran = self.sandbox.exec(argv, "reading of the spool", deadline, repeatable=True)
+        if ran.exited != 0:
+            raise _SpoolGone()  # 3: a spool is gone; another: it cannot be read
+        said = _SPOOLED.fullmatch(ran.stdout)
+        if said is None:
+            raise ProtocolError("the reading of the spool says nothing this client knows")
+        fields = said.groups()
+        return [_spooled(held[s], *fields[3 * i : 3 * i + 3]) for i, s in enumerate(_STREAMS)]
+
+    def files(self) -> List[str]:
+        """Both spools and their ends."""
+        return [
+            f"{self.path}.{ending}" for ending in ("stdout", "stderr", "stdout.end", "stderr.end")
+        ]
+
 
 # ==========================================================================
 # 5. Launch: the plan, the staged secrets, one creation
@@ -2803,15 +3026,19 @@ class _Follower:
 
 
 class _Plan(NamedTuple):
-    """What is sent to create the process, and the private file staged beforehand."""
+    """What is sent to create the process, the private file staged beforehand,
+    and where the process's spool will be (None: it has none)."""
 
     marker: str
     body: Dict[str, Any]
     staged_path: Optional[str]
     staged: Optional[bytes]
+    spool: Optional[str]
 
 
-def _plan(command: Command, options: _Options, grace: float = _TERMINATE_GRACE) -> _Plan:
+def _plan(
+    command: Command, options: _Options, grace: float = _TERMINATE_GRACE, *, spooled: bool = True
+) -> _Plan:
     """Build the bash wrapper that runs the command: `bash -c WRAPPER MARKER ARGV...`.
 
     The random marker ($0) lets an ambiguously created process be found again.
@@ -2827,6 +3054,9 @@ def _plan(command: Command, options: _Options, grace: float = _TERMINATE_GRACE) 
     With a `timeout`, the wrapper forks a watchdog (see _WATCHDOG) that keeps
     the deadline in the sandbox, with `grace` seconds between SIGTERM and
     SIGKILL; without one, nothing is added.
+
+    A pipe process's streams are `spooled` first of all, so that every byte
+    they carry is in the spool too (see _SPOOL); a terminal's are not.
     """
     marker = _MARKER_PREFIX + secrets.token_hex(12)
     argv = _argv(command, options.shell)
@@ -2834,7 +3064,10 @@ def _plan(command: Command, options: _Options, grace: float = _TERMINATE_GRACE) 
     stdin = None if piped else (options.stdin if options.input is None else options.input)
     staged = _staged_bytes(options.env, stdin) if options.env or stdin is not None else None
     staged_path = f"/tmp/.{marker}" if staged is not None else None
+    spool = f"/tmp/.{marker}" if spooled and options.pty is None else None
     lines = [_WRAPPER_HEAD]
+    if spool is not None:
+        lines.extend([_SPOOL, _spool_call(spool, _SPOOL_LIMIT)])
     if options.pty is not None and "TERM" not in (options.env or {}):
         lines.append(_TERMINAL_TYPE)
     if staged_path is not None:
@@ -2853,7 +3086,7 @@ def _plan(command: Command, options: _Options, grace: float = _TERMINATE_GRACE) 
     body: Dict[str, Any] = {"cmd": "bash", "args": ["-c", "\n".join(lines) + "\n", marker, *argv]}
     if isinstance(options.pty, tuple):  # checked: (rows, cols)
         body["pty"] = dict(zip(("rows", "cols"), options.pty))
-    return _Plan(marker, body, staged_path, staged)
+    return _Plan(marker, body, staged_path, staged, spool)
 
 
 _MARKER_PREFIX = "createos_exec-"
@@ -2879,6 +3112,17 @@ def _given_command(cmd: Any, args: Any) -> Tuple[Any, bool]:
     if args[1].rstrip("\n").endswith(_RUN_SCRIPT) and len(argv) == 1:
         return argv[0], True
     return argv, True
+
+
+def _spool_of(sandbox: _Sandbox, record: Dict[str, Any]) -> Optional[_Spool]:
+    """The spool of a listed process, where its wrapper made one (see _spool_call)."""
+    args: Any = record.get("args")
+    if not _given_command(record.get("cmd"), args)[1]:
+        return None
+    found = _SPOOL_CALL.search(args[1])
+    if found is None or found.group(1) != f"/tmp/.{args[2]}":
+        return None
+    return _Spool(sandbox, found.group(1), int(found.group(2)) * 1024)
 
 
 def _argv(command: Command, shell: bool) -> List[str]:
@@ -3104,11 +3348,14 @@ class _Launch:
         except CleanupError:
             logger.warning("Could not confirm that no process was left running")
 
+    def staged_files(self) -> List[str]:
+        """The staged secrets file, if there is one."""
+        return [] if self.plan.staged_path is None else [self.plan.staged_path]
+
     def unstage(self, hurry: Optional[threading.Event] = None) -> None:
         """Remove the staged secrets file, best-effort, when the wrapper may not have;
         a cleanup, which `hurry` hurries through the pacing window."""
-        if self.plan.staged_path is not None:
-            self.sandbox.remove(self.plan.staged_path, "the staged env/stdin file", hurry)
+        self.sandbox.remove(self.staged_files(), "the staged env/stdin file", hurry)
 
 
 # ==========================================================================
@@ -3352,13 +3599,19 @@ class _Sandbox:
 
         return transport.retried(once, deadline, repeatable=repeatable)
 
-    def remove(self, path: str, what: str, hurry: Optional[threading.Event] = None) -> None:
-        """Remove a file this client left at `path`, best-effort, within a
-        cleanup_timeout: `what` names it in the warning when that fails."""
+    def remove(
+        self, path: Union[str, List[str]], what: str, hurry: Optional[threading.Event] = None
+    ) -> None:
+        """Remove a file this client left at `path` (or the files of a list, if
+        any), best-effort, within a cleanup_timeout: `what` names it in the
+        warning when that fails."""
+        paths = [path] if isinstance(path, str) else path
+        if not paths:
+            return
         now = time.monotonic()
         cleanup = _Deadline.after(self.transport.cleanup_timeout, "cleanup", now, hurry=hurry)
         try:
-            self.exec(["rm", "-f", "--", path], f"removal of {what}", cleanup)
+            self.exec(["rm", "-f", "--", *paths], f"removal of {what}", cleanup)
         except CreateOSError:
             logger.warning("Could not remove %s from the sandbox", what)
 
@@ -4783,6 +5036,7 @@ class _Output:
         self._part_size = min(_TAIL_PART, limit // 16)
         self.evicted = False  # the service dropped output nobody had read
         self._decoders = {name: self._decoder() for name in _ALL_STREAMS}
+        self.received = dict.fromkeys(_ALL_STREAMS, 0)  # bytes of each stream, from its first
         self.tails = {name: _Tail(limit, self._nothing) for name in _STREAMS}
         self.combined = _Tail(limit, self._nothing)
         # Texts not yet in the tails: per stream (a terminal's are stdout's), and of both in order.
@@ -4821,6 +5075,7 @@ class _Output:
         self._deliver = both
 
     def feed(self, stream: str, payload: bytes, final: bool = False) -> None:
+        self.received[stream] += len(payload)
         text = self._decoders[stream].decode(payload, final)
         if text:
             stream = self._into[stream]
@@ -5945,6 +6200,48 @@ _cx_find_program() {
 }"""
 # A terminal's type, unless the caller's env names one (a service may set none).
 _TERMINAL_TYPE = "export TERM=xterm-256color"
+# The spool (design item 19): each stream of a pipe process goes through a
+# spooler, a process substitution the command inherits as its stdout or
+# stderr. Its tee copies what comes to the spool, a file of the stream's own
+# in /tmp (mode 0600, kept to its first $2 KiB by RLIMIT_FSIZE; tee goes on
+# to the service alone past it), then to the service's pipe: the spool is
+# never behind what the service has. The spooler holds the spool open on a
+# descriptor it shares with tee, whose position is then the bytes written:
+# when its stream ends, it writes that count as the stream's "end", and the
+# second to end drops both spools when together they hold fewer than $3
+# bytes, which the service's journal keeps whole; bigger ones are the
+# client's to remove once it has read everything. A spooler ignores the
+# signals sent to the process group, so that a command's last words in its
+# grace period still reach the service, and says nothing anywhere itself.
+_SPOOL = r"""set +o posix
+_cx_spool() {
+    # $1: the spool's path, to which each stream's name is added; $2: the
+    # most KiB a stream's spool keeps; $3: the bytes under which the spools
+    # are dropped once both streams have ended.
+    exec > >(_cx_spooler "$1" stdout stderr "$2" "$3")
+    exec 2> >(_cx_spooler "$1" stderr stdout "$2" "$3" >&2)
+}
+_cx_spooler() {
+    # $1: the spool's path, $2: this stream, $3: the other; $4, $5: as for
+    # _cx_spool. stdin: the command's stream; stdout: the service's pipe,
+    # closed here only once the end is written.
+    local spool pipe bytes other
+    exec 2>/dev/null
+    trap '' HUP INT QUIT TERM USR1 USR2 ALRM XFSZ
+    IFS=$' \t\n'
+    umask 077
+    ulimit -f "$4"
+    exec {spool}>"$1.$2" || exec {spool}>/dev/null
+    exec {pipe}>&1 >/dev/null
+    tee -- "/dev/fd/$pipe" <&0 >&"$spool" &
+    wait "$!"
+    read -r _ bytes <"/proc/$BASHPID/fdinfo/$spool"
+    printf '%s\n' "$bytes" >"$1.$2.end"
+    exec {pipe}>&-
+    read -r other <"$1.$3.end" || return 0
+    ((bytes + other < $5)) || return 0
+    rm -f -- "$1.stdout" "$1.stderr" "$1.stdout.end" "$1.stderr.end"
+}"""
 # The wrapper's last line, for a script (shell=True) or an argv.
 _RUN_SCRIPT = 'exec bash -c -- "$1"'
 _RUN_ARGV = 'exec -- "$@"'
@@ -6219,6 +6516,18 @@ def _watchdog(timeout: float, grace: float) -> List[str]:
     return [_PROCESSES, _WATCHDOG, _call("_cx_start_watchdog", due, kill_after)]
 
 
+def _spool_call(path: str, limit: int) -> str:
+    """The wrapper's line that spools its streams at `path` (see _SPOOL), `limit`
+    bytes of each at most."""
+    return _call("_cx_spool", path, str(limit // 1024), str(_SPOOL_KEPT_FROM))
+
+
+# That line as a listed process shows it: the spool of a process started by this module.
+_SPOOL_CALL = re.compile(
+    r"^_cx_spool '(/tmp/\.createos_exec-[0-9a-f]{24})' '([0-9]{1,9})' '[0-9]+'$", re.MULTILINE
+)
+
+
 def _reading_staged(path: str, marker: str, piped: bool) -> List[str]:
     """The wrapper's lines that read the staged file: its variables, and on
     stdin the rest of it, unless the command's stdin is the service's pipe."""
@@ -6378,6 +6687,33 @@ _DESCRIBE = _FILE_SUMS + "\n" + _DESCRIBE_FILE
 # What their exits say (TransferError.reason); any other: they could not run.
 _PUT_FAILURES = {3: "vanished", 4: "no_tools", 5: "mismatch", 6: "not_renamed"}
 _DESCRIBE_FAILURES = {3: "missing", 4: "no_tools", 5: "not_a_file", 6: "unreadable"}
+
+# What the journal evicted, read back from the spool (see _SPOOL and _Spool):
+# coreutils' stat, tail, head and base64. Whether a stream has ended is looked
+# at before its size, so that the size of an ended stream is its last.
+_SPOOL_READ = r"""_cx_spool_read() {
+    # $1: the spool's path; $2, $3: the bytes of stdout and of stderr held
+    # already; $4: the most bytes of each to print. Exits 3 when a spool is
+    # gone.
+    _cx_slice "$1.stdout" "$2" "$4"
+    _cx_slice "$1.stderr" "$3" "$4"
+}
+_cx_slice() {
+    # $1: a stream's spool, $2: its bytes held, $3: the most to print.
+    # Prints "SIZE ENDED" (ENDED: 1 once the stream has ended), then the
+    # base64 of its bytes from $2 on, up to SIZE, on a line of its own.
+    local ended=0 size count
+    [[ ! -e $1.end ]] || ended=1
+    size=$(stat -c %s -- "$1" 2>/dev/null) || exit 3
+    count=$((size - $2 < $3 ? size - $2 : $3))
+    printf '%s %s\n' "$size" "$ended"
+    if ((count > 0)); then
+        tail -c "+$(($2 + 1))" -- "$1" | head -c "$count" | base64 -w 0
+    fi
+    printf '\n'
+}
+_cx_spool_read "$@"
+"""
 
 
 # ==========================================================================

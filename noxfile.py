@@ -102,6 +102,7 @@ CAMPAIGNS = (
     "tests/test_cli_pty.py",
     "tests/test_sandbox.py",
     "tests/test_reader_fuzz.py",
+    "tests/test_spool.py",
 )
 
 COMPAT_SELECTION = " and ".join(

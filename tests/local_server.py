@@ -700,6 +700,7 @@ class Process:
         self.journal_encoded_bytes = 0  # the same frames' data_base64 lengths
         self.newest_seq = 0
         self.evicted_through = 0  # highest seq dropped from the journal
+        self.evicted_bytes = 0  # raw bytes of the frames dropped from it
         self._open_pipes = len(self._outputs)
         self._tree_gone = False  # latched: once empty, the group id may be reused
         self.deleted = False  # answered a DELETE (forgotten if reading.delete_forgets)
@@ -769,6 +770,7 @@ class Process:
         self.journal_bytes -= frame.size
         self.journal_encoded_bytes -= frame.encoded_size
         self.evicted_through = frame.seq
+        self.evicted_bytes += frame.size
 
     def evict_all(self) -> None:
         with self.cond:
@@ -2253,6 +2255,12 @@ class LocalServer:
     def evict(self, process_id: str) -> None:
         """Drop every retained data frame of the process (older cursors then get 410)."""
         self._get_process(process_id).evict_all()
+
+    def evicted_bytes(self, process_id: str) -> int:
+        """The bytes of output the process's journal has dropped, by eviction or evict()."""
+        process = self._get_process(process_id)
+        with process.cond:
+            return process.evicted_bytes
 
     def _queue(self, endpoint: str, fault: Fault) -> None:
         if endpoint not in ENDPOINTS:

@@ -33,6 +33,7 @@ CAMPAIGN = [
     "tests/test_files.py",
     "tests/test_cli_pty.py",
     "tests/test_sandbox.py",
+    "tests/test_spool.py",
 ]
 KEPT_LAST = ("seed", "limit", "threads", "median_latency_ms")  # settings and medians, not counts
 

@@ -25,8 +25,8 @@ def scripts() -> Dict[str, Tuple[str, List[str]]]:
     strings, then the whole texts sent."""
     parts = {
         name: getattr(cx, name)
-        for name in ("_WRAPPER_HEAD", "_READ_STAGED", "_ENTER", "_FIND_PROGRAM", "_PROCESSES",
-                     "_WATCHDOG", "_PROBE", "_FILE_SUMS", "_FINISH", "_DESCRIBE_FILE")
+        for name in ("_WRAPPER_HEAD", "_SPOOL", "_READ_STAGED", "_ENTER", "_FIND_PROGRAM",
+                     "_PROCESSES", "_WATCHDOG", "_PROBE", "_FILE_SUMS", "_FINISH", "_DESCRIBE_FILE")
     }  # fmt: skip
     wrappers = {
         "wrapper, argv with every option": cx._plan(["true"], EVERYTHING),
@@ -38,6 +38,7 @@ def scripts() -> Dict[str, Tuple[str, List[str]]]:
     whole["port probe"] = cx._PROBE_SCRIPT
     whole["finish of a put"] = cx._PUT_FINISH
     whole["check of a get"] = cx._DESCRIBE
+    whole["reading of a spool"] = cx._SPOOL_READ
     alone = {name: (text, ["--exclude=SC2154"]) for name, text in parts.items()}
     return {**alone, **{name: (text, []) for name, text in whole.items()}}
 

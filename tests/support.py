@@ -199,6 +199,35 @@ def add_deleted(rsps: responses.RequestsMock) -> None:
     rsps.add(responses.DELETE, PROC, json=ok(exited(0, exit_code=0)))
 
 
+def ran(stdout: str = "", exit_code: int = 0) -> Dict[str, Any]:
+    """An exec's answer (docs/protocol.md 6)."""
+    return ok({"result": {"stdout": stdout, "stderr": "", "exit_code": exit_code}})
+
+
+def spooled(stdout: bytes = b"", stderr: bytes = b"", *, held: Any = (0, 0), ended: bool = True):
+    """A reading of the spool (cx._SPOOL_READ) that gives each stream's bytes past `held`."""
+    lines = "".join(
+        f"{before + len(raw)} {int(ended)}\n{base64.b64encode(raw).decode()}\n"
+        for raw, before in zip((stdout, stderr), held)
+    )
+    return ran(lines)
+
+
+SPOOL_GONE = ran(exit_code=3)  # a reading of a spool that is no longer there
+
+
+def spool_files(server: Any, process_id: str) -> List[str]:
+    """The spool of a process the local server runs: its files in this machine's /tmp."""
+    marker = server.process(process_id)["args"][2]
+    return [f"/tmp/.{marker}.{end}" for end in ("stdout", "stderr", "stdout.end", "stderr.end")]
+
+
+def remove_spool(server: Any, process_id: str) -> None:
+    for path in spool_files(server, process_id):
+        if os.path.exists(path):
+            os.remove(path)
+
+
 def calls(rsps: responses.RequestsMock, method: str, url: str) -> List[Any]:
     """The requests made to `url` (its query aside) with `method`."""
     return [

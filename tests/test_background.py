@@ -20,7 +20,7 @@ import warnings
 
 import pytest
 import requests
-from support import SANDBOX, Recorder, make_client, python, until
+from support import SANDBOX, Recorder, make_client, python, remove_spool, until
 
 import createos_exec as cx
 
@@ -197,7 +197,8 @@ def test_eviction_during_a_loop_raises_with_what_was_read(client, server):
     assert next(loop) == ("stdout", "one\n")
     # The loop's body takes its time: "two" and "three" are journalled meanwhile.
     until(lambda: server.process(proc.process_id)["output"]["newest_seq"] >= 2)
-    server.evict(proc.process_id)  # and lost before the loop reads them
+    server.evict(proc.process_id)  # and lost before the loop reads them, spool and all
+    remove_spool(server, proc.process_id)
     with pytest.raises(cx.OutputEvictedError) as caught:
         list(loop)  # a live reader is never handed output after a gap
     assert caught.value.result is not None and caught.value.result.stdout == "one\n"
@@ -316,6 +317,7 @@ def test_evicted_output_nobody_read_is_the_head_of_the_result(small_journal):
     with make_client(small_journal) as client:
         proc = client.start(SANDBOX, FLOOD)
         until(lambda: proc.poll() is not None)  # nobody reads: the journal drops its oldest
+        remove_spool(small_journal, proc.process_id)  # and nothing else keeps it
         result = proc.wait()
     assert result.exit_code == 3 and result.output_evicted
     assert result.stdout_truncated and result.output_truncated

@@ -27,12 +27,14 @@ import responses
 from local_server import READINGS
 from support import (
     CONNECT,
+    EXEC,
     EXIT0,
     PID,
     PROC,
     PROCS,
     SANDBOX,
     SB,
+    SPOOL_GONE,
     WAIT,
     add_connect,
     add_created,
@@ -51,6 +53,7 @@ from support import (
     process_record,
     query,
     reader_with_deliveries,
+    remove_spool,
 )
 
 import createos_exec as cx
@@ -186,17 +189,20 @@ def test_messages_never_echo_frame_content(rsps: responses.RequestsMock) -> None
 
 
 # --------------------------------------------------------------------------
-# Evicted output: never skipped over
+# Evicted output that the spool cannot give back (it is gone): never skipped
+# over. What the spool gives back is test_spool.py's.
 # --------------------------------------------------------------------------
 
 
 def test_evicted_frame_mid_stream(rsps: responses.RequestsMock) -> None:
     evicted = {"type": "error", "error": "output_offset_expired", "oldest_available_seq": 5}
+    rsps.add(responses.POST, EXEC, json=SPOOL_GONE)
     with pytest.raises(cx.OutputEvictedError) as info:
         _run(rsps, nd(data(1, "stdout", b"hello\n"), evicted), on_output=lambda *_: None)
     err = info.value
     assert isinstance(err, cx.ProtocolError)
-    assert err.oldest_available_seq == 5
+    assert err.oldest_available_seq == 5 and err.spool == "gone"
+    assert "after byte 6 of stdout or byte 0 of stderr may be lost" in str(err)
     assert err.process_id == PID
     assert err.result is not None and err.result.stdout == "hello\n"
     assert len(calls(rsps, "GET", CONNECT)) == 1
@@ -223,6 +229,7 @@ def test_410_on_connect_is_eviction(
     text = body if isinstance(body, str) else json.dumps(body)
     rsps.add(responses.GET, CONNECT, status=410, body=text, content_type="application/json")
     add_deleted(rsps)
+    rsps.add(responses.POST, EXEC, json=SPOOL_GONE)
     with pytest.raises(cx.OutputEvictedError) as info:
         make_client().execute(SB, ["true"], on_output=lambda *_: None)  # a live consumer
     assert info.value.oldest_available_seq == expected
@@ -239,6 +246,7 @@ def test_eviction_nobody_reads_live_is_the_head_of_a_result(
     # the output. The result is the contiguous tail from the oldest kept
     # frame on, with the process's own status, and no tree is terminated.
     add_created(rsps)
+    rsps.add(responses.POST, EXEC, json=SPOOL_GONE)
     if restart == "frame":
         evicted = nd(
             data(1, "stdout", b"old\n"),
@@ -271,6 +279,7 @@ def test_eviction_that_keeps_the_next_frame_fails_closed(rsps: responses.Request
     )
     rsps.add(responses.GET, CONNECT, status=410, json={"status": "fail", "data": "gone"})
     add_deleted(rsps)
+    rsps.add(responses.POST, EXEC, json=SPOOL_GONE)
     with pytest.raises(cx.OutputEvictedError):
         make_client().execute(SB, ["true"])
     assert_deleted_once(rsps)
@@ -745,12 +754,25 @@ def test_capture_other_encoding_and_strict_errors() -> None:
 # --------------------------------------------------------------------------
 # Against the local server: every malformed input fails closed and the remote
 # tree is gone (item 3 of RELIABILITY.md); eviction on the stream and on a
-# reconnect
+# reconnect, the spool gone
 # --------------------------------------------------------------------------
 
 
 def connects(server: Any) -> int:
     return len(server.requests_to("connect"))
+
+
+def losing_the_spool(server: Any, seen: List[str]) -> Any:
+    """An on_output that keeps what it is given and, at the first, removes the spool
+    of the server's one process (its journal then cannot be made good)."""
+
+    def take(stream: str, text: str) -> None:
+        if not seen:
+            (record,) = server.processes()
+            remove_spool(server, record["process_id"])
+        seen.append(text)
+
+    return take
 
 
 VIOLATIONS = {
@@ -795,15 +817,15 @@ def test_eviction_frame_is_its_own_error(client, server):
         after_frames=1,
     )
     # A live reader (on_output) is never handed output after a gap.
-    seen = []
+    seen: List[str] = []
     with pytest.raises(cx.OutputEvictedError) as caught:
         client.execute(
             SANDBOX,
             "echo a; sleep 0.2; echo b; sleep 30",
             shell=True,
-            on_output=lambda stream, text: seen.append(text),
+            on_output=losing_the_spool(server, seen),
         )
-    assert seen == ["a\n"] and caught.value.oldest_available_seq == 5
+    assert seen == ["a\n"] and caught.value.spool == "gone"
     assert connects(server) == 1
     assert server.wait_tree_gone(caught.value.process_id)
 
@@ -812,9 +834,10 @@ def test_eviction_frame_is_its_own_error(client, server):
 def test_410_on_reconnect_is_eviction(client, server):
     def evict_then_break(stream, text):
         if text == "1\n":
-            time.sleep(0.4)  # let the process print more, then lose it
+            time.sleep(0.4)  # let the process print more, then lose it, and its spool
             (record,) = [p for p in server.processes() if "seq 2 4" in p["args"][-1]]
             server.evict(record["process_id"])
+            remove_spool(server, record["process_id"])
 
     server.drop_stream(after_frames=1)
     with pytest.raises(cx.OutputEvictedError) as caught:
@@ -837,6 +860,7 @@ def test_a_reader_left_behind_by_the_journal_gets_output_evicted(local_server, r
             time.sleep(1.3)
             (process_id,) = [p["process_id"] for p in server.processes()]
             assert server.wait_tree_gone(process_id)  # and the output is final
+            remove_spool(server, process_id)
 
     script = "echo first; sleep 0.3; head -c 30000000 /dev/zero"
     with make_client(server) as client, pytest.raises(cx.OutputEvictedError) as caught:

@@ -1,7 +1,8 @@
 """The scripts createos_exec sends to the sandbox, their functions run alone in
 bash against synthetic process trees on this machine: the wrapper's refusal of
-an old bash, the watchdog's tree (its group, its descendants, its own cgroup),
-its signals, and its leaving when the program ends. What the whole wrapper
+an old bash, the spoolers' limit and their leaving, the watchdog's tree (its
+group, its descendants, its own cgroup), its signals, and its leaving when the
+program ends. What the whole wrapper
 does through the local server is in test_deadline.py and test_creation.py.
 (shellcheck_scripts.py checks the same scripts with shellcheck.)
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pathlib
 import secrets
 import signal
 import subprocess
@@ -113,6 +115,26 @@ def test_the_wrapper_refuses_a_bash_older_than_5_with_125_and_a_sentence(major, 
         assert (done.stdout, done.stderr) == ("", f"createos_exec: {TOO_OLD.format(version)}\n")
     else:
         assert (done.stdout, done.stderr) == ("ran on\n", "")
+
+
+@pytest.mark.parametrize("kept_from", [0, 10_000])
+def test_the_spools_keep_the_first_bytes_and_are_dropped_when_the_journal_keeps_all(
+    tmp_path, kept_from
+):
+    spool = str(tmp_path / "spool")
+    script = cx._SPOOL + '\n_cx_spool "$1" 1 "$2"\nhead -c 3000 /dev/urandom; printf e >&2\n'
+    done = subprocess.run(
+        ["bash", "-c", script, "test", spool, str(kept_from)], capture_output=True
+    )
+    assert len(done.stdout) == 3000 and done.stderr == b"e"  # past the limit too, in full
+    if kept_from:  # 3,001 bytes in all: the journal keeps them
+        until(lambda: not os.listdir(tmp_path), 5, "the spools' removal")
+        return
+    ends = [f"{spool}.{stream}.end" for stream in ("stdout", "stderr")]
+    until(lambda: all(map(os.path.exists, ends)), 5, "both ends")
+    with open(f"{spool}.stdout", "rb") as out, open(f"{spool}.stderr", "rb") as err:
+        assert (out.read(), err.read()) == (done.stdout[:1024], b"e")  # the first KiB
+    assert [pathlib.Path(end).read_text() for end in ends] == ["1024\n", "1\n"]
 
 
 def test_the_tree_is_the_group_the_reparented_and_the_descendants_outside_it(tree):
