@@ -4848,11 +4848,9 @@ class _Output:
         self._file_recent()
         return self.tails["stdout"].text(), self.tails["stderr"].text()
 
-    def finish(self, hand_out: bool) -> None:
-        """Decode what the decoders hold back (a character cut off at the end),
-        handing it out unless `hand_out` is false, and fill the tails."""
-        if not hand_out:
-            self._on_output = self._deliver = None
+    def finish(self) -> None:
+        """The output has ended: what the decoders hold back (a character cut off
+        at the end) is decoded and handed out, and the tails are filled."""
         for name in _ALL_STREAMS:
             self.feed(name, b"", final=True)
         self._file_recent()
@@ -4861,9 +4859,14 @@ class _Output:
         self, exited: Optional[_Exit], *, timed_out: bool, partial: bool, **about: Any
     ) -> ExecResult[Any]:
         """The result of a run that ended with `status` (None: not known) or at its
-        deadline: the tails, once the decoders gave up what they held (handed out
-        unless the result is `partial`), and `about` the run, ExecResult's other fields."""
-        self.finish(hand_out=not partial)
+        deadline, and `about` the run, ExecResult's other fields. A `partial` one
+        (an error's, the run may go on: a pause resumed) changes nothing of the
+        run: it holds what was handed out, the decoders keep a character cut
+        off (its rest may come) and the output is handed out as before."""
+        if partial:
+            self._file_recent()
+        else:
+            self.finish()
         out, err = self.tails["stdout"], self.tails["stderr"]
         return ExecResult(
             exit_code=None if timed_out or exited is None else exited.exit_code,

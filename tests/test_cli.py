@@ -559,7 +559,7 @@ def test_forwarding_ends_quietly_when_the_command_stops_reading_or_stdin_cannot_
     assert unreadable.given == ["EOF"] and failures == []
 
 
-def test_a_paused_sandbox_is_one_line_and_resume_goes_on(server):
+def test_a_paused_sandbox_is_one_line_and_resume_goes_on_before_or_mid_run(server):
     server.pause()
     done = run_cli(server, SANDBOX, "--", "echo", "hi")
     assert done.returncode == 125 and done.stdout == b""
@@ -569,6 +569,11 @@ def test_a_paused_sandbox_is_one_line_and_resume_goes_on(server):
     )
     resumed = run_cli(server, "--resume", SANDBOX, "--", "echo", "hi")
     assert (resumed.returncode, resumed.stdout) == (0, b"hi\n")
+    server.pause_at("connect", after_frames=1)  # paused again between its two lines
+    script = "echo one; sleep 0.5; echo two >&2; exit 3"
+    mid_run = run_cli(server, "--resume", "--shell", SANDBOX, "--", script)
+    assert (mid_run.returncode, mid_run.stdout, mid_run.stderr) == (3, b"one\n", b"two\n")
+    assert len(server.requests_to("sandbox_resume")) == 2
 
 
 @pytest.mark.parametrize("change", ["pause", "destroy"])

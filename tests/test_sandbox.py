@@ -9,6 +9,7 @@ import concurrent.futures
 import dataclasses
 import os
 import random
+import shlex
 import sys
 import time
 
@@ -114,6 +115,42 @@ def test_resume_true_goes_on_at_the_cursor_or_says_the_process_was_lost(lifecycl
     assert "lost the process across the sandbox's pause" in str(lost)
     assert lost.status == 404 and lost.result.stdout == "1\n2\n3\n"
     assert server.wait_tree_gone(lost.process_id)
+
+
+# A character cut by the pause: its first byte, then the rest once the sandbox was paused.
+CUT_BY_THE_PAUSE = "printf 'a\\303'; until [ -e %s ]; do sleep 0.01; done; printf '\\251b\\n'"
+
+
+@pytest.mark.parametrize("text", [True, False], ids=["text", "bytes"])
+@pytest.mark.both_readings
+def test_a_pause_resumed_mid_run_hands_out_exactly_what_the_result_holds(
+    local_server, server_reading, tmp_path, text
+):
+    # Either reading's pause (a reset or a clean end, then 409 or 404), with processes kept.
+    reading = dataclasses.replace(server_reading, resume_keeps_processes=True)
+    server = local_server(reading=reading, resume_seconds=0.2)
+    go, handed = tmp_path / "go", []
+
+    def pause_at_the_first_piece(stream: str, piece) -> None:
+        if not handed:
+            assert server.pause()
+            go.touch()  # the rest is printed once the tree is thawed
+        handed.append(piece)
+
+    with make_client(server, retry=SHORT) as client:
+        proc = client.start(
+            SANDBOX,
+            CUT_BY_THE_PAUSE % shlex.quote(str(go)),
+            shell=True,
+            resume=True,
+            text=text,
+            on_output=pause_at_the_first_piece,
+        )
+        looped = [piece for _, piece in proc.iter_output()]
+        result = proc.wait()
+    whole = "a\u00e9b\n" if text else "a\u00e9b\n".encode()
+    assert whole[:0].join(handed) == whole[:0].join(looped) == result.stdout == whole
+    assert result.exit_code == 0 and len(server.requests_to("sandbox_resume")) == 1
 
 
 @pytest.mark.both_readings
