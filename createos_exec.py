@@ -797,7 +797,16 @@ class SandboxError(APIError):
         self.args = (str(self),)
 
     def __str__(self) -> str:
-        return f"The sandbox {self.sandbox_id} {self._is()}: it does not run."
+        sandbox = self.sandbox_id
+        if self.process_id is None:
+            return f"The sandbox {sandbox} {self._is()}: it does not run."
+        # A state new to this client: the process may run on, frozen or lost.
+        return (
+            f"The sandbox {sandbox} {self._is()}: process {self.process_id} was not "
+            f"terminated and is no longer followed. Look at the sandbox (client.sandbox("
+            f"{sandbox!r})); once it runs, take the process up again with client.process("
+            f"{sandbox!r}, {self.process_id!r}, after={self.after or 0}).wait()."
+        )
 
     def _is(self) -> str:
         return _sandbox_is(self.sandbox_status)
@@ -857,6 +866,17 @@ _GONE_ADVICE = {
     True: "nothing of this run runs there. Check the sandbox id, or run the command in "
     "another sandbox",
 }
+
+
+def _not_running(word: str) -> Optional[Type[SandboxError]]:
+    """The error of a sandbox whose status is `word`: None while it runs; a word
+    new to this client is a SandboxError of its own (tolerated, never taken for
+    running: the run is neither followed on nor terminated into it)."""
+    if word == "running":
+        return None
+    if word in _SANDBOX_PAUSED:
+        return SandboxPausedError
+    return SandboxGoneError if word in _SANDBOX_GONE else SandboxError
 
 
 def _sandbox_is(word: str) -> str:
@@ -2112,8 +2132,9 @@ class RemoteProcess(Generic[_AnyStr]):
                 raise ProtocolError("the journal ends before output already read")
         except _TimedOut:
             return ending  # still paused: nothing to terminate
-        except SandboxGoneError as gone:  # destroyed while it resumed: nothing to terminate
+        except SandboxError as gone:  # destroyed while it resumed, or in a state unknown
             gone.process_id, gone.after, gone.result = self.process_id, paused.after, paused.result
+            gone.args = (str(gone),)
             return _Ending(error=gone, gone=True)
         except APIError as refused:
             if refused.status != 404:
@@ -3165,18 +3186,19 @@ class _Sandbox:
         """Resume it if it is paused (`ask`; otherwise return it paused), and return
         once it runs: its view asked at a growing pace within `deadline`
         (_TimedOut; its cancel, CancelledError). SandboxGoneError when it is
-        gone, or goes meanwhile. A request the deadline cuts short ends the
-        wait as the deadline does (_TimedOut), not as a network failure."""
+        gone, or goes meanwhile; a SandboxError in a state this client does not
+        know (nothing says that it ever runs again). A request the deadline cuts
+        short ends the wait as the deadline does (_TimedOut), not as a network
+        failure."""
         pace = _RESUME_POLL
         try:
             while True:
                 info = self.info(deadline)
-                if info.running or (not ask and info.status not in _SANDBOX_ON_THE_WAY):
+                kind = _not_running(info.status)
+                if kind is None or (not ask and info.status not in _SANDBOX_ON_THE_WAY):
                     return info
-                if info.status in _SANDBOX_GONE:
-                    raise SandboxGoneError(
-                        self.sandbox_id, info.status, status=404, operation="sandbox resume"
-                    )
+                if kind is not SandboxPausedError:  # gone, or a state this client cannot wait on
+                    raise kind(self.sandbox_id, info.status, status=404, operation="sandbox resume")
                 if info.status == "paused":  # 409: it moved meanwhile; its view says how
                     self.transport.call(
                         "POST",
@@ -3198,19 +3220,14 @@ class _Sandbox:
     ) -> CreateOSError:
         """What `error` (a 404 or 409 from a request to the sandbox, a stream that
         could not be resumed) means, once its view was asked, once: a
-        SandboxPausedError (with the cursor, `after`), a SandboxGoneError, or
-        `error` itself, whose message then says how the sandbox is. A lookup that
-        fails changes nothing."""
+        SandboxPausedError (with the cursor, `after`), a SandboxGoneError, a
+        SandboxError (a state this client does not know), or, while it runs,
+        `error` itself, whose message then says so. A lookup that fails changes
+        nothing."""
         word = self._status_once()
         if word is None:
             return error
-        kind = (
-            SandboxPausedError
-            if word in _SANDBOX_PAUSED
-            else SandboxGoneError
-            if word in _SANDBOX_GONE
-            else None
-        )
+        kind = _not_running(word)
         if kind is None:
             error.args = (f"{error} The sandbox {self.sandbox_id} {_sandbox_is(word)}.",)
             return error
@@ -7537,6 +7554,12 @@ def _in_shell_words(error: CreateOSError) -> str:
         return f"{sandbox}: {_GONE_ADVICE[error._unknown()]}."
     if error.process_id is None:
         return f"{sandbox}: no process was started; resume it, or run again with --resume."
+    if not isinstance(error, SandboxPausedError):
+        return (
+            f"{sandbox}: process {error.process_id} was not terminated and is no longer "
+            f"followed here; once the sandbox runs, --attach {error.process_id} --after "
+            f"{error.after or 0} follows it on."
+        )
     return (
         f"{sandbox}: process {error.process_id} is frozen with it, not ended, and no longer "
         "followed here; resuming the sandbox lets it go on (--resume has this tool "

@@ -588,6 +588,14 @@ def test_a_sandbox_paused_or_gone_mid_run_is_one_line_for_a_shell_user(server, c
     assert cx._in_shell_words(
         cx.CleanupError(process_id="proc_1", sandbox_id="sb_1", unreachable=True)
     ).startswith("CreateOS could not be reached to terminate process proc_1: it may still run;")
+    unknown = cx.SandboxError(
+        "sb_1", "hibernating", status=409, operation="output connection", process_id="p_1", after=4
+    )
+    assert cx._in_shell_words(unknown) == (
+        "the sandbox sb_1 is in a state this client does not know: process p_1 was not "
+        "terminated and is no longer followed here; once the sandbox runs, --attach p_1 "
+        "--after 4 follows it on."
+    )
 
 
 def test_attach_follows_a_process_from_after(server, client, monkeypatch, capfd):

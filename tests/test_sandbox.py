@@ -24,6 +24,7 @@ from local_server import LocalServer  # noqa: E402
 from support import (  # noqa: E402
     BASE,
     CONNECT,
+    EXIT0,
     PID,
     PROC,
     PROCS,
@@ -621,20 +622,53 @@ def test_a_delete_refused_with_409_while_the_sandbox_runs_is_unconfirmed(rsps):
 
 
 @pytest.mark.parametrize(
-    "resume, views, timeout",
-    [(False, ("resuming", "paused"), None), (True, ("paused",), 0.6)],
-    ids=["paused again, not to be resumed", "not back within the deadline"],
+    "views, resume, timeout, error",
+    [
+        (("creating", "running"), False, None, None),
+        (("resuming", "running"), False, None, None),
+        (("forking", "running"), False, None, None),
+        (("resuming", "paused"), False, None, cx.SandboxPausedError),
+        (("paused",), True, 0.6, cx.SandboxPausedError),
+        (("hibernating",), False, None, cx.SandboxError),
+        (("paused", "hibernating"), True, None, cx.SandboxError),
+    ],
+    ids=[
+        "creating",
+        "resuming",
+        "forking",
+        "paused again, not to be resumed",
+        "not back within the deadline",
+        "a state this client does not know",
+        "that state met while it resumes",
+    ],
 )
-def test_a_run_whose_sandbox_does_not_come_back_ends_paused(rsps, resume, views, timeout):
+def test_a_sandbox_met_mid_run_on_its_way_to_running_is_waited_for_else_said(
+    rsps, views, resume, timeout, error
+):
     add_created(rsps)
-    add_connect(rsps, nd(data(1, "stdout", b"one\n")))
+    add_connect(rsps, nd(data(1, "stdout", b"one\n")))  # then the stream ends
     rsps.add(responses.GET, CONNECT, status=409, json=PAUSED)
     rsps.add(responses.POST, VIEW + "/resume", status=202, json=ok({"status": "resuming"}))
     add_views(rsps, *views)
-    with pytest.raises(cx.SandboxPausedError) as caught:
-        make_client().execute(SB, ["true"], resume=resume, timeout=timeout)
-    assert (caught.value.after, caught.value.result.stdout) == (1, "one\n")
-    assert calls(rsps, "DELETE", PROC) == []  # nothing terminated while it is frozen
+    rsps.add(responses.GET, PROC, json=ok(process_record(newest=1)))
+    add_connect(rsps, nd(data(2, "stdout", b"two\n"), EXIT0))
+    handed: list = []
+    client = make_client()
+    options = dict(resume=resume, timeout=timeout, on_output=lambda _, text: handed.append(text))
+    if error is None:  # the run goes on, nothing asked of the sandbox but its view
+        result = client.execute(SB, ["true"], **options)
+        assert result.stdout == "".join(handed) == "one\ntwo\n"
+        assert calls(rsps, "POST", VIEW + "/resume") == []
+        return
+    with pytest.raises(error) as caught:
+        client.execute(SB, ["true"], **options)
+    said = caught.value
+    assert type(said) is error and said.after == 1
+    assert said.result.stdout == "one\n" and handed == ["one\n"]
+    assert calls(rsps, "DELETE", PROC) == []  # nothing terminated while it does not run
+    if error is cx.SandboxError:  # the word is kept, not repeated; never a CleanupError
+        assert said.sandbox_status == "hibernating" and "hibernating" not in str(said)
+        assert "client.process('sb_1', 'proc_x', after=1)" in str(said)
 
 
 def test_a_sandbox_destroyed_while_it_resumes_is_gone_with_nothing_deleted(rsps):
