@@ -1795,10 +1795,12 @@ class RemoteProcess(Generic[_AnyStr]):
     def poll(self) -> Optional[int]:
         """None while the process runs, else its returncode (as ExecResult.returncode).
 
-        At most one request: none once the exit status is known.
+        At most one request: none once the exit status is known. A sandbox that
+        does not run is said as for wait() (SandboxPausedError, SandboxGoneError).
         """
         if self._known_exit() is None:
-            self._exited = self._endpoints.exited()
+            with self._interruptible():
+                self._exited = self._endpoints.exited()
         return self.returncode
 
     def _known_exit(self) -> Optional[_Exit]:
@@ -1990,11 +1992,11 @@ class RemoteProcess(Generic[_AnyStr]):
 
     @contextlib.contextmanager
     def _interruptible(self) -> Iterator[None]:
-        """A wait outside the run (stdin, a port): its deadline is a WaitTimeout,
-        the process running on; the cancel ends the run as it always does (the
-        tree terminated, then CancelledError). A sandbox that does not run is
-        said as for the run (the port probe's refusals included): this
-        process and the cursor; the run itself goes on."""
+        """A wait outside the run (stdin, a port, poll()): its deadline is a
+        WaitTimeout, the process running on; the cancel ends the run as it
+        always does (the tree terminated, then CancelledError). A sandbox that
+        does not run is said as for the run (the port probe's refusals
+        included): this process and the cursor; the run itself goes on."""
         try:
             yield
         except _TimedOut as expired:

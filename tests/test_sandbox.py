@@ -101,6 +101,18 @@ def test_a_sandbox_destroyed_mid_run_is_gone_with_nothing_to_terminate(lifecycle
 
 
 @pytest.mark.both_readings
+def test_a_handle_whose_sandbox_was_destroyed_polls_and_waits_gone(lifecycle):
+    server, client = lifecycle
+    proc = client.start(SANDBOX, ["sleep", "30"])
+    assert proc.poll() is None and server.destroy()
+    for call in (proc.poll, proc.wait):  # not the 404 of a process endpoint
+        with pytest.raises(cx.SandboxGoneError) as caught:
+            call()
+        assert caught.value.process_id == proc.process_id
+    assert server.requests_to("delete") == []
+
+
+@pytest.mark.both_readings
 def test_resume_true_goes_on_at_the_cursor_or_says_the_process_was_lost(lifecycle):
     server, client = lifecycle
     server.pause_at("connect", after_frames=3)
