@@ -7213,9 +7213,12 @@ def _forward_stdin(fd: int, process: RemoteProcess, failures: List[CreateOSError
             failures.append(failure)
 
 
-def _write_pieces(fd: int, write: Callable[[bytes], None]) -> None:
-    """Each piece as it comes: what arrives while one is written goes in the next."""
-    while True:
+def _write_pieces(
+    fd: int, write: Callable[[bytes], None], more: Callable[[], bool] = lambda: True
+) -> None:
+    """Each piece as it comes: what arrives while one is written goes in the next.
+    `more` waits for something to read: False, read nothing more."""
+    while more():
         try:
             piece = os.read(fd, _INPUT_PIECE)
         except OSError:
@@ -7301,7 +7304,9 @@ class _Session:
     come (each write() one /input, keys typed meanwhile together in the next),
     its size follows SIGWINCH, the output is shown byte for byte; the follower
     reconnects by itself (a notice meanwhile). However the session ends, the
-    terminal's own settings come back exactly, before anything is said."""
+    terminal's own settings come back exactly, before anything is said, and
+    no key is read once it has ended: what is typed then (while a --get
+    runs) stays in the terminal for whatever reads it next, the shell."""
 
     def __init__(self, fd: int) -> None:
         self._fd = fd
@@ -7329,11 +7334,15 @@ class _Session:
         try:
             with _raw_terminal(self._fd), self._signals(process):
                 self._resized(process)
-                for work in (self._follow, self._type):
-                    threading.Thread(target=work, args=(process,), daemon=True).start()
+                stop_typing, typing_stopped = socket.socketpair()
+                threading.Thread(target=self._follow, args=(process,), daemon=True).start()
+                threading.Thread(
+                    target=self._type, args=(process, typing_stopped), daemon=True
+                ).start()
                 try:
                     self._done.wait()
                 finally:
+                    stop_typing.close()  # its peer reads the end: no key is read from now on
                     self._status.clear()
         except BaseException:
             process.terminate()  # the terminal is restored: an ending like Ctrl-C's
@@ -7377,7 +7386,7 @@ class _Session:
             self._outcome.append(error)
         self._done.set()
 
-    def _type(self, process: RemoteProcess) -> None:
+    def _type(self, process: RemoteProcess, stopped: socket.socket) -> None:
         def typed(keys: bytes) -> None:
             before, detach, _ = keys.partition(_DETACH_KEY)
             try:
@@ -7389,7 +7398,15 @@ class _Session:
                 raise _Detached
 
         try:
-            _write_pieces(self._fd, typed)
+            with selectors.DefaultSelector() as waiting, stopped:
+                waiting.register(self._fd, selectors.EVENT_READ)
+                waiting.register(stopped, selectors.EVENT_READ)
+                # A key is read only while the session runs (the stop wins a tie).
+                _write_pieces(
+                    self._fd,
+                    typed,
+                    lambda: all(k.fileobj is not stopped for k, _ in waiting.select()),
+                )
         except _Detached:
             self._detached = True
             self._done.set()
@@ -7428,12 +7445,15 @@ class _StatusLine:
 
 @contextlib.contextmanager
 def _raw_terminal(fd: int) -> Iterator[None]:
-    """The terminal raw (keys as bytes: Ctrl-C too), its settings restored exactly."""
+    """The terminal raw (keys as bytes: Ctrl-C too), its settings restored exactly.
+    Both changes wait for the output to drain and keep what was typed and not
+    read yet (TCSADRAIN, not TCSAFLUSH): keys typed while the session starts are
+    its program's, and those typed after it are for what reads the terminal next."""
     import termios  # POSIX only, as -t
     import tty
 
     saved = termios.tcgetattr(fd)
-    tty.setraw(fd)
+    tty.setraw(fd, termios.TCSADRAIN)
     try:
         yield
     finally:
