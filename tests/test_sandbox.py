@@ -357,8 +357,10 @@ def take_up(client, server, error, ends: bool) -> str:
 
 
 def run_one(server, client, moment: str, change: str, rng) -> str:
-    """One run: what it ended in. Asserts that nothing was lost or repeated."""
+    """One run: what it ended in. Asserts that nothing was lost or repeated, in the
+    result and in what on_output was handed."""
     resume = change == "pause, resume=True"
+    handed: list = []
     if moment != "write":
         queue_change(server, moment, change, rng)
     try:
@@ -387,8 +389,10 @@ def run_one(server, client, moment: str, change: str, rng) -> str:
             with client.start(SANDBOX, ["python3", "-c", SERVE % port], resume=resume) as proc:
                 proc.wait_for_port(port, timeout=10)
                 return "exact"
-        result = client.execute(SANDBOX, THIRTY, shell=True, resume=resume)
-        assert (result.stdout, result.exit_code) == (THIRTY_LINES, 0)
+        result = client.execute(
+            SANDBOX, THIRTY, shell=True, resume=resume, on_output=lambda _, t: handed.append(t)
+        )
+        assert (result.stdout, "".join(handed), result.exit_code) == (THIRTY_LINES,) * 2 + (0,)
         return "exact"
     except cx.CreateOSError as error:
         expected = cx.SandboxGoneError if change == "destroy" else cx.SandboxPausedError
@@ -401,6 +405,7 @@ def run_one(server, client, moment: str, change: str, rng) -> str:
             assert isinstance(error, expected), repr(error)
         before = error.result.stdout if error.result is not None else ""
         ends = moment in ("creation", "streaming", "recovery")
+        assert not ends or "".join(handed) == before  # what was handed out is its result
         rest = take_up(client, server, error, ends)
         if ends and error.process_id and rest:
             assert before + rest == THIRTY_LINES  # nothing lost, nothing repeated
