@@ -3197,10 +3197,12 @@ class _Sandbox:
             while True:
                 info = self.info(deadline)
                 kind = _not_running(info.status)
-                if kind is None or (not ask and info.status not in _SANDBOX_ON_THE_WAY):
+                if kind is None:
                     return info
                 if kind is not SandboxPausedError:  # gone, or a state this client cannot wait on
                     raise kind(self.sandbox_id, info.status, status=404, operation="sandbox resume")
+                if not ask and info.status not in _SANDBOX_ON_THE_WAY:
+                    return info  # paused, and not to be resumed
                 if info.status == "paused":  # 409: it moved meanwhile; its view says how
                     self.transport.call(
                         "POST",

@@ -647,6 +647,7 @@ def test_a_delete_refused_with_409_while_the_sandbox_runs_is_unconfirmed(rsps):
         (("resuming", "paused"), False, None, cx.SandboxPausedError),
         (("paused",), True, 0.6, cx.SandboxPausedError),
         (("hibernating",), False, None, cx.SandboxError),
+        (("resuming", "hibernating"), False, None, cx.SandboxError),
         (("paused", "hibernating"), True, None, cx.SandboxError),
     ],
     ids=[
@@ -656,6 +657,7 @@ def test_a_delete_refused_with_409_while_the_sandbox_runs_is_unconfirmed(rsps):
         "paused again, not to be resumed",
         "not back within the deadline",
         "a state this client does not know",
+        "that state met on the way back",
         "that state met while it resumes",
     ],
 )
