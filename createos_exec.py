@@ -829,7 +829,16 @@ class SandboxError(APIError):
         self.args = (str(self),)
 
     def __str__(self) -> str:
-        return f"The sandbox {self.sandbox_id} {self._is()}: it does not run."
+        sandbox = self.sandbox_id
+        if self.process_id is None:
+            return f"The sandbox {sandbox} {self._is()}: it does not run."
+        # A state new to this client: the process may run on, frozen or lost.
+        return (
+            f"The sandbox {sandbox} {self._is()}: process {self.process_id} was not "
+            f"terminated and is no longer followed. Look at the sandbox (client.sandbox("
+            f"{sandbox!r})); once it runs, take the process up again with client.process("
+            f"{sandbox!r}, {self.process_id!r}, after={self.after or 0}).wait()."
+        )
 
     def _is(self) -> str:
         return _sandbox_is(self.sandbox_status)
@@ -889,6 +898,17 @@ _GONE_ADVICE = {
     True: "nothing of this run runs there. Check the sandbox id, or run the command in "
     "another sandbox",
 }
+
+
+def _not_running(word: str) -> Optional[Type[SandboxError]]:
+    """The error of a sandbox whose status is `word`: None while it runs; a word
+    new to this client is a SandboxError of its own (tolerated, never taken for
+    running: the run is neither followed on nor terminated into it)."""
+    if word == "running":
+        return None
+    if word in _SANDBOX_PAUSED:
+        return SandboxPausedError
+    return SandboxGoneError if word in _SANDBOX_GONE else SandboxError
 
 
 def _sandbox_is(word: str) -> str:
@@ -1809,10 +1829,12 @@ class RemoteProcess(Generic[_AnyStr]):
     def poll(self) -> Optional[int]:
         """None while the process runs, else its returncode (as ExecResult.returncode).
 
-        At most one request: none once the exit status is known.
+        At most one request: none once the exit status is known. A sandbox that
+        does not run is said as for wait() (SandboxPausedError, SandboxGoneError).
         """
         if self._known_exit() is None:
-            self._exited = self._endpoints.exited()
+            with self._interruptible():
+                self._exited = self._endpoints.exited()
         return self.returncode
 
     def _known_exit(self) -> Optional[_Exit]:
@@ -2004,11 +2026,11 @@ class RemoteProcess(Generic[_AnyStr]):
 
     @contextlib.contextmanager
     def _interruptible(self) -> Iterator[None]:
-        """A wait outside the run (stdin, a port): its deadline is a WaitTimeout,
-        the process running on; the cancel ends the run as it always does (the
-        tree terminated, then CancelledError). A sandbox that does not run is
-        said as for the run (the port probe's refusals included): this
-        process and the cursor; the run itself goes on."""
+        """A wait outside the run (stdin, a port, poll()): its deadline is a
+        WaitTimeout, the process running on; the cancel ends the run as it
+        always does (the tree terminated, then CancelledError). A sandbox that
+        does not run is said as for the run (the port probe's refusals
+        included): this process and the cursor; the run itself goes on."""
         try:
             yield
         except _TimedOut as expired:
@@ -2152,8 +2174,9 @@ class RemoteProcess(Generic[_AnyStr]):
                 raise ProtocolError("the journal ends before output already read")
         except _TimedOut:
             return ending  # still paused: nothing to terminate
-        except SandboxGoneError as gone:  # destroyed while it resumed: nothing to terminate
+        except SandboxError as gone:  # destroyed while it resumed, or in a state unknown
             gone.process_id, gone.after, gone.result = self.process_id, paused.after, paused.result
+            gone.args = (str(gone),)
             return _Ending(error=gone, gone=True)
         except APIError as refused:
             if refused.status != 404:
@@ -3412,18 +3435,21 @@ class _Sandbox:
         """Resume it if it is paused (`ask`; otherwise return it paused), and return
         once it runs: its view asked at a growing pace within `deadline`
         (_TimedOut; its cancel, CancelledError). SandboxGoneError when it is
-        gone, or goes meanwhile. A request the deadline cuts short ends the
-        wait as the deadline does (_TimedOut), not as a network failure."""
+        gone, or goes meanwhile; a SandboxError in a state this client does not
+        know (nothing says that it ever runs again). A request the deadline cuts
+        short ends the wait as the deadline does (_TimedOut), not as a network
+        failure."""
         pace = _RESUME_POLL
         try:
             while True:
                 info = self.info(deadline)
-                if info.running or (not ask and info.status not in _SANDBOX_ON_THE_WAY):
+                kind = _not_running(info.status)
+                if kind is None:
                     return info
-                if info.status in _SANDBOX_GONE:
-                    raise SandboxGoneError(
-                        self.sandbox_id, info.status, status=404, operation="sandbox resume"
-                    )
+                if kind is not SandboxPausedError:  # gone, or a state this client cannot wait on
+                    raise kind(self.sandbox_id, info.status, status=404, operation="sandbox resume")
+                if not ask and info.status not in _SANDBOX_ON_THE_WAY:
+                    return info  # paused, and not to be resumed
                 if info.status == "paused":  # 409: it moved meanwhile; its view says how
                     self.transport.call(
                         "POST",
@@ -3445,19 +3471,14 @@ class _Sandbox:
     ) -> CreateOSError:
         """What `error` (a 404 or 409 from a request to the sandbox, a stream that
         could not be resumed) means, once its view was asked, once: a
-        SandboxPausedError (with the cursor, `after`), a SandboxGoneError, or
-        `error` itself, whose message then says how the sandbox is. A lookup that
-        fails changes nothing."""
+        SandboxPausedError (with the cursor, `after`), a SandboxGoneError, a
+        SandboxError (a state this client does not know), or, while it runs,
+        `error` itself, whose message then says so. A lookup that fails changes
+        nothing."""
         word = self._status_once()
         if word is None:
             return error
-        kind = (
-            SandboxPausedError
-            if word in _SANDBOX_PAUSED
-            else SandboxGoneError
-            if word in _SANDBOX_GONE
-            else None
-        )
+        kind = _not_running(word)
         if kind is None:
             error.args = (f"{error} The sandbox {self.sandbox_id} {_sandbox_is(word)}.",)
             return error
@@ -5103,11 +5124,9 @@ class _Output:
         self._file_recent()
         return self.tails["stdout"].text(), self.tails["stderr"].text()
 
-    def finish(self, hand_out: bool) -> None:
-        """Decode what the decoders hold back (a character cut off at the end),
-        handing it out unless `hand_out` is false, and fill the tails."""
-        if not hand_out:
-            self._on_output = self._deliver = None
+    def finish(self) -> None:
+        """The output has ended: what the decoders hold back (a character cut off
+        at the end) is decoded and handed out, and the tails are filled."""
         for name in _ALL_STREAMS:
             self.feed(name, b"", final=True)
         self._file_recent()
@@ -5116,9 +5135,14 @@ class _Output:
         self, exited: Optional[_Exit], *, timed_out: bool, partial: bool, **about: Any
     ) -> ExecResult[Any]:
         """The result of a run that ended with `status` (None: not known) or at its
-        deadline: the tails, once the decoders gave up what they held (handed out
-        unless the result is `partial`), and `about` the run, ExecResult's other fields."""
-        self.finish(hand_out=not partial)
+        deadline, and `about` the run, ExecResult's other fields. A `partial` one
+        (an error's, the run may go on: a pause resumed) changes nothing of the
+        run: it holds what was handed out, the decoders keep a character cut
+        off (its rest may come) and the output is handed out as before."""
+        if partial:
+            self._file_recent()
+        else:
+            self.finish()
         out, err = self.tails["stdout"], self.tails["stderr"]
         return ExecResult(
             exit_code=None if timed_out or exited is None else exited.exit_code,
@@ -7527,9 +7551,12 @@ def _forward_stdin(fd: int, process: RemoteProcess, failures: List[CreateOSError
             failures.append(failure)
 
 
-def _write_pieces(fd: int, write: Callable[[bytes], None]) -> None:
-    """Each piece as it comes: what arrives while one is written goes in the next."""
-    while True:
+def _write_pieces(
+    fd: int, write: Callable[[bytes], None], more: Callable[[], bool] = lambda: True
+) -> None:
+    """Each piece as it comes: what arrives while one is written goes in the next.
+    `more` waits for something to read: False, read nothing more."""
+    while more():
         try:
             piece = os.read(fd, _INPUT_PIECE)
         except OSError:
@@ -7615,7 +7642,9 @@ class _Session:
     come (each write() one /input, keys typed meanwhile together in the next),
     its size follows SIGWINCH, the output is shown byte for byte; the follower
     reconnects by itself (a notice meanwhile). However the session ends, the
-    terminal's own settings come back exactly, before anything is said."""
+    terminal's own settings come back exactly, before anything is said, and
+    no key is read once it has ended: what is typed then (while a --get
+    runs) stays in the terminal for whatever reads it next, the shell."""
 
     def __init__(self, fd: int) -> None:
         self._fd = fd
@@ -7643,11 +7672,15 @@ class _Session:
         try:
             with _raw_terminal(self._fd), self._signals(process):
                 self._resized(process)
-                for work in (self._follow, self._type):
-                    threading.Thread(target=work, args=(process,), daemon=True).start()
+                stop_typing, typing_stopped = socket.socketpair()
+                threading.Thread(target=self._follow, args=(process,), daemon=True).start()
+                threading.Thread(
+                    target=self._type, args=(process, typing_stopped), daemon=True
+                ).start()
                 try:
                     self._done.wait()
                 finally:
+                    stop_typing.close()  # its peer reads the end: no key is read from now on
                     self._status.clear()
         except BaseException:
             process.terminate()  # the terminal is restored: an ending like Ctrl-C's
@@ -7691,7 +7724,7 @@ class _Session:
             self._outcome.append(error)
         self._done.set()
 
-    def _type(self, process: RemoteProcess) -> None:
+    def _type(self, process: RemoteProcess, stopped: socket.socket) -> None:
         def typed(keys: bytes) -> None:
             before, detach, _ = keys.partition(_DETACH_KEY)
             try:
@@ -7703,7 +7736,15 @@ class _Session:
                 raise _Detached
 
         try:
-            _write_pieces(self._fd, typed)
+            with selectors.DefaultSelector() as waiting, stopped:
+                waiting.register(self._fd, selectors.EVENT_READ)
+                waiting.register(stopped, selectors.EVENT_READ)
+                # A key is read only while the session runs (the stop wins a tie).
+                _write_pieces(
+                    self._fd,
+                    typed,
+                    lambda: all(k.fileobj is not stopped for k, _ in waiting.select()),
+                )
         except _Detached:
             self._detached = True
             self._done.set()
@@ -7742,12 +7783,15 @@ class _StatusLine:
 
 @contextlib.contextmanager
 def _raw_terminal(fd: int) -> Iterator[None]:
-    """The terminal raw (keys as bytes: Ctrl-C too), its settings restored exactly."""
+    """The terminal raw (keys as bytes: Ctrl-C too), its settings restored exactly.
+    Both changes wait for the output to drain and keep what was typed and not
+    read yet (TCSADRAIN, not TCSAFLUSH): keys typed while the session starts are
+    its program's, and those typed after it are for what reads the terminal next."""
     import termios  # POSIX only, as -t
     import tty
 
     saved = termios.tcgetattr(fd)
-    tty.setraw(fd)
+    tty.setraw(fd, termios.TCSADRAIN)
     try:
         yield
     finally:
@@ -7870,6 +7914,12 @@ def _in_shell_words(error: CreateOSError) -> str:
         return f"{sandbox}: {_GONE_ADVICE[error._unknown()]}."
     if error.process_id is None:
         return f"{sandbox}: no process was started; resume it, or run again with --resume."
+    if not isinstance(error, SandboxPausedError):
+        return (
+            f"{sandbox}: process {error.process_id} was not terminated and is no longer "
+            f"followed here; once the sandbox runs, --attach {error.process_id} --after "
+            f"{error.after or 0} follows it on."
+        )
     return (
         f"{sandbox}: process {error.process_id} is frozen with it, not ended, and no longer "
         "followed here; resuming the sandbox lets it go on (--resume has this tool "

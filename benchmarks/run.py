@@ -666,7 +666,7 @@ def time_tail(chunks: List[str], encoded: List[bytes], cap: int) -> float:
     started = time.perf_counter()
     for chunk in encoded:
         capture.feed("stdout", chunk)
-    capture.finish(hand_out=False)
+    capture.finish()
     elapsed = time.perf_counter() - started
     expected = "".join(chunks[-(cap // 100 + 1) :])[-cap:]
     if capture.tails["stdout"].text() != expected or capture.combined.text() != expected:

@@ -559,7 +559,7 @@ def test_forwarding_ends_quietly_when_the_command_stops_reading_or_stdin_cannot_
     assert unreadable.given == ["EOF"] and failures == []
 
 
-def test_a_paused_sandbox_is_one_line_and_resume_goes_on(server):
+def test_a_paused_sandbox_is_one_line_and_resume_goes_on_before_or_mid_run(server):
     server.pause()
     done = run_cli(server, SANDBOX, "--", "echo", "hi")
     assert done.returncode == 125 and done.stdout == b""
@@ -569,6 +569,11 @@ def test_a_paused_sandbox_is_one_line_and_resume_goes_on(server):
     )
     resumed = run_cli(server, "--resume", SANDBOX, "--", "echo", "hi")
     assert (resumed.returncode, resumed.stdout) == (0, b"hi\n")
+    server.pause_at("connect", after_frames=1)  # paused again between its two lines
+    script = "echo one; sleep 0.5; echo two >&2; exit 3"
+    mid_run = run_cli(server, "--resume", "--shell", SANDBOX, "--", script)
+    assert (mid_run.returncode, mid_run.stdout, mid_run.stderr) == (3, b"one\n", b"two\n")
+    assert len(server.requests_to("sandbox_resume")) == 2
 
 
 @pytest.mark.parametrize("change", ["pause", "destroy"])
@@ -583,6 +588,14 @@ def test_a_sandbox_paused_or_gone_mid_run_is_one_line_for_a_shell_user(server, c
     assert cx._in_shell_words(
         cx.CleanupError(process_id="proc_1", sandbox_id="sb_1", unreachable=True)
     ).startswith("CreateOS could not be reached to terminate process proc_1: it may still run;")
+    unknown = cx.SandboxError(
+        "sb_1", "hibernating", status=409, operation="output connection", process_id="p_1", after=4
+    )
+    assert cx._in_shell_words(unknown) == (
+        "the sandbox sb_1 is in a state this client does not know: process p_1 was not "
+        "terminated and is no longer followed here; once the sandbox runs, --attach p_1 "
+        "--after 4 follows it on."
+    )
 
 
 def test_attach_follows_a_process_from_after(server, client, monkeypatch, capfd):

@@ -22,7 +22,7 @@ import time
 
 import pytest
 from local_server import LocalServer
-from support import ROOT, SANDBOX, campaign_size, cli_argv, cli_env, require
+from support import ROOT, SANDBOX, campaign_size, cli_argv, cli_env, require, until
 
 if sys.platform == "win32":  # pragma: no cover - the local server is Linux only
     pytest.skip("pseudo-terminals are POSIX", allow_module_level=True)
@@ -149,12 +149,13 @@ termios = require("termios")
 class Session:
     """The command line with -t, started by a shell on the test's terminal once
     the test has read the terminal's settings; the shell prints `ended N` after
-    it and keeps the terminal open, so its settings can be read again."""
+    it, runs `then` (what reads the terminal next) and keeps the terminal open,
+    so its settings can be read again."""
 
-    def __init__(self, server, tmp_path, *args, dimensions=(24, 80)):
+    def __init__(self, server, tmp_path, *args, dimensions=(24, 80), then=""):
         self.go = tmp_path / "go"
         wait_for_go = f"while [ ! -e '{self.go}' ]; do sleep 0.02; done"
-        script = wait_for_go + '; "$@"; echo "ended $?"; sleep 60'
+        script = wait_for_go + '; "$@"; echo "ended $?"; ' + then + "sleep 60"
         argv = cli_argv("-t", *args)
         self.child = pexpect.spawn(
             "/bin/sh",
@@ -296,6 +297,28 @@ def test_a_lost_input_answer_is_reported_and_never_sent_again(session, server):
     made.child.send(b"exit\r")
     assert made.ended() == 0
     assert made.shown().count(b"one-2") == 1
+
+
+def test_keys_typed_before_a_session_reach_its_program_and_after_it_the_next_reader(
+    session, server, tmp_path
+):
+    remote = tmp_path / "remote.txt"
+    remote.write_bytes(b"made remotely\n")
+    server.fail("files_get", 503, retry_after="3")  # the --get's second try comes 3 s later
+    get = f"{remote}:{tmp_path / 'local.txt'}"
+    program = 'read -r line; echo "remote read: $line"; exit 3'
+    reads_next = 'read -r line; echo "read: $line"; '
+    made = session("--get", get, "--shell", SANDBOX, "--", program, then=reads_next)
+    made.child.send(b"typed ahead\r")  # before the session: for its program
+    made.child.expect_exact(b"remote read: typed ahead")
+    until(lambda: server.requests_to("files_get"), what="the --get")
+    typed_at = time.time()
+    made.child.send(b"typed meanwhile\r")  # the session has ended: for the shell
+    assert made.ended() == 3
+    made.child.expect_exact(b"read: typed meanwhile")
+    assert [r.status for r in server.requests_to("files_get")] == [503, 200]
+    assert typed_at < server.requests_to("files_get")[-1].time  # typed while the --get ran
+    assert (tmp_path / "local.txt").read_bytes() == b"made remotely\n"
 
 
 def test_i_gives_the_terminals_lines_to_a_pipe_process(server, cleanup):

@@ -355,18 +355,18 @@ GRACE = "trap 'echo grace-output; exit 0' TERM\necho ready\nsleep 60 & wait\n"
 @pytest.mark.both_readings
 @posix_only
 def test_timeout_keeps_what_the_grace_period_printed(server):
+    # Read on a stream opened before the DELETE: a service that forgets a
+    # deleted process (§11.12) cannot lose it. The loop reads when the
+    # deadline comes; on_output and the result see what it sees.
+    handed: List[str] = []
     with make_client(server, cleanup_timeout=CLEANUP) as client:
-        result = client.execute(SANDBOX, GRACE, shell=True, timeout=1.0)
+        proc = client.start(
+            SANDBOX, GRACE, shell=True, timeout=1.0, on_output=lambda _, text: handed.append(text)
+        )
+        looped = [text for _, text in proc.iter_output()]
+        result = proc.wait()
     assert result.timed_out and result.exit_code is None
-    if server.reading.delete_forgets:
-        # The deadline closed the stream and the DELETE runs beside the
-        # reconnect that reads the grace period: a service that forgets a
-        # deleted process answers 404 to a reconnect that comes after the
-        # DELETE's answer (a loaded machine's order), and that output is lost,
-        # with a WARNING (RELIABILITY.md, "Known limits").
-        assert result.stdout in ("ready\n", "ready\ngrace-output\n")
-    else:
-        assert result.stdout == "ready\ngrace-output\n"
+    assert "".join(looped) == "".join(handed) == result.stdout == "ready\ngrace-output\n"
     assert not server.tree_alive(result.process_id)
 
 

@@ -675,7 +675,7 @@ def test_capture_keeps_the_last_chars_of_each_stream_and_both(
         capture.feed(stream, piece.encode("utf-8"))
         if piece:
             written.append((stream, piece if encoding else piece.encode("utf-8")))
-    capture.finish(hand_out=True)
+    capture.finish()
     assert handed_out == written  # as it came, nothing held back
     nothing = "" if encoding else b""
     both = nothing.join(text for _, text in written)
@@ -722,23 +722,26 @@ def test_capture_decodes_multibyte_split_anywhere(cut: int) -> None:
     capture = cx._Output("utf-8", "replace", 100, lambda stream, text: pieces.append(text))
     for i in range(0, len(raw), cut):
         capture.feed("stdout", raw[i : i + cut])
-    capture.finish(hand_out=True)
+    capture.finish()
     assert "".join(pieces) == text
     assert all(pieces)  # a cut character waits for its rest, not handed out as ""
     assert capture.tails["stdout"].text() == text == capture.combined.text()
 
 
-@pytest.mark.parametrize("hand_out", [True, False])
-def test_capture_hands_out_a_character_cut_off_at_the_end_unless_told_not_to(
-    hand_out: bool,
-) -> None:
+def test_a_partial_result_changes_nothing_and_the_end_hands_out_a_cut_character() -> None:
     pieces: List[Tuple[str, str]] = []
     capture = cx._Output("utf-8", "replace", 100, lambda *args: pieces.append(args))
-    capture.feed("stderr", "ok€".encode("utf-8")[:-1])
+    euro = "€".encode("utf-8")
+    capture.feed("stderr", b"ok" + euro[:-1])
     assert pieces == [("stderr", "ok")]
-    capture.finish(hand_out=hand_out)
-    assert pieces == [("stderr", "ok")] + [("stderr", "\ufffd")] * hand_out
-    assert capture.tails["stderr"].text() == "ok\ufffd" == capture.combined.text()
+    # An error's result (a pause, the run may go on): what was handed out, nothing more.
+    partial = capture.result(None, timed_out=False, partial=True, args=[])
+    assert partial.stderr == "ok" == partial.output and pieces == [("stderr", "ok")]
+    capture.feed("stderr", euro[-1:])  # the rest of the character, after the partial result
+    capture.feed("stdout", euro[:1])  # cut off at the end
+    final = capture.result(cx._Exit(0, None), timed_out=False, partial=False, args=[])
+    assert pieces == [("stderr", "ok"), ("stderr", "€"), ("stdout", "\ufffd")]
+    assert (final.stdout, final.stderr, final.output) == ("\ufffd", "ok€", "ok€\ufffd")
 
 
 def test_capture_other_encoding_and_strict_errors() -> None:

@@ -41,10 +41,10 @@ def collector():
     return seen, lambda stream, text: seen.append((stream, text))
 
 
-def started_up(client, command=TRAPS_TERM):
-    """`command` started, once it has printed "up"."""
-    seen, on_output = collector()
-    proc = client.start(SANDBOX, command, on_output=on_output)
+def started_up(client, command=TRAPS_TERM, seen=None):
+    """`command` started, once it has printed "up" (its on_output adds to `seen`)."""
+    seen = [] if seen is None else seen
+    proc = client.start(SANDBOX, command, on_output=lambda *piece: seen.append(piece))
     wait_until_printed(proc, seen, "up\n")
     return proc
 
@@ -258,7 +258,8 @@ def test_a_wait_timeout_holds_between_heartbeats_far_apart(local_server, wait):
 
 @pytest.mark.both_readings
 def test_terminate_ends_the_tree_with_its_grace_period_confirmed(client, server):
-    proc = started_up(client)
+    seen: list = []
+    proc = started_up(client, seen=seen)
     proc.terminate()
     assert not server.tree_alive(proc.process_id)  # confirmed before terminate() returned
     (delete,) = deletes(server, proc.process_id)
@@ -267,7 +268,8 @@ def test_terminate_ends_the_tree_with_its_grace_period_confirmed(client, server)
     assert server.requests_to("connect")[-1].time < delete.time
     result = proc.wait()
     assert (result.exit_code, result.signal) == (7, None)
-    assert result.stdout == "up\nbye\n"  # what it printed in its grace period was read
+    # What it printed in its grace period was read, and handed out.
+    assert result.stdout == "up\nbye\n" == "".join(text for _, text in seen)
     assert proc.poll() == 7
 
 
@@ -283,6 +285,28 @@ def test_kill_sends_sigkill_first_then_confirms_the_tree_gone(client, server):
     result = proc.wait()
     assert (result.signal, result.returncode, result.stdout) == ("SIGKILL", -9, "up\n")
     assert proc.poll() == -signal.SIGKILL == proc.returncode
+
+
+@pytest.mark.parametrize("ending", ["terminate", "with", "kill"])
+@pytest.mark.both_readings
+def test_the_last_words_of_the_grace_period_reach_the_callback_a_loop_and_the_result(
+    client, server, ending
+):
+    seen, on_output = collector()
+    proc = client.start(SANDBOX, TRAPS_TERM, on_output=on_output)
+    looped: list = []
+    loop = threading.Thread(target=lambda: looped.extend(text for _, text in proc.iter_output()))
+    loop.start()  # reads while another thread ends the process
+    until(lambda: "".join(looped) == "up\n")
+    if ending == "with":
+        with proc:
+            pass
+    else:
+        getattr(proc, ending)()
+    loop.join(10)
+    last_words = "" if ending == "kill" else "bye\n"  # SIGKILL first: no grace period
+    assert "".join(looped) == "".join(text for _, text in seen) == proc.wait().stdout
+    assert proc.wait().stdout == "up\n" + last_words and not loop.is_alive()
 
 
 @pytest.mark.both_readings

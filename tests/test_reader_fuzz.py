@@ -203,7 +203,7 @@ def read(feed: Feed) -> Decoded:
         elif kind == "exit":
             decoded.status = cx._exit_status(frame)
             break  # the reader stops at the exit frame
-    decoded.output.finish(hand_out=True)
+    decoded.output.finish()
     # A clean EOF without an exit frame ends here too; _Reader.read then
     # raises _Retryable ("clean EOF before the exit frame") and resumes.
     return decoded

@@ -9,6 +9,7 @@ import concurrent.futures
 import dataclasses
 import os
 import random
+import shlex
 import sys
 import time
 
@@ -23,6 +24,7 @@ from local_server import LocalServer  # noqa: E402
 from support import (  # noqa: E402
     BASE,
     CONNECT,
+    EXIT0,
     PID,
     PROC,
     PROCS,
@@ -99,6 +101,18 @@ def test_a_sandbox_destroyed_mid_run_is_gone_with_nothing_to_terminate(lifecycle
 
 
 @pytest.mark.both_readings
+def test_a_handle_whose_sandbox_was_destroyed_polls_and_waits_gone(lifecycle):
+    server, client = lifecycle
+    proc = client.start(SANDBOX, ["sleep", "30"])
+    assert proc.poll() is None and server.destroy()
+    for call in (proc.poll, proc.wait):  # not the 404 of a process endpoint
+        with pytest.raises(cx.SandboxGoneError) as caught:
+            call()
+        assert caught.value.process_id == proc.process_id
+    assert server.requests_to("delete") == []
+
+
+@pytest.mark.both_readings
 def test_resume_true_goes_on_at_the_cursor_or_says_the_process_was_lost(lifecycle):
     server, client = lifecycle
     server.pause_at("connect", after_frames=3)
@@ -114,6 +128,42 @@ def test_resume_true_goes_on_at_the_cursor_or_says_the_process_was_lost(lifecycl
     assert "lost the process across the sandbox's pause" in str(lost)
     assert lost.status == 404 and lost.result.stdout == "1\n2\n3\n"
     assert server.wait_tree_gone(lost.process_id)
+
+
+# A character cut by the pause: its first byte, then the rest once the sandbox was paused.
+CUT_BY_THE_PAUSE = "printf 'a\\303'; until [ -e %s ]; do sleep 0.01; done; printf '\\251b\\n'"
+
+
+@pytest.mark.parametrize("text", [True, False], ids=["text", "bytes"])
+@pytest.mark.both_readings
+def test_a_pause_resumed_mid_run_hands_out_exactly_what_the_result_holds(
+    local_server, server_reading, tmp_path, text
+):
+    # Either reading's pause (a reset or a clean end, then 409 or 404), with processes kept.
+    reading = dataclasses.replace(server_reading, resume_keeps_processes=True)
+    server = local_server(reading=reading, resume_seconds=0.2)
+    go, handed = tmp_path / "go", []
+
+    def pause_at_the_first_piece(stream: str, piece) -> None:
+        if not handed:
+            assert server.pause()
+            go.touch()  # the rest is printed once the tree is thawed
+        handed.append(piece)
+
+    with make_client(server, retry=SHORT) as client:
+        proc = client.start(
+            SANDBOX,
+            CUT_BY_THE_PAUSE % shlex.quote(str(go)),
+            shell=True,
+            resume=True,
+            text=text,
+            on_output=pause_at_the_first_piece,
+        )
+        looped = [piece for _, piece in proc.iter_output()]
+        result = proc.wait()
+    whole = "a\u00e9b\n" if text else "a\u00e9b\n".encode()
+    assert whole[:0].join(handed) == whole[:0].join(looped) == result.stdout == whole
+    assert result.exit_code == 0 and len(server.requests_to("sandbox_resume")) == 1
 
 
 @pytest.mark.both_readings
@@ -307,8 +357,10 @@ def take_up(client, server, error, ends: bool) -> str:
 
 
 def run_one(server, client, moment: str, change: str, rng) -> str:
-    """One run: what it ended in. Asserts that nothing was lost or repeated."""
+    """One run: what it ended in. Asserts that nothing was lost or repeated, in the
+    result and in what on_output was handed."""
     resume = change == "pause, resume=True"
+    handed: list = []
     if moment != "write":
         queue_change(server, moment, change, rng)
     try:
@@ -337,8 +389,10 @@ def run_one(server, client, moment: str, change: str, rng) -> str:
             with client.start(SANDBOX, ["python3", "-c", SERVE % port], resume=resume) as proc:
                 proc.wait_for_port(port, timeout=10)
                 return "exact"
-        result = client.execute(SANDBOX, THIRTY, shell=True, resume=resume)
-        assert (result.stdout, result.exit_code) == (THIRTY_LINES, 0)
+        result = client.execute(
+            SANDBOX, THIRTY, shell=True, resume=resume, on_output=lambda _, t: handed.append(t)
+        )
+        assert (result.stdout, "".join(handed), result.exit_code) == (THIRTY_LINES,) * 2 + (0,)
         return "exact"
     except cx.CreateOSError as error:
         expected = cx.SandboxGoneError if change == "destroy" else cx.SandboxPausedError
@@ -351,6 +405,7 @@ def run_one(server, client, moment: str, change: str, rng) -> str:
             assert isinstance(error, expected), repr(error)
         before = error.result.stdout if error.result is not None else ""
         ends = moment in ("creation", "streaming", "recovery")
+        assert not ends or "".join(handed) == before  # what was handed out is its result
         rest = take_up(client, server, error, ends)
         if ends and error.process_id and rest:
             assert before + rest == THIRTY_LINES  # nothing lost, nothing repeated
@@ -584,20 +639,55 @@ def test_a_delete_refused_with_409_while_the_sandbox_runs_is_unconfirmed(rsps):
 
 
 @pytest.mark.parametrize(
-    "resume, views, timeout",
-    [(False, ("resuming", "paused"), None), (True, ("paused",), 0.6)],
-    ids=["paused again, not to be resumed", "not back within the deadline"],
+    "views, resume, timeout, error",
+    [
+        (("creating", "running"), False, None, None),
+        (("resuming", "running"), False, None, None),
+        (("forking", "running"), False, None, None),
+        (("resuming", "paused"), False, None, cx.SandboxPausedError),
+        (("paused",), True, 0.6, cx.SandboxPausedError),
+        (("hibernating",), False, None, cx.SandboxError),
+        (("resuming", "hibernating"), False, None, cx.SandboxError),
+        (("paused", "hibernating"), True, None, cx.SandboxError),
+    ],
+    ids=[
+        "creating",
+        "resuming",
+        "forking",
+        "paused again, not to be resumed",
+        "not back within the deadline",
+        "a state this client does not know",
+        "that state met on the way back",
+        "that state met while it resumes",
+    ],
 )
-def test_a_run_whose_sandbox_does_not_come_back_ends_paused(rsps, resume, views, timeout):
+def test_a_sandbox_met_mid_run_on_its_way_to_running_is_waited_for_else_said(
+    rsps, views, resume, timeout, error
+):
     add_created(rsps)
-    add_connect(rsps, nd(data(1, "stdout", b"one\n")))
+    add_connect(rsps, nd(data(1, "stdout", b"one\n")))  # then the stream ends
     rsps.add(responses.GET, CONNECT, status=409, json=PAUSED)
     rsps.add(responses.POST, VIEW + "/resume", status=202, json=ok({"status": "resuming"}))
     add_views(rsps, *views)
-    with pytest.raises(cx.SandboxPausedError) as caught:
-        make_client().execute(SB, ["true"], resume=resume, timeout=timeout)
-    assert (caught.value.after, caught.value.result.stdout) == (1, "one\n")
-    assert calls(rsps, "DELETE", PROC) == []  # nothing terminated while it is frozen
+    rsps.add(responses.GET, PROC, json=ok(process_record(newest=1)))
+    add_connect(rsps, nd(data(2, "stdout", b"two\n"), EXIT0))
+    handed: list = []
+    client = make_client()
+    options = dict(resume=resume, timeout=timeout, on_output=lambda _, text: handed.append(text))
+    if error is None:  # the run goes on, nothing asked of the sandbox but its view
+        result = client.execute(SB, ["true"], **options)
+        assert result.stdout == "".join(handed) == "one\ntwo\n"
+        assert calls(rsps, "POST", VIEW + "/resume") == []
+        return
+    with pytest.raises(error) as caught:
+        client.execute(SB, ["true"], **options)
+    said = caught.value
+    assert type(said) is error and said.after == 1
+    assert said.result.stdout == "one\n" and handed == ["one\n"]
+    assert calls(rsps, "DELETE", PROC) == []  # nothing terminated while it does not run
+    if error is cx.SandboxError:  # the word is kept, not repeated; never a CleanupError
+        assert said.sandbox_status == "hibernating" and "hibernating" not in str(said)
+        assert "client.process('sb_1', 'proc_x', after=1)" in str(said)
 
 
 def test_a_sandbox_destroyed_while_it_resumes_is_gone_with_nothing_deleted(rsps):
