@@ -7652,6 +7652,7 @@ class _Session:
         self._done = threading.Event()
         self._outcome: List[Union[ExecResult, BaseException]] = []
         self._detached = False
+        self._sent_size: Optional[Tuple[int, int]] = None  # the size the program was told
 
     def size(self) -> Tuple[int, int]:
         """(rows, cols) of this terminal; pty=True's when it tells none."""
@@ -7670,7 +7671,9 @@ class _Session:
         if rebuild:  # the replay draws the screen again from a blank one
             echo("stdout", _RESET_TERMINAL)
         try:
-            with _raw_terminal(self._fd), self._signals(process):
+            # SIGWINCH's handler tells the typing thread through this pair.
+            self._winched, self._winch = socket.socketpair()
+            with _raw_terminal(self._fd), self._signals(), self._winched, self._winch:
                 self._resized(process)
                 stop_typing, typing_stopped = socket.socketpair()
                 threading.Thread(target=self._follow, args=(process,), daemon=True).start()
@@ -7693,17 +7696,19 @@ class _Session:
         return outcome
 
     @contextlib.contextmanager
-    def _signals(self, process: RemoteProcess) -> Iterator[None]:
-        """SIGWINCH sends the new size; SIGTERM and SIGHUP end the session."""
+    def _signals(self) -> Iterator[None]:
+        """SIGWINCH wakes the typing thread, which sends the new size; SIGTERM and
+        SIGHUP end the session."""
 
         def away(number: int, frame: Any) -> None:
             raise _SignalledAway(number)
 
-        handlers = {
-            _signal.SIGWINCH: lambda number, frame: self._resized(process),
-            _signal.SIGTERM: away,
-            _signal.SIGHUP: away,
-        }
+        def winched(number: int, frame: Any) -> None:
+            with contextlib.suppress(OSError):  # full: a wake-up is on its way already
+                self._winch.send(b"\0")
+
+        self._winch.setblocking(False)
+        handlers = {_signal.SIGWINCH: winched, _signal.SIGTERM: away, _signal.SIGHUP: away}
         before = {number: _signal.signal(number, handler) for number, handler in handlers.items()}
         try:
             yield
@@ -7712,8 +7717,13 @@ class _Session:
                 _signal.signal(number, handler)
 
     def _resized(self, process: RemoteProcess) -> None:
+        """The terminal's size, sent when it is not the one the program was told."""
+        size = self.size()
+        if size == self._sent_size:
+            return
         try:
-            process.resize(*self.size())
+            process.resize(*size)
+            self._sent_size = size
         except CreateOSError as failure:
             self._status.show(f"the new size was not sent: {failure}")
 
@@ -7725,7 +7735,12 @@ class _Session:
         self._done.set()
 
     def _type(self, process: RemoteProcess, stopped: socket.socket) -> None:
+        """Keys and new sizes, in the order they came: the size is looked at before
+        each piece of keys is sent, so that keys typed after a resize reach the
+        program after it (the kernel knows the size before SIGWINCH is handled)."""
+
         def typed(keys: bytes) -> None:
+            self._resized(process)
             before, detach, _ = keys.partition(_DETACH_KEY)
             try:
                 if before:
@@ -7735,16 +7750,25 @@ class _Session:
             if detach:
                 raise _Detached
 
+        def keys_come() -> bool:
+            """Wait for keys (False: the session has ended), sending new sizes meanwhile."""
+            while True:
+                ready = {key.fileobj for key, _ in waiting.select()}
+                if stopped in ready:  # a key is read only while the session runs
+                    return False
+                if self._winched in ready:
+                    with contextlib.suppress(BlockingIOError):
+                        self._winched.recv(4096)
+                    self._resized(process)
+                if self._fd in ready:
+                    return True
+
+        self._winched.setblocking(False)
         try:
             with selectors.DefaultSelector() as waiting, stopped:
-                waiting.register(self._fd, selectors.EVENT_READ)
-                waiting.register(stopped, selectors.EVENT_READ)
-                # A key is read only while the session runs (the stop wins a tie).
-                _write_pieces(
-                    self._fd,
-                    typed,
-                    lambda: all(k.fileobj is not stopped for k, _ in waiting.select()),
-                )
+                for source in (self._fd, stopped, self._winched):
+                    waiting.register(source, selectors.EVENT_READ)
+                _write_pieces(self._fd, typed, keys_come)
         except _Detached:
             self._detached = True
             self._done.set()
