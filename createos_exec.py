@@ -2118,17 +2118,11 @@ class RemoteProcess(Generic[_AnyStr]):
         is terminated and that confirmed first; then the result, or the error
         with the partial result attached: the outcome every later wait gives."""
         try:
-            contained = not ending.gone and (
-                ending.timed_out or ending.error is not None or ending.asked
-            )
-            if contained:
+            if not ending.gone and (ending.timed_out or ending.error is not None or ending.asked):
                 ending = yield from self._contain(ending)
             if ending.error is not None:
                 raise ending.error
             self._outcome = self._follower.result(ending.exited, timed_out=ending.timed_out)
-            if not contained:  # a deadline the sandbox kept killed the spoolers with the tree
-                left = self._follower.spool_left(terminated=ending.timed_out)
-                self._endpoints.sandbox.remove(left, "the spool")
         except GeneratorExit:  # a loop was left during containment: the run goes on
             raise
         except BaseException as exc:
@@ -2218,7 +2212,7 @@ class RemoteProcess(Generic[_AnyStr]):
         if unconfirmed is None and not isinstance(first, KeyboardInterrupt):
             # What the killed tree left: its spool, and the staged file the wrapper
             # may not have removed when the run failed.
-            left = self._follower.spool_left(terminated=True)
+            left = self._follower.forget_spool()
             if first is not None and self._launch is not None:
                 left += self._launch.staged_files()
             self._endpoints.sandbox.remove(left, "what the run left", self._deadline.cancel)
@@ -2680,7 +2674,15 @@ class _Follower:
     def result(
         self, exited: Optional[_Exit], *, timed_out: bool = False, partial: bool = False
     ) -> ExecResult[Any]:
-        """The output's result, with what following the process learned."""
+        """The output's result, with what following the process learned. A final
+        one (not `partial`: the run has ended) ends the spool's use too: a spool
+        its spoolers kept for this client (the output too big for them to drop
+        it, or how big is not known here), or one a deadline's kill left behind
+        (`timed_out`), is removed."""
+        if not partial and self._spool is not None:
+            small = sum(self._output.received.values()) < _SPOOL_KEPT_FROM
+            if timed_out or not (small and self._spool_readable):
+                self.endpoints.sandbox.remove(self.forget_spool(), "the spool")
         return self._output.result(
             exited,
             timed_out=timed_out,
@@ -2927,7 +2929,7 @@ class _Follower:
             pause = min(2 * pause, _SPOOL_POLL_MAX)
         logger.info("Read %d bytes of the output of %s from its spool", spooled, self.process_id)
         exited = self._exit_after_spool(deadline)
-        self.endpoints.sandbox.remove(self.spool_left(), "the spool")
+        self.endpoints.sandbox.remove(self.forget_spool(), "the spool")
         return exited
 
     def _spooled(self, spool: _Spool, deadline: _Deadline) -> Optional[List[_Spooled]]:
@@ -2963,17 +2965,11 @@ class _Follower:
             record = self.endpoints.exit_record("leader", _LIVENESS_POLL_MS, deadline)
         return self._recovered(record)
 
-    def spool_left(self, terminated: bool = False) -> List[str]:
-        """The spool's files to remove now that the run has ended, forgotten here:
-        all of them after a termination (its spoolers were killed with the tree)
-        or once it was read, and when the output was big enough for the
-        spoolers to keep it for this client (or how big it was is not known);
-        none when the spoolers drop it themselves."""
+    def forget_spool(self) -> List[str]:
+        """The spool's files, to remove now that its use is over, forgotten here."""
         spool, self._spool = self._spool, None
-        small = sum(self._output.received.values()) < _SPOOL_KEPT_FROM
-        kept = terminated or self._spooling or not (small and self._spool_readable)
         self._spool_readable = self._spooling = False
-        return spool.files() if spool is not None and kept else []
+        return [] if spool is None else spool.files()
 
 
 class _Spooled(NamedTuple):
@@ -3005,16 +3001,15 @@ def _spooled(held: int, size: str, ended: str, text: str) -> _Spooled:
     return _Spooled(data, int(size) - held - len(data), ended == "1")
 
 
-class _Spool:
+class _Spool(NamedTuple):
     """The spool of one process in the sandbox (design item 19, see _SPOOL): each
     of its streams as the wrapper copied it into a file of its own, from the
     first byte, `limit` bytes at most; read a piece at a time by a chore
     (_SPOOL_READ) through the exec endpoint, which reading twice does no harm."""
 
-    def __init__(self, sandbox: _Sandbox, path: str, limit: int) -> None:
-        self.sandbox = sandbox
-        self.path = path
-        self.limit = limit
+    sandbox: _Sandbox
+    path: str
+    limit: int
 
     def read(self, held: Mapping[str, int], deadline: _Deadline) -> List[_Spooled]:
         """What each stream's spool holds past the bytes `held` of it; _SpoolGone
@@ -3088,9 +3083,7 @@ def _plan(
     staged = _staged_bytes(options.env, stdin) if options.env or stdin is not None else None
     staged_path = f"/tmp/.{marker}" if staged is not None else None
     spool = f"/tmp/.{marker}" if spooled and options.pty is None else None
-    lines = [_WRAPPER_HEAD]
-    if spool is not None:
-        lines.extend([_SPOOL, _spool_call(spool, _SPOOL_LIMIT)])
+    lines = [_WRAPPER_HEAD, _SPOOLING, _NAMED] if spool is not None else [_WRAPPER_HEAD, _NAMED]
     if options.pty is not None and "TERM" not in (options.env or {}):
         lines.append(_TERMINAL_TYPE)
     if staged_path is not None:
@@ -3138,14 +3131,12 @@ def _given_command(cmd: Any, args: Any) -> Tuple[Any, bool]:
 
 
 def _spool_of(sandbox: _Sandbox, record: Dict[str, Any]) -> Optional[_Spool]:
-    """The spool of a listed process, where its wrapper made one (see _spool_call)."""
+    """The spool of a listed process, where its wrapper made one (see _SPOOLING)."""
     args: Any = record.get("args")
     if not _given_command(record.get("cmd"), args)[1]:
         return None
     found = _SPOOL_CALL.search(args[1])
-    if found is None or found.group(1) != f"/tmp/.{args[2]}":
-        return None
-    return _Spool(sandbox, found.group(1), int(found.group(2)) * 1024)
+    return None if found is None else _Spool(sandbox, f"/tmp/.{args[2]}", int(found[1]) * 1024)
 
 
 def _argv(command: Command, shell: bool) -> List[str]:
@@ -6169,10 +6160,10 @@ def _is_number(value: Any) -> bool:
 # alone.
 
 # The wrapper's own failures read as a shell's would: they name the program
-# or the directory, never the marker (its $0, which BASH_ARGV0 renames, for
-# whatever bash reports itself). Its first act is to refuse a bash too old
-# for what follows.
-_WRAPPER_HEAD = r"""_cx_fail() {
+# or the directory, never the marker (its $0, which BASH_ARGV0 renames once
+# the spool is named after it, for whatever bash reports itself). Its first
+# act is to refuse a bash too old for what follows.
+_WRAPPER_HEAD = r'''_cx_fail() {
     printf 'createos_exec: %s\n' "$2" >&2
     exit "$1"
 }
@@ -6181,8 +6172,8 @@ _cx_need_bash() {
     (($1 >= 5)) && return
     _cx_fail 125 "bash $2 is too old: createos_exec needs bash 5.0 or newer in the sandbox"
 }
-_cx_need_bash "${BASH_VERSINFO[0]}" "$BASH_VERSION"
-BASH_ARGV0=createos_exec"""
+_cx_need_bash "${BASH_VERSINFO[0]}" "$BASH_VERSION"'''
+_NAMED = "BASH_ARGV0=createos_exec"
 _READ_STAGED = r"""_cx_read_staged() {
     # $1: the staged file, opened on fd 3 and removed at once; $2: "stdin"
     # when the rest of it is the command's stdin; $3: the name of a variable
@@ -6241,9 +6232,20 @@ _SPOOL = r"""set +o posix
 _cx_spool() {
     # $1: the spool's path, to which each stream's name is added; $2: the
     # most KiB a stream's spool keeps; $3: the bytes under which the spools
-    # are dropped once both streams have ended.
-    exec > >(_cx_spooler "$1" stdout stderr "$2" "$3")
-    exec 2> >(_cx_spooler "$1" stderr stdout "$2" "$3" >&2)
+    # are dropped once both streams have ended. Each stream's pipe leads to a
+    # process substitution that forks its spooler off and leaves, and is
+    # waited for: the command gains no child it did not start.
+    local out err forking
+    exec {out}> >(_cx_fork_spooler "$1" stdout stderr "$2" "$3")
+    forking=$!
+    exec {err}> >(_cx_fork_spooler "$1" stderr stdout "$2" "$3" >&2)
+    wait "$forking" "$!"
+    exec >&"$out" 2>&"$err" {out}>&- {err}>&-
+}
+_cx_fork_spooler() {
+    local stream
+    exec {stream}<&0
+    _cx_spooler "$@" <&"$stream" &
 }
 _cx_spooler() {
     # $1: the spool's path, $2: this stream, $3: the other; $4, $5: as for
@@ -6266,6 +6268,10 @@ _cx_spooler() {
     ((bytes + other < $5)) || return 0
     rm -f -- "$1.stdout" "$1.stderr" "$1.stdout.end" "$1.stderr.end"
 }"""
+# The spool of a wrapper, named after its marker ($0), as the wrapper calls it,
+# and that line as a listed process shows it (its limit, for a handle taken up).
+_SPOOLING = _SPOOL + f'\n_cx_spool "/tmp/.$0" {_SPOOL_LIMIT // 1024} {_SPOOL_KEPT_FROM}'
+_SPOOL_CALL = re.compile(r'^_cx_spool "/tmp/\.\$0" ([0-9]{1,9}) [0-9]+$', re.MULTILINE)
 # The wrapper's last line, for a script (shell=True) or an argv.
 _RUN_SCRIPT = 'exec bash -c -- "$1"'
 _RUN_ARGV = 'exec -- "$@"'
@@ -6538,18 +6544,6 @@ def _watchdog(timeout: float, grace: float) -> List[str]:
     """The wrapper's lines that fork the watchdog: SIGTERM at `timeout`, SIGKILL `grace` later."""
     due, kill_after = (str(math.ceil(min(s, _LONGEST_WATCH) * 100)) for s in (timeout, grace))
     return [_PROCESSES, _WATCHDOG, _call("_cx_start_watchdog", due, kill_after)]
-
-
-def _spool_call(path: str, limit: int) -> str:
-    """The wrapper's line that spools its streams at `path` (see _SPOOL), `limit`
-    bytes of each at most."""
-    return _call("_cx_spool", path, str(limit // 1024), str(_SPOOL_KEPT_FROM))
-
-
-# That line as a listed process shows it: the spool of a process started by this module.
-_SPOOL_CALL = re.compile(
-    r"^_cx_spool '(/tmp/\.createos_exec-[0-9a-f]{24})' '([0-9]{1,9})' '[0-9]+'$", re.MULTILINE
-)
 
 
 def _reading_staged(path: str, marker: str, piped: bool) -> List[str]:
