@@ -2657,6 +2657,9 @@ class _Follower:
         # Told True when a broken connection is to be resumed, False once it is (a notice).
         self.on_reconnect: Optional[Callable[[bool], None]] = None
         self._reconnecting = False
+        # A live reader that takes a gap when it is told of it (a terminal session, which
+        # then draws its screen anew from the output kept): told before that output comes.
+        self.on_gap: Optional[Callable[[], None]] = None
 
     @property
     def cursor(self) -> int:
@@ -2803,13 +2806,14 @@ class _Follower:
             )
             self._spooling, self._oldest_kept = True, evicted.oldest_available_seq
             return
-        if self._output.live:
+        if self._output.live and self.on_gap is None:
             raise evicted
         self._skip_to_kept(evicted, deadline)
 
     def _skip_to_kept(self, evicted: OutputEvictedError, deadline: _Deadline) -> None:
-        """Nobody reads live: the evicted output is the head of the output, not a
-        hole in it. Drop what was read and go on from the oldest output kept."""
+        """Nobody reads live (or the reader takes a gap it is told of): the evicted
+        output is the head of the output, not a hole in it. Drop what was read
+        and go on from the oldest output kept."""
         oldest = evicted.oldest_available_seq
         if oldest is None:
             oldest = _output_seq(self.endpoints.record(deadline), "oldest_seq")
@@ -2824,6 +2828,8 @@ class _Follower:
         self._output.drop_all()
         self._spool_readable = self._spooling = False
         self._reader.cursor = oldest - 1
+        if self.on_gap is not None:
+            self.on_gap()
 
     def _exit_of_bare_frame(self, deadline: _Deadline) -> _Exit:
         """An exit frame came without a status: the record's, checked once."""
@@ -2952,9 +2958,8 @@ class _Follower:
             held=dict(held),
             limit=spool.limit,
         )
-        if self._output.live:
-            raise evicted
-        self._skip_to_kept(evicted, deadline)
+        self._spool_readable = False
+        self._after_eviction(evicted, deadline)
         return None
 
     def _exit_after_spool(self, deadline: _Deadline) -> _Exit:
@@ -7662,6 +7667,7 @@ class _Session:
         if not process._terminal:
             raise ConfigError(f"process {process.process_id} has no terminal: attach without -t.")
         process._follower.on_reconnect = self._reconnecting
+        process._follower.on_gap = self._drawn_anew
         if rebuild:  # the replay draws the screen again from a blank one
             echo("stdout", _RESET_TERMINAL)
         try:
@@ -7768,6 +7774,12 @@ class _Session:
             self._done.set()
         except CreateOSError:
             return  # the program ended (its end is being read) or cannot be reached
+
+    def _drawn_anew(self) -> None:
+        """Output the service no longer kept was lost while this session was away:
+        the screen is drawn anew from a blank one, with what it kept."""
+        echo("stdout", _RESET_TERMINAL)
+        self._status.show("output was lost while away; the screen shows what CreateOS kept")
 
     def _reconnecting(self, under_way: bool) -> None:
         if under_way:

@@ -287,6 +287,23 @@ def test_a_stream_cut_mid_session_loses_and_doubles_nothing(session, server):
     assert 0 < made.shown().count(b"reconnecting") <= made.shown().count(b"\x1b8\x1b[K")
 
 
+def test_output_lost_while_away_draws_the_screen_anew_and_the_session_goes_on(session, server):
+    # The stream stalls after the first line; meanwhile the journal loses the next.
+    server.stall_stream(after_frames=1, seconds=1.0)
+    made = session(
+        "--shell", SANDBOX, "--", 'echo first; sleep 0.2; echo gone; read x; echo "got $x"'
+    )
+    made.child.expect_exact(b"first")
+    (record,) = server.processes()
+    until(lambda: server.process(record["process_id"])["output"]["newest_seq"] >= 2)
+    server.evict(record["process_id"])
+    made.child.expect_exact(b"\x1bc")  # a blank screen, then what is kept
+    made.child.expect_exact(b"output was lost while away")
+    made.child.send(b"hi\r")
+    made.child.expect_exact(b"got hi")
+    assert made.ended() == 0 and b"gone" not in made.shown()
+
+
 def test_a_lost_input_answer_is_reported_and_never_sent_again(session, server):
     made = session("--env", "PS1=prompt> ", *BASH)
     made.child.expect_exact(b"prompt> ")
