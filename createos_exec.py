@@ -6747,16 +6747,22 @@ _cx_spool_read "$@"
 # tunnel of its own to the sandbox's port (protocol 7b): one HTTP/1.1
 # Upgrade, written by hand on a socket of ours (requests cannot hand an
 # upgraded connection over), its answer's head read strictly; after a 101
-# the socket is a raw pipe. One thread serves a forward, through a
-# selector: its listener and both directions of every connection, each
-# direction holding at most one piece and ended on its own (half-close).
-# Only an opening, which waits for the service, has a thread while it
-# lasts. The key goes into the upgrade's header only, to the API origin.
+# the socket is a raw pipe. Each direction holds at most one piece and is
+# ended on its own (half-close). Over a plain tunnel where os.splice is
+# (Linux, Python 3.10 and later), the thread that opened a connection's
+# tunnel and one more move its two directions, each blocked in splice(),
+# through a pipe of one piece: the bytes never come up into Python, and a
+# byte waits for no selector (benchmarks/README.md has the figures). Over
+# TLS, or without splice, one thread serves the forward's connections
+# through a selector. The forward's thread accepts in both cases. The key
+# goes into the upgrade's header only, to the API origin.
 
 
 _TUNNEL_PIECE = 256 * 1024  # most bytes read at once, and held, per direction
 _TUNNEL_HEAD_LIMIT = 64 * 1024  # longest head of an answer to an upgrade
 _TUNNEL_TURNS = 16  # pieces one direction moves before the others get their turn
+# Bytes moved in the kernel, socket to pipe to socket (Linux, Python 3.10 and later).
+_SPLICE: Optional[Callable[[int, int, int], int]] = getattr(os, "splice", None)
 _STATUS_LINE = re.compile(rb"HTTP/1\.[01] ([1-5][0-9][0-9])(?: [\t !-~\x80-\xff]*)?\Z")
 _HEADER_LINE = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+):[\t ]*([\t !-~\x80-\xff]*?)[\t ]*\Z")
 # What a refused tunnel means, by status, where the module's advice does not fit.
@@ -6765,6 +6771,7 @@ _TUNNEL_ADVICE = {
     502: "nothing listens on that port in the sandbox; start the server there first, on "
     "127.0.0.1 or 0.0.0.0, and wait until it listens",
 }
+_TUNNEL_BROKE = "a connection's tunnel broke, and the connection was closed"  # its warning
 
 
 class Forward:
@@ -6868,12 +6875,12 @@ class _Tunnels:
         transport = sandbox.transport
         key, self._limiter, tls = transport.for_a_tunnel()
         origin = urllib.parse.urlsplit(transport.base)
-        self._https = origin.scheme == "https"
+        self.https = origin.scheme == "https"
         self._host = origin.hostname or ""
-        self._origin_port = origin.port or (443 if self._https else 80)
+        self._origin_port = origin.port or (443 if self.https else 80)
         self._address = _address(transport.base)
         self._timeout = transport.request_timeout
-        self._tls = _tls_context(tls.get("verify", True), tls.get("cert")) if self._https else None
+        self._tls = _tls_context(tls.get("verify", True), tls.get("cert")) if self.https else None
         self._request = (
             f"POST {origin.path}{sandbox.path}/tunnel/{port} HTTP/1.1\r\n"
             f"Host: {origin.netloc}\r\nX-Api-Key: {key}\r\nConnection: Upgrade\r\n"
@@ -7000,6 +7007,88 @@ class _Broken(Exception):
         self.sock = sock
 
 
+class _Spliced:
+    """A connection over a plain tunnel, moved by os.splice: each direction a thread
+    blocked in splice() through a pipe of one piece (a full pipe waits for its
+    sink: back-pressure passed on), its end passed on as a half-close. A socket
+    that fails, or cut(), ends both directions at once."""
+
+    def __init__(
+        self,
+        local: socket.socket,
+        remote: socket.socket,
+        early: bytes,
+        splice: Callable[[int, int, int], int],
+    ) -> None:
+        self.local = local
+        self.remote = remote
+        self.done = threading.Event()  # set once both sockets are closed
+        self._early = early
+        self._splice = splice
+        self._lock = threading.Lock()  # no shutdown() races a close() of the same socket
+        self._over = False
+        self._broken: Optional[socket.socket] = None
+
+    def run(self) -> Optional[socket.socket]:
+        """Both directions to their ends, the outgoing one on a thread of its own,
+        then both sockets closed: the socket that failed, if one did before any cut()."""
+        try:
+            for sock in (self.local, self.remote):
+                sock.settimeout(None)  # blocking, whatever socket.setdefaulttimeout() says
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            outgoing = threading.Thread(
+                target=self._one_way, args=(self.local, self.remote), daemon=True
+            )
+            outgoing.start()
+            self._one_way(self.remote, self.local, self._early)
+            outgoing.join()
+        finally:
+            with self._lock:
+                self._over = True
+                self.local.close()
+                self.remote.close()
+            self.done.set()
+        return self._broken
+
+    def cut(self, broken: Optional[socket.socket] = None) -> None:
+        """End both directions now: a shutdown wakes a splice() that waits. The first
+        cut says why (`broken`, or none: the forward was closed)."""
+        with self._lock:
+            if self._over:
+                return
+            self._over = True
+            self._broken = broken
+            for sock in (self.local, self.remote):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    def _one_way(self, source: socket.socket, sink: socket.socket, first: bytes = b"") -> None:
+        """`first`, then `source` to `sink` through a pipe, a piece at a time, until
+        `source` ends; then that end passed on. A socket that fails cuts both ways."""
+        pipe: Tuple[int, ...] = ()
+        failing: Optional[socket.socket] = None  # the socket the call under way would fail on
+        try:
+            read_end, write_end = pipe = os.pipe()  # none (out of descriptors): closed, uncounted
+            with contextlib.suppress(OSError):  # else the system's 64 KiB: smaller still
+                fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, _TUNNEL_PIECE)  # novermin: with splice
+            failing = sink
+            sink.sendall(first)
+            while True:
+                failing = source
+                count = self._splice(source.fileno(), write_end, _TUNNEL_PIECE)
+                failing = sink
+                if not count:
+                    break
+                while count:
+                    count -= self._splice(read_end, sink.fileno(), count)
+            sink.shutdown(socket.SHUT_WR)
+        except OSError:
+            self.cut(failing)
+        finally:
+            for end in pipe:
+                os.close(end)
+
+
 class _Flow:
     """One direction of a connection: the piece read from `source` and not yet
     all written to `sink`, whether `source` has ended, and whether that end was
@@ -7069,14 +7158,17 @@ class _Flow:
 
 
 class _Bridge:
-    """A forward's thread: it accepts connections, has each one's tunnel opened
-    (on a thread of its own while the service is awaited), then copies both
-    directions of every connection, all through one selector."""
+    """A forward's thread: it accepts connections, and each one's tunnel is opened on
+    a thread of its own (the service is awaited there), which then splices the
+    connection (_Spliced) or hands it to this thread's selector, which copies
+    both directions of every connection it is given."""
 
     def __init__(self, listener: socket.socket, tunnels: _Tunnels) -> None:
         self.failures = 0
         self._listener = listener
         self._tunnels = tunnels
+        self._splice = None if tunnels.https else _SPLICE
+        self._spliced: Set[_Spliced] = set()
         self._selector = selectors.DefaultSelector()
         self._wake, self._woken = socket.socketpair()
         self._opened: Deque[Tuple[socket.socket, socket.socket, bytes]] = collections.deque()
@@ -7096,9 +7188,14 @@ class _Bridge:
             if self._stopped:
                 return
             self._stopped = True
+            spliced = list(self._spliced)
+        for connection in spliced:
+            connection.cut()
         self._nudge()
         if threading.current_thread() is not self._thread:
             self._thread.join()
+        for connection in spliced:
+            connection.done.wait()
 
     def _nudge(self) -> None:
         with contextlib.suppress(OSError):  # closed: the thread is gone, and knows
@@ -7142,7 +7239,8 @@ class _Bridge:
             threading.Thread(target=self._open, args=(local,), daemon=True).start()
 
     def _open(self, local: socket.socket) -> None:
-        """The tunnel of one local connection; the connection closed if there is none."""
+        """The tunnel of one local connection (the connection closed if there is none),
+        then the connection spliced on this thread, or handed to the selector's."""
         try:
             remote, early = self._tunnels.open()
         except (CreateOSError, _Retryable) as error:
@@ -7150,13 +7248,21 @@ class _Bridge:
             self._failed(f"a connection was closed: {failure}")
             local.close()
             return
+        spliced = None if self._splice is None else _Spliced(local, remote, early, self._splice)
         with self._lock:
-            if not self._stopped:
+            if self._stopped:
+                local.close()
+                remote.close()
+                return
+            if spliced is None:
                 self._opened.append((local, remote, early))
                 self._nudge()
                 return
-        local.close()
-        remote.close()
+            self._spliced.add(spliced)
+        if spliced.run() is remote:
+            self._failed(_TUNNEL_BROKE)
+        with self._lock:
+            self._spliced.discard(spliced)
 
     def _take_opened(self) -> None:
         with contextlib.suppress(BlockingIOError):
@@ -7186,7 +7292,7 @@ class _Bridge:
         except _Broken as broken:
             self._close(pair)
             if broken.sock is pair[0].sink:
-                self._failed("a connection's tunnel broke, and the connection was closed")
+                self._failed(_TUNNEL_BROKE)
             return False
         if all(each.shut for each in pair):
             self._close(pair)

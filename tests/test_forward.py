@@ -17,6 +17,17 @@ from support import assert_clean, cli_argv, cli_env, closed_port
 import createos_exec as cx
 
 
+@pytest.fixture(params=["splice", "selector"])
+def moved_by(request, monkeypatch):
+    """Each way a forward moves bytes: splice() where the platform has it (Linux,
+    Python 3.10 and later, a plain tunnel), the selector of TLS and of the others."""
+    if request.param == "selector":
+        monkeypatch.setattr(cx, "_SPLICE", None)
+    elif cx._SPLICE is None:
+        pytest.skip("os.splice is not here")
+    return request.param
+
+
 def reverser() -> int:
     """A server that reads each connection to its end, then answers it reversed:
     an answer comes only once the end (a half-close) has been passed on."""
@@ -51,6 +62,16 @@ def round_trip(port: int, data: bytes) -> bytes:
         return received(connection)
 
 
+def greeted(fw: cx.Forward, target: socket.socket) -> "tuple[socket.socket, socket.socket]":
+    """A connection through `fw` that `target` (where it leads) accepted and greeted,
+    and its far end: its tunnel is open and its bytes move."""
+    connection = socket.create_connection(("127.0.0.1", fw.local_port), timeout=30)
+    far, _ = target.accept()
+    far.sendall(b"!")
+    assert connection.recv(1) == b"!"
+    return connection, far
+
+
 def answer_or_nothing(port: int, data: bytes) -> bytes:
     """round_trip's answer, or b"" for a connection the forward closed before it
     was written to, half-closed or read: a reset, ENOTCONN and EPIPE all say "closed"."""
@@ -63,7 +84,7 @@ def answer_or_nothing(port: int, data: bytes) -> bytes:
 
 
 def test_concurrent_connections_are_byte_exact_both_ways_with_the_half_close_passed_on(
-    client, server
+    client, server, moved_by
 ):
     payloads = [os.urandom(size) for size in (1, 70_000, 1 << 20, 3 << 20)]
     answers = {}
@@ -85,6 +106,34 @@ def test_concurrent_connections_are_byte_exact_both_ways_with_the_half_close_pas
     assert {r.credentials for r in tunnels} == {("X-Api-Key",)}
     with pytest.raises(ConnectionRefusedError):  # closed: nothing listens any more
         socket.create_connection(("127.0.0.1", fw.local_port), timeout=5)
+
+
+def test_close_ends_the_connections_still_open(client, moved_by):
+    target = socket.create_server(("127.0.0.1", 0))
+    with target, client.forward("sb_local", target.getsockname()[1]) as fw:
+        target.accept()[0].close()  # the entry's check
+        idle, far = greeted(fw, target)
+    with idle, far:
+        assert idle.recv(1) == b""  # its end, though the far end is still open
+
+
+def test_a_tunnel_cut_midway_closes_its_connection_alone_counted_and_warned(
+    client, server, moved_by, caplog
+):
+    target = socket.create_server(("127.0.0.1", 0))
+    with target, client.forward("sb_local", target.getsockname()[1]) as fw:
+        target.accept()[0].close()
+        cut, far = greeted(fw, target)
+        with cut, far, caplog.at_level(logging.WARNING, logger="createos_exec"):
+            server.outage(0.1).join()  # its tunnel cut, the API back
+            with pytest.raises(ConnectionError):  # the forward closed it: its tunnel takes no bytes
+                while True:
+                    cut.sendall(bytes(1 << 16))
+        for end in greeted(fw, target):  # the next one goes through
+            end.close()
+        assert fw.failures == 1
+    assert "tunnel broke" in caplog.text and "sb_local" in caplog.text
+    assert server.api_key not in caplog.text
 
 
 @pytest.mark.parametrize("state", ["closed port", "paused", "gone"])
