@@ -26,7 +26,7 @@ from typing import List
 import pytest
 from local_server import LocalServer
 from pacing import run_scenario
-from support import BASE, ROOT, SANDBOX, make_client
+from support import BASE, ROOT, SANDBOX, closed_port, make_client
 
 import createos_exec as cx
 
@@ -124,9 +124,10 @@ def test_a_narrowed_window_stays_until_it_could_have_won_its_limit_back(runtime_
 
 
 def test_a_local_server_per_test_leaves_one_file(runtime_dir):
-    for _ in range(10):
-        with LocalServer() as server, make_client(server, rate_limit=(300, 60.0)) as client:
-            client.execute(SANDBOX, ["true"])
+    for _ in range(10):  # ten origins: ports of this process's own, never one twice
+        with LocalServer(port=closed_port()) as server:
+            with make_client(server, rate_limit=(300, 60.0)) as client:
+                client.execute(SANDBOX, ["true"])
     (path,) = files_in(runtime_dir)
     reader = cx._SharedWindow(str(path), bytes(16), 1, 1.0)
     _, others = reader._read(path.read_bytes(), time.monotonic())
