@@ -218,11 +218,15 @@ def test_a_file_that_cannot_be_read_is_named_with_the_reason(client, tmp_path, n
     assert repr(path) in str(raised.value)
 
 
-def test_a_local_destination_in_no_directory_is_named_before_any_request(server, client, tmp_path):
-    missing = str(tmp_path / "nowhere" / "out.bin")
-    with pytest.raises(FileNotFoundError) as raised:
-        client.get(SANDBOX, "/etc/hostname", missing)
-    assert raised.value.filename == missing and server.requests == []
+def test_a_local_destination_that_cannot_be_made_is_named_before_any_request(
+    server, client, tmp_path
+):
+    (tmp_path / "plain").write_bytes(b"a file, not a directory")
+    blocked = str(tmp_path / "plain" / "out.bin")
+    with pytest.raises(OSError) as raised:
+        client.get(SANDBOX, "/etc/hostname", blocked)
+    assert raised.value.filename == blocked and ".part" not in str(raised.value)
+    assert server.requests == []
 
 
 @pytest.mark.parametrize("hasher", [None, "sha256sum", "openssl"])
@@ -296,6 +300,7 @@ def test_a_file_over_the_services_limit_is_refused_whole(local_server, tmp_path)
 # Canned answers: what the service may say that the local server does not
 
 SUM = hashlib.sha256(b"hello").hexdigest()
+DESCRIBED = f"file 5 {SUM} 644 1 5 1.0\n"  # _cx_describe's line for b"hello"
 
 
 def exec_answer(**result) -> dict:
@@ -307,8 +312,9 @@ def exec_answer(**result) -> dict:
     [
         (ok({"exec_ms": 1.0}), cx.ProtocolError, "holds no result"),
         (exec_answer(stdout="", exit_code="0"), cx.ProtocolError, "holds no exit code"),
-        (exec_answer(stdout="hello", exit_code=0), cx.ProtocolError, "not a size and a SHA-256"),
+        (exec_answer(stdout=f"5 {SUM}\n", exit_code=0), cx.ProtocolError, "not describe a file"),
         (exec_answer(error="exec: bash not found"), cx.TransferError, "bash and sha256sum"),
+        (exec_answer(stdout="", exit_code=7), cx.TransferError, "changed while it was read"),
     ],
 )
 def test_an_exec_answer_that_says_nothing_usable_stops_a_get(rsps, answer, raised, says):
@@ -321,7 +327,7 @@ def test_an_exec_answer_that_says_nothing_usable_stops_a_get(rsps, answer, raise
 
 
 def test_a_body_cut_short_without_an_error_is_read_again_then_given_up(rsps):
-    rsps.add(responses.POST, EXEC, json=exec_answer(stdout=f"5 {SUM}\n", exit_code=0))
+    rsps.add(responses.POST, EXEC, json=exec_answer(stdout=DESCRIBED, exit_code=0))
     rsps.add(responses.GET, FILES, body=b"hel")
     with make_client() as client, pytest.raises(cx.TransportError, match="download of '/app/x'"):
         client.get(SB, "/app/x")
