@@ -1451,11 +1451,11 @@ class Client:
         if mode is not None and not (_is_int(mode) and 0 <= mode <= 0o7777):
             raise ConfigError("mode must be None or an integer permission such as 0o755.")
         _check_progress(progress)
+        if mode is not None and isinstance(source, (str, os.PathLike)) and os.path.isdir(source):
+            raise ConfigError("A directory keeps each entry's mode: mode= is for a file.")
         with _Source(source) as outgoing:
             if target.endswith("/"):
                 target = target.rstrip("/") + "/" + _named(outgoing.name, target)
-            if outgoing.tree is not None and mode is not None:
-                raise ConfigError("A directory keeps each entry's mode: mode= is for a file.")
             upload = _Upload(
                 _Sandbox(self._transport, sandbox_id), target, outgoing, mode, progress
             )
@@ -4625,10 +4625,10 @@ class _Received:
         if self.got + len(data) > self.sink.most:
             return False
         into = _PIECE_SIZE - self.got % _PIECE_SIZE  # bytes to the end of this piece
-        if len(data) >= into:
+        while len(data) >= into:
             self._write(data[:into])
             self.kept = (self.got, self.digest.copy())
-            data = data[into:]
+            data, into = data[into:], _PIECE_SIZE
         if data:
             self._write(data)
         return True
@@ -4659,6 +4659,7 @@ class _Download:
         self.total: Optional[int] = None  # what progress() is told the whole is
         self.operation = f"download of {_shown(path, 200)}"
         self.made: List[str] = []  # the temporary files of this download in the sandbox
+        self.began = time.monotonic()
         self._done = threading.Event()  # run() has returned or raised
 
     def run(self, deadline: _Deadline) -> Any:
@@ -4835,11 +4836,14 @@ class _Download:
 
     def _check(self, remote: _Remote, got: int, digest: Any, deadline: _Deadline) -> None:
         """The bytes read against the description: a difference is a file that
-        changed while it was read (its stamp moved) or damage on the way."""
+        changed while it was read (its stamp moved since, or it was written
+        since the download began: its GET may have read it before the
+        description did) or damage on the way."""
         if got == remote.size and digest.hexdigest() == remote.sha256:
             return
+        began = str(math.ceil(time.monotonic() - self.began) + 1)
         ran = self.sandbox.exec(
-            ["bash", "-c", _GET_UNCHANGED, "createos_exec-get", self.path, remote.where],
+            ["bash", "-c", _GET_UNCHANGED, "createos_exec-get", self.path, remote.where, began],
             f"check of {_shown(self.path, 200)}",
             deadline,
             repeatable=True,
@@ -7615,8 +7619,13 @@ _CUT = r"""_cx_cut() {
     printf '%s %s %s\n' "$_cx_size" "$_cx_sum" "$piece"
 }
 _cx_unchanged() {
-    # Exits 7 when file $1 no longer has the stamp $2.
+    # Exits 7 when file $1 no longer has the stamp $2, or was written in the
+    # last $3 seconds (while it was read, before it was described).
+    local written now
     [[ $(_cx_stamp "$1") == "$2" ]] || exit 7
+    written=$(stat -L -c %Y -- "$1") || exit 7
+    printf -v now '%(%s)T' -1
+    ((now - written > $3)) || exit 7
 }"""
 _PUT_FINISH = f'{_FILE_SUMS}\n{_PLACE}\n{_FINISH}\n_cx_finish "$@"\n'
 _PUT_APPEND = f'{_FILE_SUMS}\n{_APPEND}\n_cx_append "$@"\n'
