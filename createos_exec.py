@@ -7472,14 +7472,15 @@ _FINISH = r"""_cx_finish() {
 _APPEND = r"""_cx_append() {
     # $1: the staged copy, $2: a piece of it that landed, $3, $4 and $5: the
     # piece's offset, size and SHA-256. The piece is checked, then appended
-    # (the first becomes the copy) and removed. Exits 3 (the piece is gone,
-    # or the copy short of it), 4 (no sha256sum), 5 (it differs: removed) or
-    # 6 (it could not be appended).
+    # (the first becomes the copy) and removed. Exits 3 (the copy is short of
+    # the pieces before), 4 (no sha256sum), 5 (it differs, or is gone without
+    # having been appended: a first run found it different; to be sent
+    # again) or 6 (it could not be appended).
     local size
     _cx_can_hash || _cx_drop "$2" 4
     if [[ ! -e $2 ]]; then
         size=$(stat -c %s -- "$1" 2>/dev/null) && ((size == $3 + $4)) && return
-        exit 3
+        exit 5
     fi
     _cx_matches "$2" "$4" "$5" || _cx_drop "$2" 5
     if (($3 == 0)); then

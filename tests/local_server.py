@@ -1922,6 +1922,8 @@ class LocalServer:
         self.verbose = verbose
         self.url = ""
         self.requests: list[RequestRecord] = []
+        # The bytes the files endpoints received (files_put) and sent (files_get).
+        self.file_bytes: collections.Counter[str] = collections.Counter()
 
         self._lock = threading.Lock()  # sandboxes, processes, faults, connections
         self._sandboxes = {DEFAULT_SANDBOX: Sandbox(DEFAULT_SANDBOX, {})}
@@ -2641,6 +2643,7 @@ class LocalServer:
                     break
                 req.wfile.write(piece)
                 sent += len(piece)
+                self.file_bytes["files_get"] += len(piece)
         if fault is not None and fault.kind == "drop":
             req.wfile.flush()
             req.abort()
@@ -2684,6 +2687,7 @@ class LocalServer:
                 piece, corrupt = corrupted(piece), False
             target.write(piece)
             written += len(piece)
+            self.file_bytes["files_put"] += len(piece)
             if written >= most:
                 break
         if corrupt:

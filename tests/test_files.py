@@ -11,6 +11,7 @@ import functools
 import hashlib
 import io
 import os
+import random
 import shutil
 import stat
 import threading
@@ -837,3 +838,106 @@ def test_downloads_under_faults_leave_the_old_file_or_the_whole_new_one(
             failure = run(server, download, name, str(local), data, [str(tmp_path)])
             expected = expected_failure(name, into != "one that cannot", at == len(data))
             assert (failure is not None) == expected, (name, at, failure)
+
+
+# The campaign of RELIABILITY.md item 16: a directory under each fault, both
+# ways. The destination is the old tree or the whole new one, nothing is left
+# on either side, and an error names the directory.
+
+TREES = dict.fromkeys(["runs", "faults met", "whole new", "old kept", "damaged trees found"], 0)
+_tree_figures = figures_at_end(
+    "16. directories under faults", lambda: dict(TREES) if TREES["runs"] else None
+)
+
+
+@pytest.mark.parametrize("way", ["put", "get"])
+def test_directories_under_faults_leave_the_old_tree_or_the_whole_new_one(server, tmp_path, way):
+    big = campaign_size("CREATEOS_FILES_TREE", 64 * 1024, 8 * 1024 * 1024 + 17)
+    new, old = make_tree(tmp_path / "new", big=big), make_tree(tmp_path / "old", big=3)
+    there = tmp_path / "there" / "app"
+    endpoint, named = ("files_put", there) if way == "put" else ("files_get", f"{tmp_path}/new/")
+    with make_client(server) as client:
+        move = functools.partial(client.put if way == "put" else client.get, SANDBOX)
+        told: list = []
+        move(
+            f"{tmp_path}/new/", str(tmp_path / "measured"), progress=lambda *seen: told.append(seen)
+        )
+        for name, at in faults(told[-1][1]):  # the size of the archive that moves
+            shutil.rmtree(there, ignore_errors=True)
+            shutil.copytree(tmp_path / "old", there, symlinks=True)
+            inject(server, endpoint, name, at)
+
+            def ctrl_c(done, total, at=at, name=name):
+                if name == "Ctrl-C" and done >= at:
+                    raise KeyboardInterrupt
+
+            failure = None
+            try:
+                move(f"{tmp_path}/new/", str(there), progress=ctrl_c)
+            except (cx.CreateOSError, KeyboardInterrupt) as raised:
+                failure = raised
+            assert not any(server._faults.values()), f"{name}: the fault was not met"
+            found = tree_of(there)
+            TREES["runs"] += 1
+            TREES["faults met"] += name != "Ctrl-C" or failure is not None
+            TREES["whole new" if found == new else "old kept" if found == old else "damaged"] += 1
+            assert found in (old, new) and leftovers(str(tmp_path)) == [], (name, at)
+            assert (failure is not None) == expected_failure(name, True, at == told[-1][1])
+            if isinstance(failure, cx.CreateOSError):
+                assert repr(str(named)) in str(failure) or "of '/" in str(failure), failure
+
+
+# The campaign of RELIABILITY.md item 17: files in pieces both ways, under
+# seeded schedules of one to three faults each (a piece cut, or damaged on the
+# way, or the answer to a check lost; a get's first cut on its whole reading,
+# past a piece). Each arrives exact, having moved again at most two pieces'
+# bytes a fault: the pieces it kept are not sent again.
+
+RESUMED = dict.fromkeys(
+    ["runs", "cuts survived", "damaged pieces sent again", "lost answers", "bytes re-sent"], 0
+)
+_resumed_figures = figures_at_end(
+    "17. resumed transfers",
+    lambda: dict(RESUMED, **{"damaged files found": 0}) if RESUMED["runs"] else None,
+)
+
+
+def resumed_faults(rng, way: str, size: int) -> list:
+    """A run's faults: (name, skip, where a cut comes)."""
+    chosen = [("cut", 0, rng.randrange(2 * PIECE, 3 * PIECE))] if way == "get" else []
+    for _ in range(rng.randint(1, 3) - len(chosen)):
+        name = rng.choice(["cut", "cut", "corrupted", "check's answer lost"])
+        chosen.append((name, rng.randrange(way == "get", 3), rng.randrange(1, PIECE)))
+    return chosen
+
+
+def test_files_in_pieces_survive_seeded_cuts_damage_and_lost_answers(server, tmp_path, pieces):
+    rng = random.Random(20261207)
+    remote, local = tmp_path / "remote.bin", tmp_path / "local.bin"
+    with make_client(server) as client:
+        for number in range(campaign_size("CREATEOS_RESUMED_RUNS", 8, 100)):
+            way = ("put", "get")[number % 2]
+            data = os.urandom(rng.randrange(6 * PIECE, 9 * PIECE))
+            (remote if way == "get" else local).write_bytes(data)
+            if way == "get":
+                aged(remote)  # damage to a file written long ago is damage, not a change
+            schedule = resumed_faults(rng, way, len(data))
+            for name, skip, at in schedule:
+                inject(server, "files_put" if way == "put" else "files_get", name, at, skip)
+            before = dict(server.file_bytes)
+            source = Counted(data)
+            if way == "put":
+                assert client.put(SANDBOX, source, str(remote)).size == len(data)
+                again = source.moved - len(data)
+            else:
+                assert client.get(SANDBOX, str(remote), str(local)).size == len(data)
+                again = server.file_bytes["files_get"] - before.get("files_get", 0) - len(data)
+            assert not any(server._faults.values()), schedule
+            assert (remote if way == "put" else local).read_bytes() == data, schedule
+            assert again <= 2 * PIECE * len(schedule) and leftovers(str(tmp_path)) == [], schedule
+            names = [name for name, _, _ in schedule]
+            RESUMED["runs"] += 1
+            RESUMED["cuts survived"] += names.count("cut")
+            RESUMED["damaged pieces sent again"] += names.count("corrupted")
+            RESUMED["lost answers"] += names.count("check's answer lost")
+            RESUMED["bytes re-sent"] += again
