@@ -3947,7 +3947,7 @@ def _evicted_seq(response: requests.Response) -> Optional[int]:
 
 # A file larger than this goes in pieces of this size when it can be read
 # again: a cut costs at most one piece sent again. A piece costs two requests
-# (its sending, its check), so that a GiB at 1 Gbit/s, 65 of them in 9 s,
+# (its sending, its check), so that a GiB at 1 Gbit/s, 64 of them in 9 s,
 # stays well within the service's rate limit of 300 a minute.
 _PIECE_SIZE = 32 * 1024 * 1024
 # How often a piece found different on arrival is sent or read again before the
