@@ -79,6 +79,7 @@ import logging
 import math
 import os
 import posixpath
+import queue
 import random
 import re
 import secrets
@@ -3953,6 +3954,8 @@ _PIECE_SIZE = 32 * 1024 * 1024
 # How often a piece found different on arrival is sent or read again before the
 # transfer fails as a mismatch.
 _DAMAGED_RETRIES = 2
+# How many pieces may wait in the sandbox for their check (the disk they take).
+_PIECES_AHEAD = 4
 # The slowest a sandbox is taken to hash a file, in bytes per second: a check
 # is awaited for request_timeout plus the time this rate takes over the file.
 _HASH_RATE = 50e6
@@ -4422,35 +4425,38 @@ class _Upload:
 
     def _send_pieces(self, size: int, deadline: _Deadline) -> FileInfo:
         """The source in pieces, each staged beside the path, and checked and
-        appended to the staged copy by the sandbox while the next one travels."""
+        appended to the staged copy by the sandbox (_Checks) while the next ones
+        travel; those the checks left (the first differed) checked again here."""
         self.made.append(self.temp)
         whole: Any = hashlib.sha256()
-        checking: Optional[_Beside[bool]] = None
-        before: Tuple[str, int, int] = ("", 0, 0)  # the piece being checked
-        for offset in range(0, size, _PIECE_SIZE):
-            length = min(_PIECE_SIZE, size - offset)
-            piece = f"{self.temp[: -len('.part')]}.{offset // _PIECE_SIZE}.part"
-            sent = self._send(piece, offset, length, deadline, whole)
-            whole = sent.whole
-            self.source.check()
-            if checking is not None:
-                self._checked(checking, *before, deadline)
-            if offset + length < size:
-                checking = _Beside(functools.partial(self._append, piece, offset, sent, deadline))
-                before = (piece, offset, length)
+        checks = _Checks(functools.partial(self._append, deadline=deadline))
+        try:
+            for offset in range(0, size, _PIECE_SIZE):
+                length = min(_PIECE_SIZE, size - offset)
+                piece = f"{self.temp[: -len('.part')]}.{offset // _PIECE_SIZE}.part"
+                sent = self._send(piece, offset, length, deadline, whole)
+                whole = sent.whole
+                self.source.check()
+                if offset + length < size:
+                    checks.landed(piece, offset, sent)
+            left = checks.result()
+            for again in left:
+                self._appended_again(*again, deadline)
+            if left:
+                self.tell(size)  # back at the whole, after the pieces sent again
+        finally:
+            checks.stop()
         return self._finish(size, whole.hexdigest(), deadline, last=(piece, offset, sent))
 
-    def _checked(
-        self, checking: _Beside[bool], piece: str, offset: int, length: int, deadline: _Deadline
+    def _appended_again(
+        self, piece: str, offset: int, sent: _Outgoing, deadline: _Deadline
     ) -> None:
-        """Wait for a piece's check; a piece that arrived different is sent and checked again."""
-        appended = checking.result()
+        """A piece the checks left appended now: sent again while found different."""
         for _ in range(_DAMAGED_RETRIES):
-            if appended:
+            if self._append(piece, offset, sent, deadline):
                 return
-            sent = self._send(piece, offset, length, deadline)
-            appended = self._append(piece, offset, sent, deadline)
-        if not appended:
+            sent = self._send(piece, offset, sent.sent, deadline)
+        if not self._append(piece, offset, sent, deadline):
             raise TransferError(self.path, "mismatch")
 
     def _send(
@@ -4582,6 +4588,60 @@ class _Upload:
             repeatable=True,
             read_timeout=_hashing_time(self.sandbox.transport, hashed),
         )
+
+
+class _Checks:
+    """The sandbox's checks of an upload's pieces, one after another in a thread
+    of their own as the pieces land, so that each is hashed and appended there
+    while the next ones travel; at most a few wait (a sandbox slower than the
+    network holds the sending back, not its disk). The first piece found
+    different stops them: result() gives it and those after it, to be checked
+    again, or raises what a check raised."""
+
+    def __init__(self, check: Callable[[str, int, _Outgoing], bool]) -> None:
+        self._check = check
+        self._landed: "queue.Queue[Optional[Tuple[str, int, _Outgoing]]]" = queue.Queue(
+            _PIECES_AHEAD
+        )
+        self._left: List[Tuple[str, int, _Outgoing]] = []
+        self._failure: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name="createos_exec-checks")
+        self._thread.daemon = True  # after Ctrl-C it ends with its exec's read timeout
+        self._thread.start()
+
+    def landed(self, piece: str, offset: int, sent: _Outgoing) -> None:
+        if self._failure is not None:
+            self.result()
+        self._landed.put((piece, offset, sent))
+
+    def _run(self) -> None:
+        for landed in iter(self._landed.get, None):
+            if self._left or self._failure is not None:
+                self._left.append(landed)
+                continue
+            try:
+                if not self._check(*landed):
+                    self._left.append(landed)
+            except BaseException as exc:  # raised by result()
+                self._failure = exc
+
+    def result(self) -> List[Tuple[str, int, _Outgoing]]:
+        self._landed.put(None)
+        self._thread.join()
+        if self._failure is not None:
+            raise self._failure
+        return self._left
+
+    def stop(self) -> None:
+        """No check more once the one under way is done (whose end is waited for:
+        the staged copy it appends to is then removed)."""
+        if not self._thread.is_alive():
+            return
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self._landed.get_nowait()
+        self._landed.put(None)
+        self._thread.join()
 
 
 # --------------------------------------------------------------------------
