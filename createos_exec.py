@@ -3956,6 +3956,8 @@ _PIECE_SIZE = 32 * 1024 * 1024
 _DAMAGED_RETRIES = 2
 # How many pieces may wait in the sandbox for their check (the disk they take).
 _PIECES_AHEAD = 4
+# How many reads (_READ_SIZE each) may wait for this side's hashing thread.
+_HASHED_AHEAD = 8
 # The slowest a sandbox is taken to hash a file, in bytes per second: a check
 # is awaited for request_timeout plus the time this rate takes over the file.
 _HASH_RATE = 50e6
@@ -4077,6 +4079,39 @@ class _Beside(Generic[_T]):
         return self._answer  # type: ignore[return-value]
 
 
+class _Hashing:
+    """SHA-256s (hashlib's objects) of the bytes that pass, updated in a thread
+    of their own beside the sending or the writing, as hashlib lets go of the
+    GIL while it hashes: another core hashes while this one moves the bytes (a
+    get() of 256 MiB over loopback, on two loaded cores: 0.77 s inline, 0.47 s
+    so). At most a few reads wait. wait() returns once every read given is
+    hashed; done() ends it, and must be called, whatever happened."""
+
+    def __init__(self, *digests: Any) -> None:
+        self._digests = [digest for digest in digests if digest is not None]
+        self._reads: "queue.Queue[Optional[bytes]]" = queue.Queue(_HASHED_AHEAD)
+        self._thread = threading.Thread(target=self._run, name="createos_exec-hash")
+        self._thread.daemon = True
+        self._thread.start()
+
+    def _run(self) -> None:
+        for read in iter(self._reads.get, None):
+            for digest in self._digests:
+                digest.update(read)
+            self._reads.task_done()
+
+    def update(self, read: bytes) -> None:
+        self._reads.put(read)
+
+    def wait(self) -> None:
+        self._reads.join()
+
+    def done(self) -> None:
+        if self._thread.is_alive():
+            self._reads.put(None)
+            self._thread.join()
+
+
 # --------------------------------------------------------------------------
 # put(): what is sent
 
@@ -4084,8 +4119,9 @@ class _Beside(Generic[_T]):
 class _Outgoing:
     """One sending of put()'s source, from where its reader stands, of `length`
     bytes (None: to its end), as a request body: its pieces, each read, hashed
-    (into `sha256`, and into `whole` when given) and counted on its way, never
-    past `length`; `tell` hears of each. Iterable and sized, not file-like:
+    (into `sha256`, and into `whole` when given, once finish() returned) and
+    counted on its way, never past `length`; `tell` hears of each. Iterable and
+    sized, not file-like:
     requests then sends a known length as Content-Length and the HTTP stack
     sends each piece whole, where it would read a file-like body 16 KiB at a
     time (a third slower over loopback, its hashing included)."""
@@ -4103,6 +4139,10 @@ class _Outgoing:
         self.sent = 0
         self.sha256 = hashlib.sha256()
         self.whole = whole
+        self._hashing = _Hashing(self.sha256, whole)
+
+    def finish(self) -> None:
+        self._hashing.done()
 
     def _piece(self) -> bytes:
         amount = _READ_SIZE if self._length is None else min(_READ_SIZE, self._length - self.sent)
@@ -4115,9 +4155,7 @@ class _Outgoing:
         if not piece and self._length is not None:
             raise _SourceChanged(None)  # it ends before its size: it shrank while read
         self.sent += len(piece)
-        self.sha256.update(piece)
-        if self.whole is not None:
-            self.whole.update(piece)
+        self._hashing.update(piece)
         self._tell(self.sent)
         return piece
 
@@ -4507,6 +4545,9 @@ class _Upload:
             raise
         except _Carried as carried:
             raise carried.args[0] from None
+        finally:
+            for sending in sendings:
+                sending.finish()
         return sendings[-1]
 
     def _told(self, offset: int, sent: int) -> None:
@@ -4670,8 +4711,9 @@ class _Cut(NamedTuple):
 
 class _Received:
     """The bytes of one reading as they come: written to the sink, hashed into
-    `digest`, counted in `got` (from `offset`) and told; `kept` holds where the
-    last whole piece ended and the digest there, where a cut reading goes on."""
+    `digest` (complete once finish() returned), counted in `got` (from `offset`)
+    and told; `kept` holds where the last whole piece ended and the digest
+    there, where a cut reading goes on."""
 
     def __init__(self, sink: "_Sink", offset: int, digest: Any, tell: Callable[[int], None]):
         self.sink = sink
@@ -4679,6 +4721,10 @@ class _Received:
         self.digest = digest
         self.kept = (offset, digest.copy())
         self._tell = tell
+        self._hashing = _Hashing(digest)
+
+    def finish(self) -> None:
+        self._hashing.done()
 
     def take(self, data: bytes) -> bool:
         """False, with nothing written, when it would fill the sink past its most."""
@@ -4687,6 +4733,7 @@ class _Received:
         into = _PIECE_SIZE - self.got % _PIECE_SIZE  # bytes to the end of this piece
         while len(data) >= into:
             self._write(data[:into])
+            self._hashing.wait()
             self.kept = (self.got, self.digest.copy())
             data, into = data[into:], _PIECE_SIZE
         if data:
@@ -4695,7 +4742,7 @@ class _Received:
 
     def _write(self, data: bytes) -> None:
         self.sink.write(data)
-        self.digest.update(data)
+        self._hashing.update(data)
         self.got += len(data)
         self._tell(self.got)
 
@@ -4798,6 +4845,7 @@ class _Download:
                 for data in response.iter_content(_READ_SIZE):
                     if described.failed() or not received.take(data):
                         break
+            received.finish()
             remote = described.result()
             if remote.kind == "file":
                 self.sink.expect(remote.size, self.path)
@@ -4817,6 +4865,8 @@ class _Download:
         except Exception:
             described.result()
             raise
+        finally:
+            received.finish()
         if remote.kind == "file":
             self._check(remote, received.got, received.digest, deadline)
         return remote
@@ -4883,11 +4933,14 @@ class _Download:
         received = _Received(self.sink, offset, digest.copy(), self._tell)
         own = hashlib.sha256()
         base = self.sandbox.transport.base
-        response = self.sandbox.get_file(piece.path, self.operation, deadline)
-        with response, _transport_errors(self.operation, base):
-            for data in response.iter_content(_READ_SIZE):
-                own.update(data)
-                received.take(data)
+        try:
+            response = self.sandbox.get_file(piece.path, self.operation, deadline)
+            with response, _transport_errors(self.operation, base):
+                for data in response.iter_content(_READ_SIZE):
+                    own.update(data)
+                    received.take(data)
+        finally:
+            received.finish()
         if received.got - offset < piece.size:
             raise _Retryable(self.operation, address=_address(base), reason="reset")
         if received.got - offset > piece.size or own.hexdigest() != piece.sha256:
