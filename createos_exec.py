@@ -15,7 +15,7 @@
         for stream, line in build.iter_output(lines=True):   # as it arrives
             print(stream, line, end="")
         again = client.process("sb_123", build.process_id)   # taken up later, by its id
-        client.put("sb_123", "src.tar", "/app/src.tar")      # files, whole or not at all
+        client.put("sb_123", "src/", "/app/src")             # a tree or a file, whole or not at all
         report = client.get("sb_123", "/app/report.html")    # bytes, checked by SHA-256
         tar = client.execute("sb_123", ["tar", "c", "out"], text=False).stdout   # bytes
         repl = client.start("sb_123", ["python3"], pty=True)   # a terminal: write() types
@@ -28,8 +28,9 @@ deliver the exit status, it is recovered out of band; and on any failure the
 remote process tree is terminated. start() returns a RemoteProcess at once, the
 counterpart of subprocess.Popen; execute() is start(...).wait(), and
 client.process() is a handle on a process started earlier. put() and get()
-move files in and out: streamed, checked by SHA-256 on both sides, renamed
-into place only once whole. forward() leads a port of this machine to one in
+move files and directories in and out: streamed, checked by SHA-256 on both
+sides, renamed into place only once whole, a large file in pieces that a cut
+does not send again. forward() leads a port of this machine to one in
 the sandbox, a tunnel per connection. When the sandbox itself is paused or gone, the
 error says so (SandboxPausedError, SandboxGoneError), and resume=True goes on
 where the run stopped.
@@ -4018,9 +4019,12 @@ def _padded(size: int) -> int:
 
 def _tree_record(kind: str, mode: int, size: int, digest: bytes, path: bytes) -> bytes:
     """One entry of a directory's manifest, as _cx_records writes it in the sandbox:
-    "f MODE SIZE SHA256", "d MODE 0 -" or "l 777 0 LENGTH:TARGET", then LENGTH:PATH
-    (its path in the tree, "" for the tree itself), ended by a NUL. The manifest is
-    its entries' records sorted bytewise; its SHA-256 stands for the whole tree."""
+    "f MODE SIZE SHA256", "d MODE 0 -" or, `digest` a symlink's target, "l 777 0
+    LENGTH:TARGET"; then LENGTH:PATH (its path in the tree, "" for the tree itself),
+    ended by a NUL. The manifest is its entries' records sorted bytewise; its
+    SHA-256 stands for the whole tree."""
+    if kind == "l":
+        mode, digest = 0o777, b"%d:%s" % (len(digest), digest)
     return b"%s %o %d %s %d:%s\0" % (kind.encode(), mode, size, digest, len(path), path)
 
 
@@ -4048,22 +4052,22 @@ def _teller(progress: Optional[ProgressCallback], total: Optional[int]) -> Calla
     return tell
 
 
-class _Beside(Generic[_T]):
-    """A call run in a thread of its own, beside the transfer that waits for it: the
-    sandbox's description of a file while its bytes come, or its check of a piece
-    while the next one travels. result() waits for it and raises what it raised."""
+class _Described:
+    """The sandbox's description of get()'s path, asked for in a thread of its own
+    so that the bytes come meanwhile (the sandbox hashes while they travel);
+    result() waits for it and raises what asking raised."""
 
-    def __init__(self, call: Callable[[], _T]) -> None:
-        self._answer: Optional[_T] = None
+    def __init__(self, ask: Callable[[], "_Remote"]) -> None:
+        self._answer: Optional[_Remote] = None
         self._failure: Optional[BaseException] = None
         self._done = threading.Event()
-        thread = threading.Thread(target=self._run, args=(call,), name="createos_exec-check")
+        thread = threading.Thread(target=self._ask, args=(ask,), name="createos_exec-check")
         thread.daemon = True  # after Ctrl-C it ends with its exec's read timeout
         thread.start()
 
-    def _run(self, call: Callable[[], _T]) -> None:
+    def _ask(self, ask: Callable[[], "_Remote"]) -> None:
         try:
-            self._answer = call()
+            self._answer = ask()
         except BaseException as exc:  # handed over by result()
             self._failure = exc
         finally:
@@ -4072,11 +4076,12 @@ class _Beside(Generic[_T]):
     def failed(self) -> bool:
         return self._done.is_set() and self._failure is not None
 
-    def result(self) -> _T:
+    def result(self) -> "_Remote":
         self._done.wait()
         if self._failure is not None:
             raise self._failure
-        return self._answer  # type: ignore[return-value]
+        assert self._answer is not None
+        return self._answer
 
 
 class _Hashing:
@@ -4199,7 +4204,9 @@ class _Source:
             else:
                 source = self._opened = open(self.local, "rb")  # closed on __exit__
                 status = os.fstat(source.fileno())
-                self.mode, self._stamp = stat.S_IMODE(status.st_mode), _stamp(status)
+                self.mode = stat.S_IMODE(status.st_mode)
+                if stat.S_ISREG(status.st_mode):  # a pipe's (/dev/stdin's) moves as it is read
+                    self._stamp = _stamp(status)
         elif not callable(getattr(source, "read", None)) or isinstance(source, io.TextIOBase):
             raise ConfigError(
                 "put()'s source must be a local path, bytes, or a file opened in binary "
@@ -4288,12 +4295,11 @@ class _Tree:
         for name in names:
             inside = f"{path}/{name}" if path else name
             status = os.lstat(os.path.join(root, inside))
-            if not (stat.S_ISREG(status.st_mode) or stat.S_ISLNK(status.st_mode)):
-                if not stat.S_ISDIR(status.st_mode):
-                    raise ConfigError(
-                        f"put() moves files, directories and symlinks: {_shown(inside, 200)} in "
-                        f"{_shown(root, 200)} is none of them (a device, FIFO or socket?)."
-                    )
+            if stat.S_IFMT(status.st_mode) not in (stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK):
+                raise ConfigError(
+                    f"put() moves files, directories and symlinks: {_shown(inside, 200)} in "
+                    f"{_shown(root, 200)} is none of them (a device, FIFO or socket?)."
+                )
             yield inside, status
             if stat.S_ISDIR(status.st_mode):
                 yield from cls._walk(root, inside)
@@ -4400,8 +4406,7 @@ class _Tree:
             if stat.S_ISDIR(mode):
                 records.append(_tree_record("d", stat.S_IMODE(mode), 0, b"-", path))
             elif stat.S_ISLNK(mode):
-                target = os.fsencode(entry.target)
-                records.append(_tree_record("l", 0o777, 0, b"%d:%s" % (len(target), target), path))
+                records.append(_tree_record("l", 0, 0, os.fsencode(entry.target), path))
             else:
                 if index not in self._sums:
                     self.seek(entry.start + entry.header)
@@ -4450,7 +4455,8 @@ class _Upload:
                 local = changed.args[0] or self.source.local
                 raise TransferError(self.path, "source_changed", local=local) from None
         except BaseException:
-            self.sandbox.remove(self.made, f"the temporary copy of {_shown(self.path, 200)}")
+            if self.made:
+                self.sandbox.remove(self.made, f"the temporary copy of {_shown(self.path, 200)}")
             raise
 
     def _move(self, deadline: _Deadline) -> FileInfo:
@@ -4770,7 +4776,7 @@ class _Download:
         self._done = threading.Event()  # run() has returned or raised
 
     def run(self, deadline: _Deadline) -> Any:
-        described = _Beside(functools.partial(self._describe, deadline))
+        described = _Described(functools.partial(self._describe, deadline))
         try:
             remote = self._file(described, deadline)
             if remote.kind == "tree":
@@ -4817,7 +4823,7 @@ class _Download:
                 self._remove([remote.where])
         return remote
 
-    def _file(self, described: _Beside[_Remote], deadline: _Deadline) -> _Remote:
+    def _file(self, described: _Described, deadline: _Deadline) -> _Remote:
         """The file, read whole; or the description of a directory (a path that
         ends in "/" is one: its GET is not sent beside its description)."""
         if self.path.endswith("/"):
@@ -4830,7 +4836,7 @@ class _Download:
             repeatable=self.sink.restartable,
         )
 
-    def _receive(self, described: _Beside[_Remote], deadline: _Deadline) -> _Remote:
+    def _receive(self, described: _Described, deadline: _Deadline) -> _Remote:
         """One reading of the file whole, stopped early once the description has
         failed or the sink is full (a failed description says more than the
         GET's failure: a missing file, a directory, no hasher; it wins). Cut
@@ -5262,10 +5268,7 @@ class _TreeSink:
             self._pad = _padded(size)
         elif kind == tarfile.SYMTYPE:
             os.symlink(target, local)
-            linked = os.fsencode(target)
-            self._records.append(
-                _tree_record("l", 0o777, 0, b"%d:%s" % (len(linked), linked), encoded)
-            )
+            self._records.append(_tree_record("l", 0, 0, os.fsencode(target), encoded))
         elif kind == tarfile.LNKTYPE:
             source = self._inside(target, kind)
             if source not in self._files:
