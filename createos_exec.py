@@ -3965,6 +3965,9 @@ _HASH_RATE = 50e6
 # The largest file the service takes ("Max 500 MB per file", docs/protocol.md 7):
 # a check of a file whose size is not known yet is awaited for this one's time.
 _SERVICE_FILE_LIMIT = 500e6
+# What the packing of a directory (tar, then a hash of each file) is awaited
+# for, in bytes read: a directory of 4 GB, read twice (190 s at _HASH_RATE).
+_TREE_PACKED = 2 * 4e9
 _TAR_BLOCK = 512
 _PAX_LIMIT = 1024 * 1024  # the longest extended header (names, link targets) an archive may hold
 
@@ -4797,17 +4800,19 @@ class _Download:
         _teller(self.progress, self.total)(done)
 
     def _describe(self, deadline: _Deadline) -> _Remote:
-        archive = ""
+        """The sandbox's description of the path: a file hashed, or a directory
+        packed where the sink takes one (_TREE_PACKED says for how long)."""
+        archive, most = "", _SERVICE_FILE_LIMIT
         if self.sink.takes_trees:
             head, name = posixpath.split(self.path.rstrip("/"))
-            archive = posixpath.join(head, _temp_name(name + ".tar"))
+            archive, most = posixpath.join(head, _temp_name(name + ".tar")), _TREE_PACKED
         operation = f"check of {_shown(self.path, 200)}"
         ran = self.sandbox.exec(
             ["bash", "-c", _GET_DESCRIBE, "createos_exec-get", self.path, archive],
             operation,
             deadline,
             repeatable=True,
-            read_timeout=_hashing_time(self.sandbox.transport, _SERVICE_FILE_LIMIT),
+            read_timeout=_hashing_time(self.sandbox.transport, most),
         )
         if ran.exited != 0:
             raise TransferError(self.path, _DESCRIBE_FAILURES.get(ran.exited or 0, "no_tools"))
@@ -4826,10 +4831,8 @@ class _Download:
     def _file(self, described: _Described, deadline: _Deadline) -> _Remote:
         """The file, read whole; or the description of a directory (a path that
         ends in "/" is one: its GET is not sent beside its description)."""
-        if self.path.endswith("/"):
-            remote = described.result()
-            if remote.kind == "tree":
-                return remote
+        if self.path.endswith("/") and described.result().kind == "tree":
+            return described.result()
         return self.sandbox.transport.retried(
             functools.partial(self._receive, described),
             deadline,
@@ -4855,9 +4858,8 @@ class _Download:
             remote = described.result()
             if remote.kind == "file":
                 self.sink.expect(remote.size, self.path)
-                if (
-                    received.got < remote.size
-                ):  # cut short, yet without an error of the connection's
+                # Cut short, yet without an error of the connection's:
+                if received.got < remote.size:
                     raise _Retryable(self.operation, address=_address(base), reason="reset")
         except _Retryable:
             remote = described.result()

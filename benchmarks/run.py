@@ -1419,25 +1419,25 @@ def report_transfers(report: Report, size: int, seconds: Dict[str, List[float]],
 
 def report_profile(report: Report, found: Dict[str, Any], size: int) -> None:
     """Where one put() and one get() spent their time over loopback, and what one
-    SHA-256 of the file costs here and there."""
+    SHA-256 of the file costs here and there. A put()'s PUTs end when their
+    bodies are sent; a get()'s GET when its head came, its body read after."""
     for call in ("put()", "get()"):
         taken, spans = found[call]
         moving = [span for span in spans if span[0].endswith("files") and not span[3]]
         beside = [span[2] - span[1] for span in spans if span[3]]
         last = max(end for _, _, end, _ in moving)
+        after = ", %.3f s after the last PUT" % (taken - last) if call == "put()" else ""
         report.line(
-            "  where a %s of %s went: %.2f s; %d file requests (%.2f to %.2f s), %d "
-            "checks beside them (median %.3f s), %.3f s after the last byte"
+            "  where a %s of %s went: %.2f s; %d file requests, %d execs beside them "
+            "(median %.3f s)%s"
             % (
                 call,
                 size_label(size),
                 taken,
                 len(moving),
-                min(start for _, start, _, _ in moving),
-                last,
                 len(beside),
                 statistics.median(beside) if beside else 0.0,
-                taken - last,
+                after,
             )
         )
     report.line(

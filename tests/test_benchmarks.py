@@ -124,7 +124,7 @@ def files(report):
     assert set(re.findall(verified, report)) == {
         (f, link) for f in ("put()", "get()") for link in links
     }
-    went = r"^  where a (\w+\(\)) of .* went: %s s; [0-9]+ file requests .* after the last byte$"
+    went = r"^  where a (\w+\(\)) of .* went: %s s; [0-9]+ file requests, [0-9]+ execs beside"
     assert re.findall(went % NUMBER, report, re.M) == ["put()", "get()"]
     assert re.search(r"^  one SHA-256 of .*: %s s here \(hashlib\)" % NUMBER, report, re.M)
     requests_sent = r"^  requests of a 1 KiB (\w+\(\)): [0-9]+ \([A-Z]+ \w+, [A-Z]+ \w+\)$"
