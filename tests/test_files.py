@@ -619,12 +619,14 @@ def test_a_source_that_fails_while_read_raises_its_own_error(client, tmp_path):
     assert path.read_bytes() == b"old" and leftovers(str(tmp_path)) == []
 
 
-def test_a_file_over_the_services_limit_is_refused_whole(local_server, tmp_path):
-
+def test_a_file_over_the_services_limit_is_refused_whole_and_its_size_named(local_server, tmp_path):
     server = local_server(file_size_limit=1000)
     with make_client(server) as client:
-        for source in (b"x" * 1001, io.BufferedReader(Unseekable(b"x" * 1001))):
-            with pytest.raises(cx.TransferError, match="too large") as raised:
+        for source, says in [
+            (b"x" * 1001, "refused 1,001 bytes in one request as too large"),
+            (io.BufferedReader(Unseekable(b"x" * 1001)), "refused it as too large"),  # unsized
+        ]:
+            with pytest.raises(cx.TransferError, match=says) as raised:
                 client.put(SANDBOX, source, str(tmp_path / "big"))
             assert raised.value.reason == "too_large"
     assert os.listdir(tmp_path) == []
