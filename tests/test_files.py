@@ -918,7 +918,9 @@ def resumed_faults(rng, way: str, size: int) -> list:
     return chosen
 
 
-def test_files_in_pieces_survive_seeded_cuts_damage_and_lost_answers(server, tmp_path, pieces):
+def test_files_in_pieces_under_faults_survive_seeded_cuts_damage_and_lost_answers(
+    server, tmp_path, pieces
+):
     rng = random.Random(20261207)
     remote, local = tmp_path / "remote.bin", tmp_path / "local.bin"
     with make_client(server) as client:
