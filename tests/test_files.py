@@ -234,22 +234,37 @@ def test_a_local_file_that_changes_while_sent_is_refused_at_once(client, tmp_pat
     assert not remote.exists() and leftovers(str(tmp_path)) == []
 
 
-def test_a_remote_file_that_changes_while_read_is_said_to_have_changed(client, tmp_path):
+@pytest.mark.parametrize("when", ["read whole", "a cut reading goes on"])
+def test_a_remote_file_that_changes_while_read_is_said_to_have_changed(
+    client, server, tmp_path, monkeypatch, when
+):
+    """Whether the sandbox described it before, during or after the change: its
+    stamp moved, or it was written while the download ran. Once its first bytes
+    arrived, its start is rewritten (what arrived is no longer in it) and its
+    end (which the download then reads, past what the sockets between can
+    hold: a receiving buffer grows to 32 MiB here), so that no version of the
+    file is what was read."""
+    size, rewritten = 64 * 1024 * 1024, 16 * 1024 * 1024
+    if when != "read whole":
+        monkeypatch.setattr(cx, "_PIECE_SIZE", 256 * 1024)
+        size, rewritten = 2 * 1024 * 1024, 1024
+        server.drop_download(after_bytes=size // 2)
     remote = tmp_path / "growing.log"
-    remote.write_bytes(os.urandom(32 * 1024 * 1024))
+    remote.write_bytes(os.urandom(size))
     aged(remote)
 
-    def rewrite_its_end(done, total):  # far past what the sockets between hold
-        if rewrite_its_end.once:
-            rewrite_its_end.once = False
+    def rewrite(done, total):
+        if rewrite.once:
+            rewrite.once = False
             with open(remote, "r+b") as file:
-                file.seek(-8 * 1024 * 1024, io.SEEK_END)
-                file.write(os.urandom(8 * 1024 * 1024))
+                file.write(os.urandom(1024))
+                file.seek(-rewritten, io.SEEK_END)
+                file.write(os.urandom(rewritten))
 
-    rewrite_its_end.once = True
+    rewrite.once = True
     local = tmp_path / "here.log"
     with pytest.raises(cx.TransferError, match="changed while it was read") as raised:
-        client.get(SANDBOX, str(remote), str(local), progress=rewrite_its_end)
+        client.get(SANDBOX, str(remote), str(local), progress=rewrite)
     assert raised.value.reason == "changed"
     assert not local.exists() and leftovers(str(tmp_path)) == []
 
