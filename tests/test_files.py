@@ -14,6 +14,8 @@ import os
 import random
 import shutil
 import stat
+import subprocess
+import tarfile
 import threading
 
 import pytest
@@ -393,10 +395,14 @@ def tree_of(root) -> dict:
     return found
 
 
+LONG = "n" * 150  # past a tar header's 100 characters: GNU's long names, pax records
+
+
 def make_tree(root, big: int = 2 * 1024 * 1024) -> dict:
-    """A tree of what a tree may hold: empty files and directories, modes, a
-    symlink, a name with a tab and a space, a read-only directory, a file hashed
-    by openssl there (1 MiB or more); tree_of() it."""
+    """A tree of what a tree may hold: empty files and directories, modes,
+    symlinks, a hard link, a name with a tab and a space, long names and a long
+    link target, a read-only directory, a file hashed by openssl there (1 MiB or
+    more); tree_of() it."""
     (root / "sub" / "empty dir").mkdir(parents=True)
     for name, data, mode in [
         ("a.txt", b"alpha\n", 0o644),
@@ -404,12 +410,15 @@ def make_tree(root, big: int = 2 * 1024 * 1024) -> dict:
         ("odd\tname with space", bytes(range(256)), 0o640),
         ("sub/run.sh", b"#!/bin/sh\n", 0o750),
         ("frozen/kept", b"kept", 0o444),
+        (f"{LONG}/{LONG}", b"long", 0o644),
         ("big.bin", os.urandom(big), 0o644),
     ]:
         (root / name).parent.mkdir(exist_ok=True)
         (root / name).write_bytes(data)
         (root / name).chmod(mode)
     (root / "sub" / "link").symlink_to("../a.txt")
+    (root / "far").symlink_to(f"{LONG}/{LONG}")
+    os.link(root / "a.txt", root / "sub" / "hard")
     (root / "frozen").chmod(0o555)
     return tree_of(root)
 
@@ -469,6 +478,37 @@ def test_a_directory_of_many_files_takes_the_requests_of_one_file(client, server
         sorted(get) == [("GET", "files", 200), ("GET", "files", 400)] + [("POST", "exec", 200)] * 2
     )
     assert tree_of(tmp_path / "back") == tree_of(tmp_path / "many")
+
+
+def test_the_tree_reader_takes_pax_and_gnu_archives_and_nothing_that_leads_outside(tmp_path):
+    """What _TreeSink reads as it comes, in pieces of any size: the archive put()
+    makes (pax), GNU tar's (long names, hard links); an archive whose entry would
+    land outside the tree is damaged: nothing is written there."""
+    made = make_tree(tmp_path / "src", big=0)
+    ours = cx._Tree(str(tmp_path / "src"))
+    archives = {"pax": ours.read(10**9)}
+    gnu = subprocess.run(["tar", "-c", "-f", "-", "-C", str(tmp_path / "src"), "."], stdout=-1)
+    archives["gnu"] = gnu.stdout
+    for kind, archive in archives.items():
+        sink = cx._TreeSink(str(tmp_path / kind), "/remote")
+        for start in range(0, len(archive), 7919):
+            sink.write(archive[start : start + 7919])
+        assert sink.commit(ours.manifest()).files == len(files_in(made))
+        assert tree_of(tmp_path / kind) == made, kind
+    for entries in (["../escape"], ["./d/", "./d/../../escape"], ["./l->..", "./l/escape"]):
+        tar = io.BytesIO()
+        with tarfile.open(fileobj=tar, mode="w") as archive:
+            for entry in entries:
+                info = tarfile.TarInfo(entry.split("->")[0])
+                info.type = tarfile.SYMTYPE if "->" in entry else info.type
+                info.linkname = entry.partition("->")[2]
+                info.type = tarfile.DIRTYPE if entry.endswith("/") else info.type
+                archive.addfile(info, io.BytesIO())
+        sink = cx._TreeSink(str(tmp_path / "hostile"), "/remote")
+        with pytest.raises(cx.TransferError, match="differs"):
+            sink.write(tar.getvalue())
+        sink.discard()
+    assert not (tmp_path / "escape").exists() and leftovers(str(tmp_path)) == []
 
 
 def test_what_a_tree_cannot_hold_is_refused(server, client, tmp_path):
@@ -595,8 +635,10 @@ def test_the_sandbox_hashes_with_what_it_has_and_without_a_hasher_renames_nothin
         assert client.put(SANDBOX, b"new", str(path)) == info_of(str(path), b"new")
         assert client.get(SANDBOX, str(path)) == b"new"
         return
+    monkeypatch.setattr(cx, "_PIECE_SIZE", 64 * 1024)
     for call in (
         lambda: client.put(SANDBOX, b"new", str(path)),
+        lambda: client.put(SANDBOX, os.urandom(200_000), str(path)),  # in pieces
         lambda: client.get(SANDBOX, str(path)),
     ):
         with pytest.raises(cx.TransferError, match="bash and sha256sum") as raised:
