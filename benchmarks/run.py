@@ -75,12 +75,13 @@ stdin       Against tests/local_server.py: 16 MiB written to a process's
             Both unpaced (rate_limit=None), as the SDK is; the server runs
             in a process of its own.
 files       Against tests/local_server.py in a process of its own
-            (transfers.py): put() and get() of a 64 MiB file against a bare
+            (transfers.py): put() and get() of a 256 MiB file against a bare
             requests PUT and GET of the same file, interleaved, with their
-            verification and without the sandbox's check, over loopback and
-            through a proxy paced at 1 Gbit/s and at 100 Mbit/s; the peak RSS
-            of a child process during a put() and a get() of 1 GiB; the
-            requests of a 1 KiB put() and get().
+            verification, over loopback and through a proxy paced at 1 Gbit/s
+            (and at 100 Mbit/s, 64 MiB); where the time of one put() and one
+            get() went, request by request; the peak RSS of a child process
+            during a put() and a get() of 1 GiB; the requests of a 1 KiB put()
+            and get(), and of a directory of 10,000 small files each way.
 keys        Against tests/local_server.py in a process of its own: keystroke
             round trips on a terminal (start(..., pty=True), `cat` behind it):
             one byte written, its echo read through a loop over
@@ -1328,26 +1329,31 @@ def report_keys(
 
 # The links of the files section: loopback, as fast as the two cores go, and
 # two networks (transfers.py's paced proxy, each direction at this many bytes
-# per second), where hashing costs a smaller share of a transfer.
-LINKS = (("loopback", None), ("a 1 Gbit/s link", 125e6), ("a 100 Mbit/s link", 12.5e6))
+# per second), where hashing costs a smaller share of a transfer; and the part
+# of the file each moves (a quarter at 100 Mbit/s, 5 s a transfer).
+LINKS = (("loopback", None, 1), ("a 1 Gbit/s link", 125e6, 1), ("a 100 Mbit/s link", 12.5e6, 4))
+TREE_FILES = 10_000  # the small files of the directory whose requests are counted
 
 
 def run_files(report: Report, repeat: int, scale: float) -> None:
-    size = scaled(64 * MiB, scale, 64 * KiB)
+    size = scaled(256 * MiB, scale, 64 * KiB)
     big = scaled(1 * GiB, scale, 64 * KiB)
     report.heading(
         "Files: put() and get() of %s against a bare requests PUT and GET, median and "
         "min-max of %d interleaved repetitions" % (size_label(size), repeat)
     )
     with local_server_process("--file-size-limit", str(4 * GiB)) as url:
-        for link, rate in LINKS:
-            report.line("  %s:" % link)
-            progress("files: %d repetitions of %s each way, %s" % (repeat, size_label(size), link))
+        for link, rate, part in LINKS:
+            moved = max(size // part, 64 * KiB)
+            report.line("  %s, %s:" % (link, size_label(moved)))
+            progress("files: %d repetitions of %s each way, %s" % (repeat, size_label(moved), link))
             with transfers.paced_link(url, rate) if rate else contextlib.nullcontext(url) as via:
-                seconds, exact = transfers.time_transfers(via, size, repeat)
+                seconds, exact = transfers.time_transfers(via, moved, repeat)
             if not exact:
                 report.failure("files: a copy differs from the file sent (%s)" % link)
-            report_transfers(report, size, seconds, link)
+            report_transfers(report, moved, seconds, link)
+        progress("files: where the time of a put() and a get() goes")
+        report_profile(report, transfers.profile(url, size), size)
         sent = transfers.requests_per_small_file(url)
         for route, requests_sent in sent.items():
             report.line(
@@ -1355,6 +1361,15 @@ def run_files(report: Report, repeat: int, scale: float) -> None:
                 % (route, len(requests_sent), ", ".join(requests_sent))
             )
             report.target(Target("requests of a 1 KiB %s" % route, len(requests_sent), 2, True, ""))
+        files = scaled(TREE_FILES, scale, 50)
+        progress("files: a directory of %d small files each way" % files)
+        for route, (requests_sent, taken) in transfers.tree_requests(url, files).items():
+            report.line(
+                "  requests of a %s of a directory of %d files: %d (%s), %.2f s"
+                % (route, files, len(requests_sent), ", ".join(requests_sent), taken)
+            )
+            text = "requests of a %s of %d files / tar | ssh's 1" % (route, files)
+            report.target(Target(text, len(requests_sent), 3, True, "x"))
         for direction in ("put", "get"):
             progress("files: memory of a %s() of %s" % (direction, size_label(big)))
             measured = transfers.probe_memory(url, direction, big)
@@ -1392,22 +1407,7 @@ def report_transfers(report: Report, size: int, seconds: Dict[str, List[float]],
         values = [size / 1e6 / taken for taken in seconds[name]]
         rates[name] = statistics.median(values)
         report.line("  %-44s %s" % (name, median_min_max(values)))
-    for ours, bare, check in (
-        ("put()", "bare PUT", "its exec, after the PUT"),
-        ("get()", "bare GET", "its exec, beside the GET"),
-    ):
-        unchecked = [size / 1e6 / taken for taken in seconds[ours + " unchecked"]]
-        report.line(
-            "  %s without the sandbox's check (%s: median %.3f s): %.1f MB/s, %.2fx of the %s"
-            % (
-                ours,
-                check,
-                statistics.median(seconds[ours + " check"]),
-                statistics.median(unchecked),
-                statistics.median(unchecked) / rates[bare],
-                bare,
-            )
-        )
+    for ours, bare in (("put()", "bare PUT"), ("get()", "bare GET")):
         report.target(
             Target(
                 "%s MB/s / %s MB/s, verified, %s" % (ours, bare, link),
@@ -1415,6 +1415,38 @@ def report_transfers(report: Report, size: int, seconds: Dict[str, List[float]],
                 0.9,
             )
         )
+
+
+def report_profile(report: Report, found: Dict[str, Any], size: int) -> None:
+    """Where one put() and one get() spent their time over loopback, and what one
+    SHA-256 of the file costs here and there. A put()'s PUTs end when their
+    bodies are sent; a get()'s GET when its head came, its body read after."""
+    for call in ("put()", "get()"):
+        taken, spans = found[call]
+        moving = [span for span in spans if span[0].endswith("files") and not span[3]]
+        beside = [span[2] - span[1] for span in spans if span[3]]
+        last = max(end for _, _, end, _ in moving)
+        after = ", %.3f s after the last PUT" % (taken - last) if call == "put()" else ""
+        report.line(
+            "  where a %s of %s went: %.2f s; %d file requests, %d execs beside them "
+            "(median %.3f s)%s"
+            % (
+                call,
+                size_label(size),
+                taken,
+                len(moving),
+                len(beside),
+                statistics.median(beside) if beside else 0.0,
+                after,
+            )
+        )
+    report.line(
+        "  one SHA-256 of %s: %.3f s here (hashlib), %s s by openssl, %s s by sha256sum"
+        % tuple(
+            [size_label(size), found["hashlib"]]
+            + ["%.3f" % found[tool] if found[tool] else "-" for tool in ("openssl", "sha256sum")]
+        )
+    )
 
 
 # --------------------------------------------------------------------------

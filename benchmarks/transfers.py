@@ -1,5 +1,6 @@
 """The files section of benchmarks/run.py: put() and get() against a bare requests
-PUT and GET of the same file, their peak memory, and their requests per small file.
+PUT and GET of the same file, where their time goes, their peak memory, and their
+requests for a small file and for a directory of many.
 
     python benchmarks/transfers.py probe URL put|get SIZE DIRECTORY   # one memory probe
     python benchmarks/transfers.py link PORT BYTES_PER_SECOND         # one paced link
@@ -9,13 +10,12 @@ machine, so a file goes from one directory of it to another), in the same run:
 
 - seconds of put() (a local path) and get() (into a local path), interleaved
   with a bare requests PUT streamed from the same file and a bare GET
-  streamed into a file, of a file of random bytes (64 MiB at full size). put()
-  and get() include their verification (the sandbox's SHA-256 and this
-  side's). "Without the sandbox's check": for put(), whose check follows the
-  PUT, the time of that exec subtracted; for get(), whose check runs beside
-  the GET, a get() more with the sandbox's answer known beforehand (its
-  _Download._describe replaced). Either then still hashes the bytes on this
-  side;
+  streamed into a file, of a file of random bytes (256 MiB at full size):
+  put() and get() with their verification (the sandbox's SHA-256 and this
+  side's), in pieces where they go in pieces;
+- where the time of one put() and one get() went: each request's span, from
+  the call's start, and what one SHA-256 of the file costs here (hashlib) and
+  in the sandbox (openssl, sha256sum);
 - peak RSS of a child process (this file's `probe`) during a put() and a get()
   of a 1 GiB file (at full size), against the same process idle, measured as
   memory_probe.py measures it;
@@ -23,7 +23,9 @@ machine, so a file goes from one directory of it to another), in the same run:
   a proxy in a process of its own, both directions paced, each at that many
   bytes per second, shared by its connections), where the transfer costs
   what a network makes it cost and the hashing a smaller share of it;
-- the requests of a 1 KiB put() (its parent directory there) and get().
+- the requests of a 1 KiB put() (its parent directory there) and get(), and
+  of a put() and a get() of a directory of 10,000 small files, against the
+  one of `tar c | ssh host tar x` (one connection, one command).
 """
 
 from __future__ import annotations
@@ -56,21 +58,25 @@ ROUTES = ("put()", "bare PUT", "get()", "bare GET")
 
 
 class TimedSession(requests.Session):
-    """Counts the requests that leave and the seconds spent in exec requests."""
+    """Counts the requests that leave, and each one's span in `spans`: its method and
+    endpoint, its start and end in seconds from `started`, and whether it was sent
+    beside the call's own thread."""
 
     def __init__(self) -> None:
         super().__init__()
         self.sent: List[str] = []
-        self.exec_seconds = 0.0
+        self.spans: List[Tuple[str, float, float, bool]] = []
+        self.started = time.perf_counter()
 
     def request(self, method: Any, url: Any, *args: Any, **kwargs: Any) -> Any:
-        self.sent.append("%s %s" % (method, str(url).rsplit("/", 1)[-1]))
-        started = time.perf_counter()
+        what = "%s %s" % (method, str(url).rsplit("/", 1)[-1])
+        self.sent.append(what)
+        began = time.perf_counter() - self.started
+        beside = threading.current_thread() is not threading.main_thread()
         try:
             return super().request(method, url, *args, **kwargs)
         finally:
-            if str(url).endswith("/exec"):
-                self.exec_seconds += time.perf_counter() - started
+            self.spans.append((what, began, time.perf_counter() - self.started, beside))
 
 
 def random_file(path: str, size: int) -> str:
@@ -109,11 +115,8 @@ def bare_get(session: requests.Session, url: str, remote: str, local: str) -> No
 
 
 def time_transfers(url: str, size: int, repeat: int) -> Tuple[Dict[str, List[float]], bool]:
-    """Seconds of each route, interleaved `repeat` times, and whether every copy was exact;
-    the sandbox's checks' seconds under "put() check" and "get() check", and put() and
-    get() without them under "put() unchecked" and "get() unchecked"."""
-    extra = ("put() check", "get() check", "put() unchecked", "get() unchecked")
-    seconds: Dict[str, List[float]] = {name: [] for name in ROUTES + extra}
+    """Seconds of each route, interleaved `repeat` times, and whether every copy was exact."""
+    seconds: Dict[str, List[float]] = {name: [] for name in ROUTES}
     exact = True
     directory = tempfile.mkdtemp(prefix="createos-files-bench-")
     try:
@@ -122,28 +125,19 @@ def time_transfers(url: str, size: int, repeat: int) -> Tuple[Dict[str, List[flo
         back = os.path.join(directory, "back.bin")
         os.mkdir(os.path.dirname(remote))
         sha256 = random_file(local, size)
-        session = TimedSession()
-        client = createos_exec.Client(url, DEFAULT_API_KEY, rate_limit=None, session=session)
+        client = createos_exec.Client(url, DEFAULT_API_KEY, rate_limit=None)
         bare = requests.Session()
         routes = {
             "put()": lambda: client.put(DEFAULT_SANDBOX, local, remote),
             "bare PUT": lambda: bare_put(bare, url, local, remote),
             "get()": lambda: client.get(DEFAULT_SANDBOX, remote, back),
             "bare GET": lambda: bare_get(bare, url, remote, back),
-            "get() unchecked": lambda: unchecked_get(client, remote, back, size, sha256),
         }
         for _ in range(repeat):
             for name, route in routes.items():
-                before = session.exec_seconds
                 started = time.perf_counter()
                 route()
                 seconds[name].append(time.perf_counter() - started)
-                if name in ("put()", "get()"):
-                    seconds[name + " check"].append(session.exec_seconds - before)
-                if name == "put()":
-                    seconds["put() unchecked"].append(
-                        seconds[name][-1] - seconds[name + " check"][-1]
-                    )
                 copy = back if "get" in name.lower() else remote
                 exact = exact and file_sha256(copy) == sha256
         client.close()
@@ -151,16 +145,6 @@ def time_transfers(url: str, size: int, repeat: int) -> Tuple[Dict[str, List[flo
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     return seconds, exact
-
-
-def unchecked_get(client: Any, remote: str, local: str, size: int, sha256: str) -> None:
-    """A get() whose sandbox's check answers at once with the sums known here."""
-    describe = createos_exec._Download._describe
-    createos_exec._Download._describe = lambda self, deadline: (size, sha256)  # type: ignore
-    try:
-        client.get(DEFAULT_SANDBOX, remote, local)
-    finally:
-        createos_exec._Download._describe = describe  # type: ignore
 
 
 def file_sha256(path: str) -> str:
@@ -182,6 +166,70 @@ def requests_per_small_file(url: str) -> Dict[str, List[str]]:
             put = list(session.sent)
             client.get(DEFAULT_SANDBOX, remote)
             return {"put()": put, "get()": session.sent[len(put) :]}
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def profile(url: str, size: int) -> Dict[str, Any]:
+    """Where one put() and one get() of `size` bytes spend their time: each request's
+    span (seconds from the call's start; `beside` when sent from a thread of the
+    transfer's own, as the checks of pieces and get()'s description are), the call's
+    seconds, and the seconds of one SHA-256 of the file here (hashlib) and as the
+    sandbox hashes it (openssl, and sha256sum)."""
+    directory = tempfile.mkdtemp(prefix="createos-files-bench-")
+    try:
+        local, remote = os.path.join(directory, "local.bin"), os.path.join(directory, "remote.bin")
+        random_file(local, size)
+        found: Dict[str, Any] = {}
+        for name in ("put()", "get()"):
+            session = TimedSession()
+            with createos_exec.Client(url, DEFAULT_API_KEY, rate_limit=None, session=session) as c:
+                session.started = time.perf_counter()
+                if name == "put()":
+                    c.put(DEFAULT_SANDBOX, local, remote)
+                else:
+                    c.get(DEFAULT_SANDBOX, remote, local + ".back")
+                found[name] = (time.perf_counter() - session.started, session.spans)
+        started = time.perf_counter()
+        file_sha256(local)
+        found["hashlib"] = time.perf_counter() - started
+        for tool in ("openssl dgst -sha256", "sha256sum"):
+            started = time.perf_counter()
+            with open(local, "rb") as source:
+                done = subprocess.run(tool.split(), stdin=source, stdout=subprocess.DEVNULL)
+            found[tool.split()[0]] = time.perf_counter() - started if not done.returncode else None
+        return found
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def tree_requests(url: str, files: int) -> Dict[str, Tuple[List[str], float]]:
+    """The requests and seconds of a put() and of a get() (its path ending in "/",
+    and not) of a directory of `files` small files (0 to 511 bytes, in 100 folders)."""
+    directory = tempfile.mkdtemp(prefix="createos-files-bench-")
+    try:
+        tree = os.path.join(directory, "tree")
+        for number in range(files):
+            folder = os.path.join(tree, "d%02d" % (number % 100))
+            os.makedirs(folder, exist_ok=True)
+            with open(os.path.join(folder, "%05d.txt" % number), "wb") as out:
+                out.write(os.urandom(number % 512))
+        remote = os.path.join(directory, "remote")
+        calls = {
+            "put()": lambda c: c.put(DEFAULT_SANDBOX, tree, remote),
+            'get() of a path ending in "/"': lambda c: c.get(DEFAULT_SANDBOX, remote + "/", tree),
+            "get()": lambda c: c.get(DEFAULT_SANDBOX, remote, tree),
+        }
+        found = {}
+        for name, call in calls.items():
+            session = TimedSession()
+            with createos_exec.Client(url, DEFAULT_API_KEY, rate_limit=None, session=session) as c:
+                started = time.perf_counter()
+                info = call(c)
+                found[name] = (session.sent, time.perf_counter() - started)
+            if info.files != files:
+                raise AssertionError("%s moved %d files of %d" % (name, info.files, files))
+        return found
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 

@@ -1183,7 +1183,7 @@ def _write_all(fd: int, data: bytes) -> None:
 @dataclasses.dataclass(eq=False)  # two faults alike are still two faults
 class Fault:
     """A queued fault, and how many more requests it applies to (`remaining`,
-    the `count` it was queued with)."""
+    the `count` it was queued with), once `skip` more have passed untouched."""
 
     kind: str
     remaining: int
@@ -1196,12 +1196,13 @@ class Fault:
     seconds: float = 0.0
     line: bytes = b""
     last: bool = False
+    skip: int = 0
 
     def __post_init__(self) -> None:
         if self.remaining < 1:
             raise ValueError("count must be at least 1")
-        if self.after_frames < 0 or self.after_bytes < 0:
-            raise ValueError("after_frames and after_bytes must be >= 0")
+        if self.after_frames < 0 or self.after_bytes < 0 or self.skip < 0:
+            raise ValueError("after_frames, after_bytes and skip must be >= 0")
 
 
 # --------------------------------------------------------------------------
@@ -1923,6 +1924,8 @@ class LocalServer:
         self.verbose = verbose
         self.url = ""
         self.requests: list[RequestRecord] = []
+        # The bytes the files endpoints received (files_put) and sent (files_get).
+        self.file_bytes: collections.Counter[str] = collections.Counter()
 
         self._lock = threading.Lock()  # sandboxes, processes, faults, connections
         self._sandboxes = {DEFAULT_SANDBOX: Sandbox(DEFAULT_SANDBOX, {})}
@@ -2222,22 +2225,24 @@ class LocalServer:
             raise ValueError("seconds must be >= 0")
         self._queue("input", Fault("lose", count, seconds=seconds))
 
-    def drop_upload(self, *, after_bytes: int = 0, count: int = 1) -> None:
-        """Write the first `after_bytes` bytes of the next uploads to their file (as a cut
-        upload leaves it), then break the connection without an answer."""
-        self._queue("files_put", Fault("drop", count, after_bytes=after_bytes))
+    def drop_upload(self, *, after_bytes: int = 0, count: int = 1, skip: int = 0) -> None:
+        """Write the first `after_bytes` bytes of the next uploads (after `skip` more
+        whole ones: the pieces of one file) to their file (as a cut upload leaves it),
+        then break the connection without an answer."""
+        self._queue("files_put", Fault("drop", count, after_bytes=after_bytes, skip=skip))
 
-    def drop_download(self, *, after_bytes: int = 0, count: int = 1) -> None:
-        """Answer the next downloads with a Content-Length for the whole file, send its
-        first `after_bytes` bytes, then break the connection."""
-        self._queue("files_get", Fault("drop", count, after_bytes=after_bytes))
+    def drop_download(self, *, after_bytes: int = 0, count: int = 1, skip: int = 0) -> None:
+        """Answer the next downloads (after `skip` more whole ones) with a Content-Length
+        for the whole file, send its first `after_bytes` bytes, then break the connection."""
+        self._queue("files_get", Fault("drop", count, after_bytes=after_bytes, skip=skip))
 
-    def corrupt_files(self, endpoint: str, *, count: int = 1) -> None:
+    def corrupt_files(self, endpoint: str, *, count: int = 1, skip: int = 0) -> None:
         """Flip the first byte of the next uploads (``files_put``) or downloads
-        (``files_get``), or add one to an empty file, as a faulty proxy or disk would."""
+        (``files_get``), after `skip` more whole ones, or add one to an empty file,
+        as a faulty proxy or disk would."""
         if endpoint not in ("files_put", "files_get"):
             raise ValueError("corrupt_files takes files_put or files_get")
-        self._queue(endpoint, Fault("corrupt", count))
+        self._queue(endpoint, Fault("corrupt", count, skip=skip))
 
     def lose_exec_response(self, *, count: int = 1) -> None:
         """Run the next execs to their end, then close the socket without an answer."""
@@ -2279,6 +2284,9 @@ class LocalServer:
             if not queue or queue[0].kind not in kinds:
                 return None
             fault = queue[0]
+            if fault.skip:
+                fault.skip -= 1
+                return None
             fault.remaining -= 1
             if fault.remaining == 0:
                 queue.popleft()
@@ -2643,6 +2651,7 @@ class LocalServer:
                     break
                 req.wfile.write(piece)
                 sent += len(piece)
+                self.file_bytes["files_get"] += len(piece)
         if fault is not None and fault.kind == "drop":
             req.wfile.flush()
             req.abort()
@@ -2686,6 +2695,7 @@ class LocalServer:
                 piece, corrupt = corrupted(piece), False
             target.write(piece)
             written += len(piece)
+            self.file_bytes["files_put"] += len(piece)
             if written >= most:
                 break
         if corrupt:

@@ -26,7 +26,8 @@ def scripts() -> Dict[str, Tuple[str, List[str]]]:
     parts = {
         name: getattr(cx, name)
         for name in ("_WRAPPER_HEAD", "_SPOOL", "_READ_STAGED", "_ENTER", "_FIND_PROGRAM",
-                     "_PROCESSES", "_WATCHDOG", "_PROBE", "_FILE_SUMS", "_FINISH", "_DESCRIBE_FILE")
+                     "_PROCESSES", "_WATCHDOG", "_PROBE", "_FILE_SUMS", "_TREE_SUMS", "_PLACE",
+                     "_FINISH", "_APPEND", "_UNPACK", "_SCRATCH", "_DESCRIBE_FILE", "_CUT")
     }  # fmt: skip
     wrappers = {
         "wrapper, argv with every option": cx._plan(["true"], EVERYTHING),
@@ -36,9 +37,9 @@ def scripts() -> Dict[str, Tuple[str, List[str]]]:
     }
     whole = {name: plan.body["args"][1] for name, plan in wrappers.items()}
     whole["port probe"] = cx._PROBE_SCRIPT
-    whole["finish of a put"] = cx._PUT_FINISH
-    whole["check of a get"] = cx._DESCRIBE
-    whole["reading of a spool"] = cx._SPOOL_READ
+    for name in ("_PUT_FINISH", "_PUT_APPEND", "_PUT_LAST", "_PUT_UNPACK", "_GET_DESCRIBE",
+                 "_GET_CUT", "_GET_UNCHANGED", "_SPOOL_READ"):  # fmt: skip
+        whole[name] = getattr(cx, name)
     alone = {name: (text, ["--exclude=SC2154"]) for name, text in parts.items()}
     return {**alone, **{name: (text, []) for name, text in whole.items()}}
 

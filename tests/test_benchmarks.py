@@ -124,9 +124,17 @@ def files(report):
     assert set(re.findall(verified, report)) == {
         (f, link) for f in ("put()", "get()") for link in links
     }
-    assert len(re.findall(r"without the sandbox's check .*: %s MB/s" % NUMBER, report)) == 6
+    went = r"^  where a (\w+\(\)) of .* went: %s s; [0-9]+ file requests, [0-9]+ execs beside"
+    assert re.findall(went % NUMBER, report, re.M) == ["put()", "get()"]
+    assert re.search(r"^  one SHA-256 of .*: %s s here \(hashlib\)" % NUMBER, report, re.M)
     requests_sent = r"^  requests of a 1 KiB (\w+\(\)): [0-9]+ \([A-Z]+ \w+, [A-Z]+ \w+\)$"
     assert re.findall(requests_sent, report, re.M) == ["put()", "get()"]
+    tree = r"^  requests of a (.*) of a directory of [0-9]+ files: ([0-9]+) \(.*\), %s s$" % NUMBER
+    assert [route for route, _ in re.findall(tree, report, re.M)] == [
+        "put()",
+        'get() of a path ending in "/"',
+        "get()",
+    ]
     assert len(re.findall(r"^  \w+\(\) of .*: idle %s MiB, peak" % NUMBER, report, re.M)) == 2
 
 

@@ -11,6 +11,7 @@ termination of the remote tree (the "Ctrl-C" row) is in tests/test_containment.p
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -192,6 +193,7 @@ def test_cli_unreadable_stdin_file_is_125(
         ["--put", "here:relative/there", SB],
         ["--get", "relative:here", SB],
         ["--get", "/there:", SB],
+        ["--json", "--get", "/there:-", SB],  # both would write to stdout
         ["--timeout", "soon", SB, "--", "true"],
         [],
         ["-t", SB, "--", "bash"],  # no terminal here
@@ -394,6 +396,40 @@ def test_files_go_in_before_the_command_and_come_out_after_whatever_it_exited(se
     assert (done.returncode, done.stderr) == (3, b"")
     assert (tmp_path / "r").read_bytes() == b"256\n"
     assert (tmp_path / "back.bin").read_bytes() == bytes(range(256))
+
+
+def test_directories_move_a_file_comes_to_stdout_and_into_a_directory(server, tmp_path):
+    (tmp_path / "src" / "sub").mkdir(parents=True)
+    (tmp_path / "src" / "a.txt").write_bytes(b"alpha\n")
+    (tmp_path / "src" / "sub" / "b").write_bytes(b"beta")
+    remote = tmp_path / "sandbox" / "app"
+    done = run_cli(
+        server,
+        *("--put", f"{tmp_path}/src:{remote}", "--get", f"{remote}:{tmp_path}/back"),
+        *("--get", f"{remote}/a.txt:-", "--get", f"{remote}/a.txt:{tmp_path}/into/", SANDBOX),
+    )
+    assert (done.returncode, done.stdout, done.stderr) == (0, b"alpha\n", b"")
+    assert (tmp_path / "back" / "sub" / "b").read_bytes() == b"beta"
+    assert (tmp_path / "into" / "a.txt").read_bytes() == b"alpha\n"
+
+
+def test_json_lists_what_each_transfer_moved_with_the_result_or_the_error(server, tmp_path):
+    (tmp_path / "a").write_bytes(b"alone")
+    remote, sent = f"{tmp_path}/sandbox/a", hashlib.sha256(b"alone").hexdigest()
+    put = {"option": "--put", "path": remote, "size": 5, "sha256": sent, "files": None}
+    with_command = run_cli(
+        server, "--json", "--put", f"{tmp_path}/a:{remote}", SANDBOX, "--", "true"
+    )
+    assert json.loads(with_command.stdout)["transfers"] == [put]
+    alone = run_cli(server, "--json", "--get", f"{remote}:{tmp_path}/b", SANDBOX)
+    got = dict(put, option="--get", path=f"{tmp_path}/b")
+    assert json.loads(alone.stdout) == {"transfers": [got]}
+    failed = run_cli(
+        server, "--json", "--put", f"{tmp_path}/a:{remote}", "--get", "/no/such:here", SANDBOX
+    )
+    said = json.loads(failed.stdout)
+    assert failed.returncode == 125 and said["transfers"] == [put]
+    assert said["error"]["type"] == "TransferError"
 
 
 def test_transfers_without_a_command_are_all_that_happens(server, tmp_path):

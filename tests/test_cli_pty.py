@@ -116,6 +116,15 @@ def test_stderr_goes_to_stderr_while_stdout_stays_on_the_terminal(server, cleanu
     assert errors.read_text() == "to-stderr\n"
 
 
+def test_a_transfer_draws_its_progress_on_the_terminal(server, cleanup, tmp_path):
+    (tmp_path / "big.bin").write_bytes(os.urandom(3 * 1024 * 1024))
+    child = spawn_cli(server, "--put", f"{tmp_path}/big.bin:{tmp_path}/copy.bin", SANDBOX)
+    cleanup(child)
+    assert finish(child) == 0
+    shown = child.logfile_read.getvalue()
+    assert shown.startswith("\r--put ") and "3.0 MiB of 3.0 MiB, 100%" in shown
+
+
 def test_ctrl_c_terminates_the_remote_tree_then_exits_130(server, cleanup):
     child = spawn_cli(
         server, "--shell", SANDBOX, "--", "echo ready; trap '' TERM; sleep 60 & sleep 60"

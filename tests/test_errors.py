@@ -773,6 +773,8 @@ def nothing_sent(rsps):
     [
         ("execute", SB, ["cat"], {"encoding": None}, "encoding=None .* text=False does"),
         ("execute", SB, ["cat"], {"text": False, "encoding": None}, "for text mode only"),
+        ("execute", SB, ["cat"], {"text": False, "encoding": "utf-8"}, "for text mode only"),
+        ("attach", SB, "proc_x", {"text": False, "errors": "replace"}, "for text mode only"),
         ("start", SB, ["cat"], {"text": False, "input": "secret"}, r"input=data\.encode\(\)"),
         ("execute", SB, ["cat"], {"encoding": "utf-9"}, "'utf-9'"),
         ("execute", SB, ["cat"], {"errors": "bogus"}, "'bogus'.* \"surrogateescape\".*text=False"),

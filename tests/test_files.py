@@ -6,12 +6,17 @@ left behind on either side. The local server's files are this machine's, so
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import io
 import os
+import random
 import shutil
 import stat
+import subprocess
+import tarfile
+import threading
 
 import pytest
 import responses
@@ -29,12 +34,12 @@ CONTENTS = {
 
 
 def leftovers(*directories: str) -> list:
-    """Every temporary copy left in `directories` (their whole trees)."""
+    """Every temporary copy or tree left in `directories` (their whole trees)."""
     return [
         name
         for directory in directories
-        for _, _, names in os.walk(directory)
-        for name in names
+        for _, folders, names in os.walk(directory)
+        for name in folders + names
         if name.endswith(".part")
     ]
 
@@ -111,8 +116,7 @@ def test_every_source_arrives_whole_in_a_new_directory_and_comes_back(client, tm
         assert client.put(SANDBOX, source, path) == info_of(path, data), kind
         assert open(path, "rb").read() == data, kind
     path = str(remote / "bytes" / "deeper" / "file.bin")
-    local = tmp_path / "here" / "copy.bin"
-    local.parent.mkdir()
+    local = tmp_path / "here" / "copy.bin"  # its directory made by get()
     assert client.get(SANDBOX, path) == data
     assert client.get(SANDBOX, path, str(local)) == info_of(str(local), data)
     assert local.read_bytes() == data
@@ -137,13 +141,141 @@ def test_module_level_functions_use_the_environment(server, tmp_path, monkeypatc
         assert cx.put(SANDBOX, b"again", path, client=client, mode=0o600).size == 5
 
 
-def test_mode_is_applied_and_a_replaced_file_keeps_its_own(client, tmp_path):
-    path = tmp_path / "tool.sh"
-    client.put(SANDBOX, b"#!/bin/sh\n", str(path), mode=0o755)
-    assert stat.S_IMODE(path.stat().st_mode) == 0o755
-    client.put(SANDBOX, b"#!/bin/sh\necho new\n", str(path))
-    assert stat.S_IMODE(path.stat().st_mode) == 0o755
-    assert path.read_bytes() == b"#!/bin/sh\necho new\n"
+def mode_of(path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_modes_come_from_mode_then_the_local_file_then_the_replaced_file_then_the_umask(
+    client, tmp_path
+):
+    """As scp -p and fabric: a local file's mode travels with it, both ways."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    local, remote, back = tmp_path / "tool.sh", tmp_path / "tool", tmp_path / "back"
+    local.write_bytes(b"#!/bin/sh\n")
+    local.chmod(0o751)
+    client.put(SANDBOX, str(local), str(remote))
+    assert mode_of(remote) == 0o751
+    client.put(SANDBOX, b"#!/bin/sh\necho new\n", str(remote))
+    assert mode_of(remote) == 0o751 and remote.read_bytes() == b"#!/bin/sh\necho new\n"
+    client.put(SANDBOX, str(local), str(remote), mode=0o700)
+    assert mode_of(remote) == 0o700
+    client.put(SANDBOX, b"new", str(tmp_path / "fresh"))
+    assert mode_of(tmp_path / "fresh") == 0o666 & ~umask
+    client.get(SANDBOX, str(remote), str(back))
+    assert mode_of(back) == 0o700
+
+
+@pytest.mark.parametrize("way", ["put", "get"])
+def test_a_directory_or_a_trailing_slash_takes_a_file_in_under_its_own_name(client, tmp_path, way):
+    here, there = tmp_path / "here", tmp_path / "there"
+    (here / "in").mkdir(parents=True)
+    (there / "in").mkdir(parents=True)
+    source = (here if way == "put" else there) / "report.txt"
+    source.write_bytes(b"report")
+    into = there if way == "put" else here
+    move = client.put if way == "put" else client.get
+    for given, lands in [(into / "in", into / "in"), (f"{into}/new/", into / "new")]:
+        info = move(SANDBOX, str(source), str(given))
+        assert info == info_of(str(lands / "report.txt"), b"report")
+        assert (lands / "report.txt").read_bytes() == b"report"
+    assert leftovers(str(tmp_path)) == []
+
+
+def test_a_symlink_at_the_destination_is_written_through_both_ways(client, tmp_path):
+    """As scp writes through a link (it opens the path): the link stays, its target
+    changes, atomically, wherever it lies."""
+    (tmp_path / "elsewhere").mkdir()
+    for way in ("put", "get"):
+        target, link = tmp_path / "elsewhere" / f"{way}.conf", tmp_path / f"{way}.conf"
+        target.write_bytes(b"old")
+        link.symlink_to(target)
+        if way == "put":
+            client.put(SANDBOX, b"new", str(link))
+        else:
+            (tmp_path / "remote.conf").write_bytes(b"new")
+            client.get(SANDBOX, str(tmp_path / "remote.conf"), str(link))
+        assert link.is_symlink() and target.read_bytes() == b"new", way
+    assert leftovers(str(tmp_path)) == []
+
+
+# --------------------------------------------------------------------------
+# A source that changes while it is read
+
+
+def aged(path) -> None:
+    """An old modification time: a rewrite at once is sure to move it."""
+    os.utime(path, (1e9, 1e9))
+
+
+@pytest.mark.parametrize("change", ["shrinks", "grows", "is rewritten"])
+@pytest.mark.parametrize("kind", ["a file", "a file of a directory"])
+def test_a_local_file_that_changes_while_sent_is_refused_at_once(client, tmp_path, change, kind):
+    """Not a request waiting for the bytes its length promised: a TransferError
+    naming the local file, the destination as it was."""
+    source = tmp_path / "source"
+    changing = source / "data.bin" if kind != "a file" else source
+    changing.parent.mkdir(exist_ok=True)
+    changing.write_bytes(os.urandom(1024 * 1024))
+    aged(changing)
+    rewrites = {"shrinks": "r+b", "grows": "ab", "is rewritten": "r+b"}
+
+    def progress(done, total):
+        if progress.once:
+            progress.once = False
+            with open(changing, rewrites[change]) as file:
+                file.write(b"changed")
+                if change == "shrinks":
+                    file.truncate(100_000)
+
+    progress.once = True
+    remote = tmp_path / "remote"
+    with pytest.raises(cx.TransferError) as raised:
+        client.put(SANDBOX, str(source), str(remote), progress=progress)
+    assert raised.value.reason == "source_changed" and repr(str(changing)) in str(raised.value)
+    assert not remote.exists() and leftovers(str(tmp_path)) == []
+
+
+@pytest.mark.parametrize("when", ["read whole", "a cut reading goes on"])
+def test_a_remote_file_that_changes_while_read_is_said_to_have_changed(
+    client, server, tmp_path, monkeypatch, when
+):
+    """Whether the sandbox described it before, during or after the change: its
+    stamp moved, or it was written while the download ran. Once its first bytes
+    arrived, its start is rewritten (what arrived is no longer in it) and its
+    end (which the download then reads, past what the sockets between can
+    hold: a receiving buffer grows to 32 MiB here), so that no version of the
+    file is what was read."""
+    size, rewritten = 64 * 1024 * 1024, 16 * 1024 * 1024
+    if when != "read whole":
+        monkeypatch.setattr(cx, "_PIECE_SIZE", 256 * 1024)
+        size, rewritten = 2 * 1024 * 1024, 1024
+        server.drop_download(after_bytes=size // 2)
+    remote = tmp_path / "growing.log"
+    remote.write_bytes(os.urandom(size))
+    aged(remote)
+
+    def rewrite(done, total):
+        if rewrite.once:
+            rewrite.once = False
+            with open(remote, "r+b") as file:
+                file.write(os.urandom(1024))
+                file.seek(-rewritten, io.SEEK_END)
+                file.write(os.urandom(rewritten))
+
+    rewrite.once = True
+    local = tmp_path / "here.log"
+    with pytest.raises(cx.TransferError, match="changed while it was read") as raised:
+        client.get(SANDBOX, str(remote), str(local), progress=rewrite)
+    assert raised.value.reason == "changed"
+    assert not local.exists() and leftovers(str(tmp_path)) == []
+
+
+def requests_of(server, call) -> list:
+    """The requests `call()` made, as (method, endpoint, status), in the order they came."""
+    before = len(server.requests)
+    call()
+    return [(r.method, r.path.rsplit("/", 1)[-1], r.status) for r in server.requests[before:]]
 
 
 @pytest.mark.both_readings
@@ -152,28 +284,282 @@ def test_a_small_file_takes_few_requests(client, server, tmp_path):
     and the PUT again where the service does not create parents); a get: one
     exec and the GET, sent together."""
     data = os.urandom(1024)
-
-    def requests_of(call) -> list:
-        before = len(server.requests)
-        call()
-        return [(r.method, r.path.rsplit("/", 1)[-1], r.status) for r in server.requests[before:]]
-
     path = str(tmp_path / "new" / "small.bin")
-    first = requests_of(lambda: client.put(SANDBOX, data, path))
+    first = requests_of(server, lambda: client.put(SANDBOX, data, path))
     if server.reading.upload_creates_parents:
         assert first == [("PUT", "files", 200), ("POST", "exec", 200)]
     else:
         assert first == [("PUT", "files", 404)] + [("POST", "exec", 200), ("PUT", "files", 200)] + [
             ("POST", "exec", 200)
         ]
-    assert requests_of(lambda: client.put(SANDBOX, data, path)) == [
+    assert requests_of(server, lambda: client.put(SANDBOX, data, path)) == [
         ("PUT", "files", 200),
         ("POST", "exec", 200),
     ]
-    assert sorted(requests_of(lambda: client.get(SANDBOX, path))) == [
+    assert sorted(requests_of(server, lambda: client.get(SANDBOX, path))) == [
         ("GET", "files", 200),
         ("POST", "exec", 200),
     ]
+
+
+# --------------------------------------------------------------------------
+# A large file in pieces: a cut or a damaged piece is sent or read again alone
+
+PIECE = 256 * 1024  # a read's size: a cut loses the read it happens in
+
+
+class Counted(io.BytesIO):
+    """A seekable binary file that counts the bytes read from it and written to it."""
+
+    def __init__(self, data: bytes = b""):
+        super().__init__(data)
+        self.moved = 0
+
+    def read(self, amount=-1):
+        piece = super().read(amount)
+        self.moved += len(piece)
+        return piece
+
+    def write(self, piece):
+        self.moved += len(piece)
+        return super().write(piece)
+
+
+@pytest.fixture
+def pieces(monkeypatch):
+    monkeypatch.setattr(cx, "_PIECE_SIZE", PIECE)
+
+
+@pytest.mark.parametrize("fault", ["", "cut", "corrupted", "corrupted last"])
+def test_a_large_file_goes_in_pieces_and_a_cut_or_damaged_one_is_sent_again_alone(
+    client, server, tmp_path, pieces, fault
+):
+    data = os.urandom(5 * PIECE + 100)  # 5 whole pieces and a short one
+    source, path = Counted(data), str(tmp_path / "big.bin")
+    if fault:  # on the third piece, or on the last
+        inject(server, "files_put", fault.split()[0], PIECE // 3, skip=5 if "last" in fault else 2)
+    told = []
+    info = client.put(SANDBOX, source, path, progress=lambda *seen: told.append(seen))
+    assert info == info_of(path, data) and open(path, "rb").read() == data
+    sent_again = {"": 0, "corrupted last": len(data) - 5 * PIECE}.get(fault, PIECE)
+    assert source.moved - len(data) == sent_again
+    assert len(server.requests_to("files_put")) == 6 + bool(fault)
+    assert told[-1] == (len(data), len(data)) and leftovers(str(tmp_path)) == []
+    assert sorted(told) == told or fault  # back to the piece's start when it is sent again
+
+
+@pytest.mark.parametrize("into", ["a local path", "bytes", "a file that seeks"])
+@pytest.mark.parametrize("then", [None, "cut", "corrupted"])
+def test_a_cut_get_goes_on_from_the_last_whole_piece(
+    client, server, tmp_path, monkeypatch, pieces, into, then
+):
+    data = os.urandom(5 * PIECE + 100)
+    remote, local = tmp_path / "remote.bin", str(tmp_path / "here.bin")
+    remote.write_bytes(data)
+    server.drop_download(after_bytes=2 * PIECE + PIECE // 2)
+    if then:  # and on the piece after the first one read again
+        inject(server, "files_get", then, PIECE // 3, skip=1)
+    written = Counted()  # what reaches the destination, whatever its kind
+    destination = {"bytes": None, "a local path": local}.get(into, written)
+    if into != "a file that seeks":
+        kind = cx._Sink if into == "bytes" else cx._FileSink
+        moving = kind.write
+        counted = lambda sink, piece: (written.write(piece), moving(sink, piece))  # noqa: E731
+        monkeypatch.setattr(kind, "write", counted)
+    got = client.get(SANDBOX, str(remote), destination)
+    if into != "bytes":
+        got = written.getvalue() if destination is written else open(local, "rb").read()
+    assert got == data
+    assert written.moved - len(data) <= PIECE // 2 + (PIECE if then else 0)
+    gets = [r.query["path"] for r in server.requests_to("files_get")]
+    assert gets[0] == str(remote) and len(gets) == 1 + 4 + bool(then)  # and the pieces 2 to 5
+    assert leftovers(str(tmp_path)) == []
+
+
+# --------------------------------------------------------------------------
+# Directories: one archive each way, a staged tree renamed into place, each entry checked
+
+
+def tree_of(root) -> dict:
+    """Every entry under `root` by its path: its type and mode, a file's bytes, a link's target."""
+    found = {}
+    for folder, folders, names in os.walk(root):
+        for name in folders + names:
+            path = os.path.join(folder, name)
+            mode = os.lstat(path).st_mode
+            found[os.path.relpath(path, root)] = (
+                ("link", os.readlink(path))
+                if stat.S_ISLNK(mode)
+                else (stat.S_IMODE(mode), None if stat.S_ISDIR(mode) else open(path, "rb").read())
+            )
+    return found
+
+
+LONG = "n" * 150  # past a tar header's 100 characters: GNU's long names, pax records
+
+
+def make_tree(root, big: int = 2 * 1024 * 1024) -> dict:
+    """A tree of what a tree may hold: empty files and directories, modes,
+    symlinks, a hard link, a name with a tab and a space, long names and a long
+    link target, a read-only directory, a file hashed by openssl there (1 MiB or
+    more); tree_of() it."""
+    (root / "sub" / "empty dir").mkdir(parents=True)
+    for name, data, mode in [
+        ("a.txt", b"alpha\n", 0o644),
+        ("empty", b"", 0o600),
+        ("odd\tname with space", bytes(range(256)), 0o640),
+        ("sub/run.sh", b"#!/bin/sh\n", 0o750),
+        ("frozen/kept", b"kept", 0o444),
+        (f"{LONG}/{LONG}", b"long", 0o644),
+        ("big.bin", os.urandom(big), 0o644),
+    ]:
+        (root / name).parent.mkdir(exist_ok=True)
+        (root / name).write_bytes(data)
+        (root / name).chmod(mode)
+    (root / "sub" / "link").symlink_to("../a.txt")
+    (root / "far").symlink_to(f"{LONG}/{LONG}")
+    os.link(root / "a.txt", root / "sub" / "hard")
+    (root / "frozen").chmod(0o555)
+    return tree_of(root)
+
+
+def files_in(tree: dict) -> list:
+    return [entry[1] for entry in tree.values() if entry[0] != "link" and entry[1] is not None]
+
+
+@pytest.mark.both_readings
+def test_a_directory_moves_whole_both_ways_with_its_modes_empty_files_and_links(client, tmp_path):
+    made = make_tree(tmp_path / "src")
+    remote, back = tmp_path / "sandbox" / "new" / "app", tmp_path / "back"
+    info = client.put(SANDBOX, f"{tmp_path}/src/", str(remote))
+    assert tree_of(remote) == made
+    contents = files_in(made)
+    assert (info.path, info.files, info.size) == (
+        str(remote),
+        len(contents),
+        sum(map(len, contents)),
+    )
+    assert client.get(SANDBOX, str(remote), str(back)) == dataclasses.replace(info, path=str(back))
+    assert tree_of(back) == made and leftovers(str(tmp_path)) == []
+
+
+@pytest.mark.parametrize("way", ["put", "get"])
+def test_a_directory_replaces_the_one_there_whole_and_a_slash_takes_it_in(client, tmp_path, way):
+    source, there = tmp_path / "src", tmp_path / "there"
+    made = make_tree(source, big=0)
+    for place in ("app", "inbox/src"):
+        (there / place).mkdir(parents=True)
+        (there / place / "stale.txt").write_bytes(b"from before")
+    (there / "plain").write_bytes(b"a file")
+    move = client.put if way == "put" else client.get
+    move(SANDBOX, str(source), str(there / "app"))
+    move(SANDBOX, str(source), f"{there}/inbox/")
+    assert tree_of(there / "app") == tree_of(there / "inbox" / "src") == made
+    with pytest.raises(cx.TransferError) as raised:
+        move(SANDBOX, str(source), str(there / "plain"))
+    assert raised.value.reason == "not_renamed" and (there / "plain").read_bytes() == b"a file"
+    assert leftovers(str(tmp_path)) == []
+
+
+def test_a_directory_of_many_files_takes_the_requests_of_one_file(client, server, tmp_path):
+    """One archive, not a request a file: a put is its PUT and one exec; a get one
+    exec (it packs), the GET and the removal of the archive (the GET of the
+    path itself too, sent beside the exec, unless the path ends in "/")."""
+    (tmp_path / "many").mkdir()
+    for number in range(300):
+        (tmp_path / "many" / f"{number}.txt").write_bytes(b"%d\n" % number)
+    remote = str(tmp_path / "sandbox")
+    put = requests_of(server, lambda: client.put(SANDBOX, str(tmp_path / "many"), remote))
+    assert put == [("PUT", "files", 200), ("POST", "exec", 200)]
+    get = requests_of(server, lambda: client.get(SANDBOX, remote + "/", str(tmp_path / "back")))
+    assert get == [("POST", "exec", 200), ("GET", "files", 200), ("POST", "exec", 200)]
+    get = requests_of(server, lambda: client.get(SANDBOX, remote, str(tmp_path / "back")))
+    assert (
+        sorted(get) == [("GET", "files", 200), ("GET", "files", 400)] + [("POST", "exec", 200)] * 2
+    )
+    assert tree_of(tmp_path / "back") == tree_of(tmp_path / "many")
+
+
+def test_the_tree_reader_takes_pax_and_gnu_archives_and_nothing_that_leads_outside(tmp_path):
+    """What _TreeSink reads as it comes, in pieces of any size: the archive put()
+    makes (pax), GNU tar's (long names, hard links); an archive whose entry would
+    land outside the tree is damaged: nothing is written there."""
+    made = make_tree(tmp_path / "src", big=0)
+    ours = cx._Tree(str(tmp_path / "src"))
+    archives = {"pax": ours.read(10**9)}
+    gnu = subprocess.run(["tar", "-c", "-f", "-", "-C", str(tmp_path / "src"), "."], stdout=-1)
+    archives["gnu"] = gnu.stdout
+    for kind, archive in archives.items():
+        sink = cx._TreeSink(str(tmp_path / kind), "/remote")
+        for start in range(0, len(archive), 7919):
+            sink.write(archive[start : start + 7919])
+        assert sink.commit(ours.manifest()).files == len(files_in(made))
+        assert tree_of(tmp_path / kind) == made, kind
+    for entries in (["../escape"], ["./d/", "./d/../../escape"], ["./l->..", "./l/escape"]):
+        tar = io.BytesIO()
+        with tarfile.open(fileobj=tar, mode="w") as archive:
+            for entry in entries:
+                info = tarfile.TarInfo(entry.split("->")[0])
+                info.type = tarfile.SYMTYPE if "->" in entry else info.type
+                info.linkname = entry.partition("->")[2]
+                info.type = tarfile.DIRTYPE if entry.endswith("/") else info.type
+                archive.addfile(info, io.BytesIO())
+        sink = cx._TreeSink(str(tmp_path / "hostile"), "/remote")
+        with pytest.raises(cx.TransferError, match="differs"):
+            sink.write(tar.getvalue())
+        sink.discard()
+    assert not (tmp_path / "escape").exists() and leftovers(str(tmp_path)) == []
+
+
+def test_what_a_tree_cannot_hold_is_refused(server, client, tmp_path):
+    """A FIFO in a local tree: before any request; in the sandbox's: by its pack."""
+    (tmp_path / "local").mkdir()
+    (tmp_path / "remote").mkdir()
+    os.mkfifo(tmp_path / "local" / "fifo")
+    os.mkfifo(tmp_path / "remote" / "fifo")
+    with pytest.raises(cx.ConfigError, match="'fifo' in .* is none of them"):
+        client.put(SANDBOX, str(tmp_path / "local"), str(tmp_path / "r"))
+    assert server.requests == []
+    with pytest.raises(cx.TransferError) as raised:
+        client.get(SANDBOX, str(tmp_path / "remote"), str(tmp_path / "here"))
+    assert raised.value.reason == "special" and leftovers(str(tmp_path)) == []
+
+
+# --------------------------------------------------------------------------
+# Progress
+
+
+def test_progress_is_told_in_the_transfers_thread_up_to_the_total_and_what_it_raises_ends_it(
+    client, tmp_path
+):
+    data, path = os.urandom(600_000), str(tmp_path / "file.bin")
+    (tmp_path / "tree").mkdir()
+    (tmp_path / "tree" / "file").write_bytes(data)
+    calls = {
+        "put": lambda progress: client.put(SANDBOX, data, path, progress=progress),
+        "unsized": lambda progress: client.put(
+            SANDBOX, io.BufferedReader(Unseekable(data)), path, progress=progress
+        ),
+        "get": lambda progress: client.get(SANDBOX, path, progress=progress),
+        "tree": lambda progress: client.get(
+            SANDBOX, str(tmp_path / "tree"), str(tmp_path / "back"), progress=progress
+        ),
+    }
+    for name, call in calls.items():
+        told: list = []
+        call(lambda done, total, told=told: told.append((done, total, threading.current_thread())))
+        done, total, _ = told[-1]
+        assert total == {"unsized": None, "tree": done}.get(name, len(data)), name
+        assert done >= len(data) and [seen[0] for seen in told] == sorted(seen[0] for seen in told)
+        assert {thread for _, _, thread in told} == {threading.current_thread()}, name
+
+    def stop(done, total):
+        raise LookupError("stop")
+
+    for call in calls.values():
+        with pytest.raises(LookupError, match="stop"):
+            call(stop)
+    assert open(path, "rb").read() == data and leftovers(str(tmp_path)) == []
 
 
 # --------------------------------------------------------------------------
@@ -192,6 +578,9 @@ def test_a_small_file_takes_few_requests(client, server, tmp_path):
         (lambda c, d: c.get(SANDBOX, d + "/f", io.StringIO()), "binary mode"),
         (lambda c, d: c.get(SANDBOX, d + "/f", 42), "not int"),
         (lambda c, d: c.get(SANDBOX, d + "/f", max_bytes=-1), "max_bytes"),
+        (lambda c, d: c.get(SANDBOX, d + "/dir/"), "comes into a local path"),
+        (lambda c, d: c.get(SANDBOX, d + "/f", progress=42), "progress must be"),
+        (lambda c, d: c.put(SANDBOX, d, d + "/f", mode=0o755), "for a file"),
     ],
 )
 def test_bad_arguments_are_refused_before_any_request(server, client, tmp_path, call, message):
@@ -218,11 +607,15 @@ def test_a_file_that_cannot_be_read_is_named_with_the_reason(client, tmp_path, n
     assert repr(path) in str(raised.value)
 
 
-def test_a_local_destination_in_no_directory_is_named_before_any_request(server, client, tmp_path):
-    missing = str(tmp_path / "nowhere" / "out.bin")
-    with pytest.raises(FileNotFoundError) as raised:
-        client.get(SANDBOX, "/etc/hostname", missing)
-    assert raised.value.filename == missing and server.requests == []
+def test_a_local_destination_that_cannot_be_made_is_named_before_any_request(
+    server, client, tmp_path
+):
+    (tmp_path / "plain").write_bytes(b"a file, not a directory")
+    blocked = str(tmp_path / "plain" / "out.bin")
+    with pytest.raises(OSError) as raised:
+        client.get(SANDBOX, "/etc/hostname", blocked)
+    assert raised.value.filename == blocked and ".part" not in str(raised.value)
+    assert server.requests == []
 
 
 @pytest.mark.parametrize("hasher", [None, "sha256sum", "openssl"])
@@ -242,8 +635,10 @@ def test_the_sandbox_hashes_with_what_it_has_and_without_a_hasher_renames_nothin
         assert client.put(SANDBOX, b"new", str(path)) == info_of(str(path), b"new")
         assert client.get(SANDBOX, str(path)) == b"new"
         return
+    monkeypatch.setattr(cx, "_PIECE_SIZE", 64 * 1024)
     for call in (
         lambda: client.put(SANDBOX, b"new", str(path)),
+        lambda: client.put(SANDBOX, os.urandom(200_000), str(path)),  # in pieces
         lambda: client.get(SANDBOX, str(path)),
     ):
         with pytest.raises(cx.TransferError, match="bash and sha256sum") as raised:
@@ -281,12 +676,14 @@ def test_a_source_that_fails_while_read_raises_its_own_error(client, tmp_path):
     assert path.read_bytes() == b"old" and leftovers(str(tmp_path)) == []
 
 
-def test_a_file_over_the_services_limit_is_refused_whole(local_server, tmp_path):
-
+def test_a_file_over_the_services_limit_is_refused_whole_and_its_size_named(local_server, tmp_path):
     server = local_server(file_size_limit=1000)
     with make_client(server) as client:
-        for source in (b"x" * 1001, io.BufferedReader(Unseekable(b"x" * 1001))):
-            with pytest.raises(cx.TransferError, match="too large") as raised:
+        for source, says in [
+            (b"x" * 1001, "refused 1,001 bytes in one request as too large"),
+            (io.BufferedReader(Unseekable(b"x" * 1001)), "refused it as too large"),  # unsized
+        ]:
+            with pytest.raises(cx.TransferError, match=says) as raised:
                 client.put(SANDBOX, source, str(tmp_path / "big"))
             assert raised.value.reason == "too_large"
     assert os.listdir(tmp_path) == []
@@ -296,6 +693,7 @@ def test_a_file_over_the_services_limit_is_refused_whole(local_server, tmp_path)
 # Canned answers: what the service may say that the local server does not
 
 SUM = hashlib.sha256(b"hello").hexdigest()
+DESCRIBED = f"file 5 {SUM} 644 1 5 1.0\n"  # _cx_describe's line for b"hello"
 
 
 def exec_answer(**result) -> dict:
@@ -307,8 +705,9 @@ def exec_answer(**result) -> dict:
     [
         (ok({"exec_ms": 1.0}), cx.ProtocolError, "holds no result"),
         (exec_answer(stdout="", exit_code="0"), cx.ProtocolError, "holds no exit code"),
-        (exec_answer(stdout="hello", exit_code=0), cx.ProtocolError, "not a size and a SHA-256"),
+        (exec_answer(stdout=f"5 {SUM}\n", exit_code=0), cx.ProtocolError, "not describe a file"),
         (exec_answer(error="exec: bash not found"), cx.TransferError, "bash and sha256sum"),
+        (exec_answer(stdout="", exit_code=7), cx.TransferError, "changed while it was read"),
     ],
 )
 def test_an_exec_answer_that_says_nothing_usable_stops_a_get(rsps, answer, raised, says):
@@ -321,7 +720,7 @@ def test_an_exec_answer_that_says_nothing_usable_stops_a_get(rsps, answer, raise
 
 
 def test_a_body_cut_short_without_an_error_is_read_again_then_given_up(rsps):
-    rsps.add(responses.POST, EXEC, json=exec_answer(stdout=f"5 {SUM}\n", exit_code=0))
+    rsps.add(responses.POST, EXEC, json=exec_answer(stdout=DESCRIBED, exit_code=0))
     rsps.add(responses.GET, FILES, body=b"hel")
     with make_client() as client, pytest.raises(cx.TransportError, match="download of '/app/x'"):
         client.get(SB, "/app/x")
@@ -389,13 +788,16 @@ def faults(size: int) -> list:
     return cuts + others + ([("Ctrl-C", size // 2)] if size else [])
 
 
-def inject(server, endpoint: str, name: str, at) -> None:
+def inject(server, endpoint: str, name: str, at, skip: int = 0) -> None:
+    """The fault `name` on the next request of `endpoint` (a cut `at` bytes), or
+    the one after `skip` more."""
     if name == "cut":
-        (server.drop_upload if endpoint == "files_put" else server.drop_download)(after_bytes=at)
+        drop = server.drop_upload if endpoint == "files_put" else server.drop_download
+        drop(after_bytes=at, skip=skip)
     elif name in ("503", "429"):
         server.fail(endpoint, int(name), retry_after="0")
     elif name == "corrupted":
-        server.corrupt_files(endpoint)
+        server.corrupt_files(endpoint, skip=skip)
     elif name == "check's answer lost":
         server.lose_exec_response()
 
@@ -423,11 +825,14 @@ def run(server, call, name: str, path: str, new: bytes, directories) -> object:
     return failure
 
 
-def expected_failure(name: str, restartable: bool, whole_before_the_cut: bool = False) -> bool:
+def expected_failure(
+    name: str, restartable: bool, whole_before_the_cut: bool = False, in_pieces: bool = False
+) -> bool:
     """Whether a transfer fails under the fault `name`: a download cut after its
-    last byte has all it needs."""
+    last byte has all it needs; an upload in pieces sends a damaged one again."""
     cut_short = name in ("503", "429") or (name == "cut" and not whole_before_the_cut)
-    return name in ("corrupted", "Ctrl-C") or (not restartable and cut_short)
+    damaged = name == "corrupted" and not in_pieces
+    return damaged or name == "Ctrl-C" or (not restartable and cut_short)
 
 
 @pytest.mark.parametrize("content", list(CONTENTS))
@@ -446,7 +851,9 @@ def test_uploads_under_faults_leave_the_old_file_or_the_whole_new_one(
             inject(server, "files_put", name, at)
             put = functools.partial(client.put, SANDBOX, source, path)
             failure = run(server, put, name, path, data, [str(tmp_path)])
-            assert (failure is not None) == expected_failure(name, restartable), (name, at, failure)
+            in_pieces = restartable and len(data) > cx._PIECE_SIZE
+            expected = expected_failure(name, restartable, in_pieces=in_pieces)
+            assert (failure is not None) == expected, (name, at, failure)
 
 
 def download_into(client, remote: str, local, into: str, sink, ctrl_c, monkeypatch) -> None:
@@ -495,3 +902,108 @@ def test_downloads_under_faults_leave_the_old_file_or_the_whole_new_one(
             failure = run(server, download, name, str(local), data, [str(tmp_path)])
             expected = expected_failure(name, into != "one that cannot", at == len(data))
             assert (failure is not None) == expected, (name, at, failure)
+
+
+# The campaign of RELIABILITY.md item 16: a directory under each fault, both
+# ways. The destination is the old tree or the whole new one, nothing is left
+# on either side, and an error names the directory.
+
+TREES = dict.fromkeys(["runs", "faults met", "whole new", "old kept", "damaged trees found"], 0)
+_tree_figures = figures_at_end(
+    "16. directories under faults", lambda: dict(TREES) if TREES["runs"] else None
+)
+
+
+@pytest.mark.parametrize("way", ["put", "get"])
+def test_directories_under_faults_leave_the_old_tree_or_the_whole_new_one(server, tmp_path, way):
+    big = campaign_size("CREATEOS_FILES_TREE", 64 * 1024, 8 * 1024 * 1024 + 17)
+    new, old = make_tree(tmp_path / "new", big=big), make_tree(tmp_path / "old", big=3)
+    there = tmp_path / "there" / "app"
+    endpoint, named = ("files_put", there) if way == "put" else ("files_get", f"{tmp_path}/new/")
+    with make_client(server) as client:
+        move = functools.partial(client.put if way == "put" else client.get, SANDBOX)
+        told: list = []
+        move(
+            f"{tmp_path}/new/", str(tmp_path / "measured"), progress=lambda *seen: told.append(seen)
+        )
+        for name, at in faults(told[-1][1]):  # the size of the archive that moves
+            shutil.rmtree(there, ignore_errors=True)
+            shutil.copytree(tmp_path / "old", there, symlinks=True)
+            inject(server, endpoint, name, at)
+
+            def ctrl_c(done, total, at=at, name=name):
+                if name == "Ctrl-C" and done >= at:
+                    raise KeyboardInterrupt
+
+            failure = None
+            try:
+                move(f"{tmp_path}/new/", str(there), progress=ctrl_c)
+            except (cx.CreateOSError, KeyboardInterrupt) as raised:
+                failure = raised
+            assert not any(server._faults.values()), f"{name}: the fault was not met"
+            found = tree_of(there)
+            TREES["runs"] += 1
+            TREES["faults met"] += name != "Ctrl-C" or failure is not None
+            TREES["whole new" if found == new else "old kept" if found == old else "damaged"] += 1
+            assert found in (old, new) and leftovers(str(tmp_path)) == [], (name, at)
+            assert (failure is not None) == expected_failure(name, True, at == told[-1][1])
+            if isinstance(failure, cx.CreateOSError):
+                assert repr(str(named)) in str(failure) or "of '/" in str(failure), failure
+
+
+# The campaign of RELIABILITY.md item 17: files in pieces both ways, under
+# seeded schedules of one to three faults each (a piece cut, or damaged on the
+# way, or the answer to a check lost; a get's first cut on its whole reading,
+# past a piece). Each arrives exact, having moved again at most two pieces'
+# bytes a fault: the pieces it kept are not sent again.
+
+RESUMED = dict.fromkeys(
+    ["runs", "cuts survived", "damaged pieces sent again", "lost answers", "bytes re-sent"], 0
+)
+_resumed_figures = figures_at_end(
+    "17. resumed transfers",
+    lambda: dict(RESUMED, **{"damaged files found": 0}) if RESUMED["runs"] else None,
+)
+
+
+def resumed_faults(rng, way: str, size: int) -> list:
+    """A run's faults: (name, skip, where a cut comes)."""
+    chosen = [("cut", 0, rng.randrange(2 * PIECE, 3 * PIECE))] if way == "get" else []
+    for _ in range(rng.randint(1, 3) - len(chosen)):
+        name = rng.choice(["cut", "cut", "corrupted", "check's answer lost"])
+        chosen.append((name, rng.randrange(way == "get", 3), rng.randrange(1, PIECE)))
+    return chosen
+
+
+def test_files_in_pieces_under_faults_survive_seeded_cuts_damage_and_lost_answers(
+    server, tmp_path, pieces
+):
+    rng = random.Random(20261207)
+    remote, local = tmp_path / "remote.bin", tmp_path / "local.bin"
+    with make_client(server) as client:
+        for number in range(campaign_size("CREATEOS_RESUMED_RUNS", 8, 100)):
+            way = ("put", "get")[number % 2]
+            data = os.urandom(rng.randrange(6 * PIECE, 9 * PIECE))
+            (remote if way == "get" else local).write_bytes(data)
+            if way == "get":
+                aged(remote)  # damage to a file written long ago is damage, not a change
+            schedule = resumed_faults(rng, way, len(data))
+            for name, skip, at in schedule:
+                inject(server, "files_put" if way == "put" else "files_get", name, at, skip)
+            before = dict(server.file_bytes)
+            source = Counted(data)
+            if way == "put":
+                assert client.put(SANDBOX, source, str(remote)).size == len(data)
+                again = source.moved - len(data)
+            else:
+                assert client.get(SANDBOX, str(remote), str(local)).size == len(data)
+                again = server.file_bytes["files_get"] - before.get("files_get", 0) - len(data)
+            assert not any(server._faults.values()), schedule
+            assert (remote if way == "put" else local).read_bytes() == data, schedule
+            assert again <= 2 * PIECE * len(schedule) and leftovers(str(tmp_path)) == [], schedule
+            names = [name for name, _, _ in schedule]
+            RESUMED["runs"] += 1
+            RESUMED["cuts survived"] += names.count("cut")
+            RESUMED["damaged pieces sent again"] += names.count("corrupted")
+            RESUMED["lost answers"] += names.count("check's answer lost")
+            RESUMED["bytes re-sent"] += again

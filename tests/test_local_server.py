@@ -743,6 +743,10 @@ def test_file_faults_cut_corrupt_and_lose_answers(server, api, tmp_path):
         api.request("GET", "/files", params={"path": path})
     server.corrupt_files("files_get")
     assert api.request("GET", "/files", params={"path": path}).content == b"abcdef"  # flipped back
+    server.drop_download(after_bytes=1, skip=1)  # the next download is whole, the one after cut
+    assert api.request("GET", "/files", params={"path": path}).content == b"\x9ebcdef"
+    with pytest.raises(requests.exceptions.ChunkedEncodingError):
+        api.request("GET", "/files", params={"path": path})
     server.lose_exec_response()
     with pytest.raises(requests.ConnectionError):
         api.request("POST", "/exec", json={"cmd": "touch", "args": [path + ".ran"]})

@@ -2,7 +2,8 @@
 bash against synthetic process trees on this machine: the wrapper's refusal of
 an old bash, the spoolers' limit and their leaving, the watchdog's tree (its
 group, its descendants, its own cgroup), its signals, and its leaving when the
-program ends. What the whole wrapper
+program ends; and the manifest of a directory, which the sandbox must list as
+this side does. What the whole wrapper
 does through the local server is in test_deadline.py and test_creation.py.
 (shellcheck_scripts.py checks the same scripts with shellcheck.)
 """
@@ -242,3 +243,30 @@ def test_the_leaders_own_cgroup_holds_the_daemon_the_tree_misses(cgroup):
         until(lambda: not alive(daemon), 5, "the daemon's end")
     finally:
         end(leader)
+
+
+# -- the manifest of a directory, in the sandbox and here ---------------------------
+
+
+def test_a_trees_manifest_is_the_same_on_both_sides_whatever_its_names(tmp_path):
+    """_cx_manifest (bash, find and sha256sum there) and _Tree.manifest() (here)
+    list a tree alike, names with blanks, newlines, backslashes and bytes that
+    are no UTF-8 included, and differ as soon as one entry does."""
+    root = tmp_path / "tree"
+    for name in ("a b", "tab\tand\nnewline", "back\\slash", "-leading dash", "\udcff\udcfe"):
+        (root / "d" / name).mkdir(parents=True)
+        (root / "d" / name / name).write_bytes(name.encode("utf-8", "surrogateescape"))
+        (root / "d" / f"{name}.link").symlink_to(f"../{name} target")
+    (root / "big").write_bytes(os.urandom(1024 * 1024))  # openssl's, not sha256sum's
+    (root / "empty").mkdir()
+    script = cx._FILE_SUMS + "\n" + cx._TREE_SUMS + '\n_cx_manifest "$1" && echo "$_cx_manifest"'
+
+    def both() -> "tuple[str, str]":
+        there = bash(script, str(root))
+        assert there.returncode == 0, there.stderr
+        return there.stdout.strip(), cx._Tree(str(root)).manifest()
+
+    first = both()
+    assert first[0] == first[1]
+    (root / "empty").chmod(0o700)
+    assert both()[0] == both()[1] != first[0]
