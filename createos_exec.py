@@ -1090,8 +1090,11 @@ class _Options:
     stdout: Optional[int] = None
     stderr: Optional[int] = None
     pty: Union[bool, Tuple[int, int], None] = None  # checked: None or (rows, cols)
+    # The keywords the call gave (not a field): with text=False, an encoding= or
+    # errors= given at all is refused, as subprocess would take either for text mode.
+    given: dataclasses.InitVar[AbstractSet[str]] = frozenset()
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, given: AbstractSet[str]) -> None:
         if self.stdin is not None:
             object.__setattr__(self, "stdin", _ported_stdin(self.stdin))
         if (self.stdout, self.stderr) != (None, None):
@@ -1108,7 +1111,7 @@ class _Options:
         if not isinstance(self.text, bool):
             raise ConfigError(f"text must be True or False, not {_shown(self.text)}.")
         if not self.text:
-            self._check_bytes_mode()
+            self._check_bytes_mode(given)
         if self.on_output is not None and not callable(self.on_output):
             raise ConfigError("on_output must be callable.")
         if not _is_int(self.max_output_chars) or self.max_output_chars < 0:
@@ -1130,19 +1133,13 @@ class _Options:
         if not isinstance(self.resume, bool):
             raise ConfigError("resume must be True or False.")
 
-    @classmethod
-    def given(cls, options: Mapping[str, Any]) -> "_Options":
-        """The keywords of a call, checked: with text=False, an encoding= or errors=
-        given at all is refused (subprocess would take either for text mode)."""
-        if options.get("text") is False and {"encoding", "errors"} & set(options):
+    def _check_bytes_mode(self, given: AbstractSet[str]) -> None:
+        """text=False: bytes in and out, as in subprocess's binary mode; nothing is decoded."""
+        if {"encoding", "errors"} & given:
             raise ConfigError(
                 "text=False gives the bytes the process wrote, decoded by nothing: "
                 "encoding and errors are for text mode only."
             )
-        return cls(**options)
-
-    def _check_bytes_mode(self) -> None:
-        """text=False: bytes in and out, as in subprocess's binary mode; nothing is decoded."""
         if isinstance(self.stdin, str) or isinstance(self.input, str):
             raise ConfigError(
                 "With text=False, stdin data is bytes (as subprocess's binary mode): "
@@ -1288,7 +1285,7 @@ class Client:
         started = time.monotonic()
         if not _RUN_KEYWORDS.issuperset(options):
             raise _unexpected("start", options, _RUN_KEYWORDS)
-        checked = _Options.given(options)
+        checked = _Options(**options, given=options.keys())
         deadline = _Deadline.after(checked.timeout, "command", started, checked.cancel)
         sandbox = _Sandbox(self._transport, sandbox_id)
         plan = _plan(command, checked, self._transport.termination_grace)
@@ -1378,7 +1375,7 @@ class Client:
             )
         if not _FOLLOW_KEYWORDS.issuperset(options):
             raise _unexpected("process", options, _FOLLOW_KEYWORDS)
-        checked = _Options.given(options)
+        checked = _Options(**options, given=options.keys())
         deadline = _Deadline.after(checked.timeout, "command", started, checked.cancel)
         sandbox = _Sandbox(self._transport, sandbox_id)
         endpoints = _Endpoints(sandbox, _checked_id("process", process_id))
