@@ -400,9 +400,9 @@ def test_every_keyword_reaches_the_options(client, monkeypatch):
     built = []
     real = cx._Options.__init__
 
-    def spy(self, **given):
-        built.append(given)
-        real(self, **given)
+    def spy(self, given=frozenset(), **options):
+        built.append(options)  # `given`, their names, is the checks' own
+        real(self, given=given, **options)
 
     monkeypatch.setattr(cx._Options, "__init__", spy)
     cancel = threading.Event()

@@ -302,6 +302,15 @@ def connects(server: Any) -> int:
     return len(server.requests_to("connect"))
 
 
+@pytest.fixture
+def line_a_frame(local_server):
+    """A local server that makes a frame of each line of SLOW_LINES, however the lines
+    come together on their way (a loaded machine runs their writers late), and its client."""
+    server = local_server(frame_limit=len("line 1\n"))
+    with make_client(server) as client:
+        yield server, client
+
+
 def only_process(server: Any) -> str:
     (record,) = server.processes()
     return str(record["process_id"])
@@ -323,7 +332,8 @@ def only_process(server: Any) -> str:
         ),
     ],
 )
-def test_transport_failures_resume_the_same_process(client, server, inject):
+def test_transport_failures_resume_the_same_process(line_a_frame, inject):
+    server, client = line_a_frame
     inject(server)
     result = client.execute(SANDBOX, SLOW_LINES, shell=True)
     assert result.stdout == SLOW_OUTPUT
@@ -335,7 +345,8 @@ def test_transport_failures_resume_the_same_process(client, server, inject):
 
 
 @pytest.mark.both_readings
-def test_resume_asks_for_frames_after_the_last_accepted_seq(client, server):
+def test_resume_asks_for_frames_after_the_last_accepted_seq(line_a_frame):
+    server, client = line_a_frame
     server.drop_stream(after_frames=3)
     client.execute(SANDBOX, SLOW_LINES, shell=True)
     queries = [str(r.query) for r in server.requests_to("connect")]
