@@ -281,6 +281,8 @@ def one_eviction_run(rng: random.Random, reading: Any) -> Dict[str, int]:
             "produced": sum(map(len, expected)),
             "evicted": server.evicted_bytes(result.process_id),
             "spooled": SPOOL_LOG.read.get(result.process_id, 0),
+            "reconnects": result.reconnects,
+            "paused": len(server.requests_to("sandbox_resume")),
         }
 
 
@@ -290,7 +292,7 @@ SPOOL_LOG = SpoolLog()
 def test_output_past_the_journal_at_random_points_arrives_whole(figures):
     runs = campaign_size("CREATEOS_SPOOL_RUNS", 12, 240)
     seed = int(os.environ.get("CREATEOS_SPOOL_SEED", "20261207"))
-    totals = dict.fromkeys(("produced", "evicted", "spooled"), 0)
+    totals = dict.fromkeys(("produced", "evicted", "spooled", "reconnects", "paused"), 0)
     failures: List[str] = []
     logger = logging.getLogger("createos_exec")
     logger.addHandler(SPOOL_LOG)
