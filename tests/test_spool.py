@@ -206,7 +206,7 @@ def test_the_spoolers_outlive_the_signals_sent_to_the_group(client):
     assert "got" in proc.wait().stdout
 
 
-# -- the campaign: evictions at random points (RELIABILITY.md item 19) -------------------
+# -- the campaign: evictions at random points (RELIABILITY.md item 18) -------------------
 #
 # Each run prints 0.6 to 2 MiB of numbered lines on both streams, in bursts; the
 # consumer falls behind at random; the journal holds 64 KiB to 1 MiB, drops
@@ -315,4 +315,4 @@ def test_output_past_the_journal_at_random_points_arrives_whole(figures):
         logger.setLevel(level)
     assert not failures, "\n".join(failures[:5])
     assert totals["evicted"] > 0 and totals["spooled"] > 0  # the spool was needed, and read
-    figures.record("19. output past the journal", runs=runs, seed=seed, lost=0, **totals)
+    figures.record("18. output past the journal", runs=runs, seed=seed, lost=0, **totals)
