@@ -47,7 +47,15 @@ from typing import Any, Callable, Dict, List, NamedTuple, Tuple
 import pytest
 import requests
 from local_server import STOLEN_LOCATION, LocalServer, endpoint_of
-from support import SANDBOX, chain, cli_argv, cli_env, figures_at_end, make_client
+from support import (
+    SANDBOX,
+    chain,
+    cli_argv,
+    cli_env,
+    figures_at_end,
+    make_client,
+    remove_spool,
+)
 
 import createos_exec as cx
 
@@ -352,14 +360,28 @@ def _cancel_while_silent(server):
 
 
 def _read_live(arrange):
-    """`arrange`, with a live reader: for it, eviction is an error, not a head dropped."""
+    """`arrange`, with a live reader that first removes the spool: for it, eviction
+    the spool cannot make good is an error, not a head dropped."""
 
     def with_reader(server):
         options = arrange(server) or {}
-        options.setdefault("on_output", lambda stream, text: None)
+        options.setdefault("on_output", _losing_the_spool(server))
         return options
 
     return with_reader
+
+
+def _losing_the_spool(server):
+    """An on_output that removes the spool of the server's one process at its first call."""
+    fired = []
+
+    def on_output(stream, text):
+        if not fired:
+            fired.append(True)
+            (record,) = server.processes()
+            remove_spool(server, record["process_id"])
+
+    return on_output
 
 
 def _evict_then_break(server):
@@ -369,9 +391,10 @@ def _evict_then_break(server):
     def on_output(stream, text):
         if not fired:
             fired.append(True)
-            time.sleep(0.4)  # let the process print more, then lose it
+            time.sleep(0.4)  # let the process print more, then lose it, spool and all
             (record,) = server.processes()
             server.evict(record["process_id"])
+            remove_spool(server, record["process_id"])
 
     return {"on_output": on_output}
 
