@@ -989,6 +989,11 @@ class RetryPolicy:
 # execute() is start(...).wait(); process() and attach() take up a process
 # started elsewhere. The module-level functions build a client from the
 # environment.
+#
+# At some 850 lines it is one section on purpose: the keywords and every entry
+# point that takes them (the client's methods, the module's functions, their
+# overloads for str and bytes) are one contract, the API a user calls, which
+# a reader checks against docs/design.md in one place.
 
 
 class _FollowKeywords(TypedDict, total=False):
@@ -4210,6 +4215,12 @@ def _evicted_seq(response: requests.Response) -> Optional[int]:
 # (_Tree) or by tar there (_cx_pack), unpacked into a staged tree whose
 # manifest (_tree_record) is checked, and renamed into place whole. Every
 # temporary file is removed on every failure.
+#
+# At some 1,400 lines it is the longest section, and one on purpose: a file, a
+# file in pieces and a tree share one shape (a temporary beside the
+# destination, a check, one rename) and one set of failures (TransferError's
+# reasons, every temporary removed), which a reader follows in one place; the
+# scripts they run in the sandbox are with the others, in section 13.
 
 # A file larger than this goes in pieces of this size when it can be read
 # again: a cut costs at most one piece sent again. A piece costs two requests
@@ -7278,7 +7289,10 @@ def _is_number(value: Any) -> bool:
 # statement a line, and values reach them only as arguments, single-quoted by
 # _quote, never spliced into code. They need bash 5.0 or newer (the wrapper
 # refuses an older one with exit 125) and /proc; of coreutils, rm for the
-# staged file and readlink for the port probe. The names they set
+# staged file, tee for the spool (stat, tail, head and base64 to read it
+# back), readlink for the port probe, and those the files' checks name. At
+# some 850 lines they are one section on purpose: one set of rules (quoting,
+# bash 5, names that start with _cx_) and one check hold them all. The names they set
 # start with `_cx_` and are local or assigned before they are read, so that
 # a caller's env, which the wrapper exports before the watchdog starts,
 # changes none of them. tests/shellcheck_scripts.py checks each one with
@@ -8745,6 +8759,10 @@ class _Bridge:
 # program typed, never a Python keyword); main() is the one place that prints
 # or exits, and it comes last. A -t session (_Session) makes this terminal
 # the remote one; whatever ends it, the terminal's settings come back first.
+#
+# At some 880 lines it is one section on purpose: the command line is one
+# program (its options, transfers, forwards and sessions share main()'s one
+# way of printing, exiting and saying an error), read in one place.
 
 
 _EXAMPLES = """\
