@@ -581,8 +581,8 @@ def _spool_loss(spool: Optional[str], held: Mapping[str, int], limit: int) -> st
         )
     if spool == "gone":
         return (
-            ", and its spool in the sandbox is gone (removed, or /tmp could not be "
-            f"written): what the command printed after byte {held.get('stdout', 0)} of "
+            ", and its spool in the sandbox is gone (removed, /tmp not writable, or no tee "
+            f"there): what the command printed after byte {held.get('stdout', 0)} of "
             f"stdout or byte {held.get('stderr', 0)} of stderr may be lost"
         )
     return ""
@@ -7410,8 +7410,13 @@ _cx_spooler() {
 }"""
 # The spool of a wrapper, named after its marker ($0), as the wrapper calls it,
 # and that line as a listed process shows it (its limit, for a handle taken up).
-_SPOOLING = _SPOOL + f'\n_cx_spool "/tmp/.$0" {_SPOOL_LIMIT // 1024} {_SPOOL_KEPT_FROM}'
-_SPOOL_CALL = re.compile(r'^_cx_spool "/tmp/\.\$0" ([0-9]{1,9}) [0-9]+$', re.MULTILINE)
+# Without tee there is no spool (a pipe nobody reads would end the command).
+_SPOOLING = _SPOOL + (
+    f'\ntype -P tee >/dev/null && _cx_spool "/tmp/.$0" {_SPOOL_LIMIT // 1024} {_SPOOL_KEPT_FROM}'
+)
+_SPOOL_CALL = re.compile(
+    r'^type -P tee >/dev/null && _cx_spool "/tmp/\.\$0" ([0-9]{1,9}) [0-9]+$', re.MULTILINE
+)
 # The wrapper's last line, for a script (shell=True) or an argv.
 _RUN_SCRIPT = 'exec bash -c -- "$1"'
 _RUN_ARGV = 'exec -- "$@"'

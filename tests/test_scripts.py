@@ -14,6 +14,7 @@ import contextlib
 import os
 import pathlib
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -136,6 +137,14 @@ def test_the_spools_keep_the_first_bytes_and_are_dropped_when_the_journal_keeps_
     with open(f"{spool}.stdout", "rb") as out, open(f"{spool}.stderr", "rb") as err:
         assert (out.read(), err.read()) == (done.stdout[:1024], b"e")  # the first KiB
     assert [pathlib.Path(end).read_text() for end in ends] == ["1024\n", "1\n"]
+
+
+def test_a_sandbox_without_tee_runs_the_command_without_a_spool(tmp_path):
+    for program in ("bash", "printf"):  # a PATH with what the command needs, and no tee
+        (tmp_path / program).symlink_to(shutil.which(program))
+    wrapper = cx._plan(["printf", "%s", "out"], cx._Options()).body["args"][1]
+    done = bash(wrapper, "printf", "%s", "out", env={"PATH": str(tmp_path)})
+    assert (done.returncode, done.stdout, done.stderr) == (0, "out", "")
 
 
 def test_the_tree_is_the_group_the_reparented_and_the_descendants_outside_it(tree):
