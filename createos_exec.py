@@ -3303,7 +3303,9 @@ class _Launch:
         if deadline.cancelled():
             raise CancelledError()  # before anything is written
         try:
-            self.sandbox.put_file(path, lambda: staged, "staging of env and stdin", deadline)
+            operation = "staging of env and stdin"
+            write = functools.partial(self.sandbox.put_file, path, staged, operation)
+            self.sandbox.transport.retried(write, deadline)
         except CancelledError:
             self.unstage(deadline.cancel)  # an attempt before the wait may have written it
             raise
@@ -3635,30 +3637,17 @@ class _Sandbox:
             params = {"limit": _LISTING_PAGE_SIZE, "offset": offset}
         raise ProtocolError("the process listing has more pages than this client reads")
 
-    def put_file(
-        self,
-        path: str,
-        body: Callable[[], Any],
-        operation: str,
-        deadline: _Deadline,
-        *,
-        repeatable: bool = True,
-    ) -> None:
-        """Write what `body()` gives (bytes, or a readable object: one for each
-        attempt) to the file at `path` (absolute), replacing it in place; sent
-        again, whole, under the retry policy when it is `repeatable`."""
-
-        def once(now: _Deadline) -> None:
-            self.transport.send(
-                "PUT",
-                self.path + "/files",
-                operation=operation,
-                deadline=now,
-                params={"path": path},
-                data=body(),
-            ).close()
-
-        self.transport.retried(once, deadline, repeatable=repeatable)
+    def put_file(self, path: str, body: Any, operation: str, deadline: _Deadline) -> None:
+        """One attempt to write `body` (bytes, or an iterator of pieces: chunked) to
+        the file at `path` (absolute), replacing it in place."""
+        self.transport.send(
+            "PUT",
+            self.path + "/files",
+            operation=operation,
+            deadline=deadline,
+            params={"path": path},
+            data=body,
+        ).close()
 
     def get_file(self, path: str, operation: str, deadline: _Deadline) -> requests.Response:
         """One attempt to read the file at `path` (absolute): its raw bytes, streamed."""
@@ -4214,7 +4203,8 @@ def _evicted_seq(response: requests.Response) -> Optional[int]:
 # each checked. A directory moves as one tar archive, made as it is read here
 # (_Tree) or by tar there (_cx_pack), unpacked into a staged tree whose
 # manifest (_tree_record) is checked, and renamed into place whole. Every
-# temporary file is removed on every failure.
+# temporary file is removed on every failure, once the requests that write
+# it were answered: an upload this side stops still ends whole (_Outgoing).
 #
 # At some 1,400 lines it is the longest section, and one on purpose: a file, a
 # file in pieces and a tree share one shape (a temporary beside the
@@ -4308,8 +4298,8 @@ def _tree_record(kind: str, mode: int, size: int, digest: bytes, path: bytes) ->
 
 class _Carried(Exception):
     """An exception of the caller's (its source's read, its progress callback) raised
-    inside the HTTP stack, which would take it for its own: args[0], raised again as
-    itself once past it."""
+    where it would be taken for another (in the HTTP stack, in a request's body):
+    args[0], raised again as itself once past it."""
 
 
 class _SourceChanged(Exception):
@@ -4403,11 +4393,15 @@ class _Outgoing:
     """One sending of put()'s source, from where its reader stands, of `length`
     bytes (None: to its end), as a request body: its pieces, each read, hashed
     (into `sha256`, and into `whole` when given, once finish() returned) and
-    counted on its way, never past `length`; `tell` hears of each. Iterable and
-    sized, not file-like:
-    requests then sends a known length as Content-Length and the HTTP stack
-    sends each piece whole, where it would read a file-like body 16 KiB at a
-    time (a third slower over loopback, its hashing included)."""
+    counted on its way, never past `length`; `tell` hears of each. Chunked,
+    not of a Content-Length, so that what stops it midway (the source changed
+    or failed while read, `tell` raised) can end it there, whole:
+    raise_stopped() raises that once the service has answered, having written
+    what came, and only then is the temporary file removed. A request cut off
+    instead may be handled after that removal, and leave a part behind. An
+    iterator, not file-like: the HTTP stack sends each piece whole, where it
+    would read a file-like body 16 KiB at a time (a third slower over
+    loopback, its hashing included)."""
 
     def __init__(
         self,
@@ -4422,6 +4416,7 @@ class _Outgoing:
         self.sent = 0
         self.sha256 = hashlib.sha256()
         self.whole = whole
+        self._stopped: Optional[Exception] = None
         self._hashing = _Hashing(self.sha256, whole)
 
     def finish(self) -> None:
@@ -4442,19 +4437,23 @@ class _Outgoing:
         self._tell(self.sent)
         return piece
 
-    def __len__(self) -> int:
-        return self._length or 0
-
-    def __iter__(self) -> Iterator[bytes]:
-        piece = self._piece()
-        while piece:
-            yield piece
+    def body(self) -> Iterator[bytes]:
+        """What requests sends, chunked: the pieces, up to what stops them."""
+        try:
             piece = self._piece()
+            while piece:
+                yield piece
+                piece = self._piece()
+        except Exception as stopped:  # raised by raise_stopped()
+            self._stopped = stopped
 
-    def body(self) -> Any:
-        """What requests sends: this, its length known ahead (Content-Length),
-        or its pieces (chunked: requests would take an empty length for no body)."""
-        return self if self._length is not None else iter(self)
+    def raise_stopped(self) -> None:
+        """What stopped the body, if anything did: the caller's own exception
+        (its source's read, its progress callback), or _SourceChanged."""
+        if isinstance(self._stopped, _Carried):
+            raise self._stopped.args[0] from None
+        if self._stopped is not None:
+            raise self._stopped from None
 
 
 class _Source:
@@ -4811,28 +4810,32 @@ class _Upload:
     ) -> _Outgoing:
         sendings: List[_Outgoing] = []
 
-        def body() -> Any:
+        def once(now: _Deadline) -> _Outgoing:
+            """One sending; what stopped its body is what happened, whatever the
+            service answered to it, and ends the retries."""
             tell = functools.partial(self._told, offset)
             start = None if whole is None else whole.copy()  # each sending hashes from there
-            sendings.append(_Outgoing(self.source.reader(offset), length, tell, start))
-            return sendings[-1].body()
+            sending = _Outgoing(self.source.reader(offset), length, tell, start)
+            sendings.append(sending)
+            try:
+                self.sandbox.put_file(name, sending.body(), self.operation, now)
+            except Exception:
+                sending.raise_stopped()
+                raise
+            sending.raise_stopped()
+            return sending
 
         if name not in self.made:
             self.made.append(name)
         try:
-            self.sandbox.put_file(
-                name, body, self.operation, deadline, repeatable=self.source.rereadable
-            )
+            return self.sandbox.transport.retried(once, deadline, repeatable=self.source.rereadable)
         except APIError as refused:
             if refused.status == 413:
                 raise TransferError(self.path, "too_large", size=length) from None
             raise
-        except _Carried as carried:
-            raise carried.args[0] from None
         finally:
             for sending in sendings:
                 sending.finish()
-        return sendings[-1]
 
     def _told(self, offset: int, sent: int) -> None:
         self.tell(offset + sent)

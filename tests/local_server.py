@@ -74,7 +74,7 @@ import threading
 import time
 import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import IO, Any, Callable, Iterator, NamedTuple
+from typing import IO, Any, Callable, Iterable, Iterator, NamedTuple
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 __all__ = ["LocalServer", "RequestRecord", "main"]
@@ -1197,6 +1197,7 @@ class Fault:
     line: bytes = b""
     last: bool = False
     skip: int = 0
+    until: threading.Event | None = None
 
     def __post_init__(self) -> None:
         if self.remaining < 1:
@@ -1565,6 +1566,12 @@ def raise_expired(reading: Reading, oldest_available_seq: int, finished: bool) -
 def corrupted(piece: bytes) -> bytes:
     """`piece` with its first byte flipped, or one byte where it is empty."""
     return bytes([piece[0] ^ 0xFF]) + piece[1:] if piece else b"\x00"
+
+
+def pieces_then(pieces: list[bytes], exc: BaseException) -> Iterator[bytes]:
+    """`pieces`, then `exc` raised where they end: a body cut short, read again."""
+    yield from pieces
+    raise exc
 
 
 def start_error(exc: BaseException) -> ApiError:
@@ -2231,6 +2238,14 @@ class LocalServer:
         then break the connection without an answer."""
         self._queue("files_put", Fault("drop", count, after_bytes=after_bytes, skip=skip))
 
+    def hold_cut_upload(self, until: threading.Event) -> None:
+        """Read the next upload's body whole before its file is opened; when its
+        connection ends before the body does (its client gave up on it), open and
+        write the file, as a cut upload leaves it, only once `until` is set (or a
+        minute passed): a service that gets to an abandoned upload after what its
+        client sent next (docs/protocol.md 7)."""
+        self._queue("files_put", Fault("hold", 1, seconds=60.0, until=until))
+
     def drop_download(self, *, after_bytes: int = 0, count: int = 1, skip: int = 0) -> None:
         """Answer the next downloads (after `skip` more whole ones) with a Content-Length
         for the whole file, send its first `after_bytes` bytes, then break the connection."""
@@ -2664,7 +2679,10 @@ class LocalServer:
             raise ApiError(413, {"body": "file larger than %d bytes" % self.file_size_limit})
         if not self.reading.upload_creates_parents and not os.path.isdir(os.path.dirname(path)):
             raise ApiError(404, {"path": "the parent directory does not exist"})
-        fault = self._take_fault("files_put", ("drop", "corrupt"))
+        fault = self._take_fault("files_put", ("drop", "corrupt", "hold"))
+        pieces: Iterable[bytes] = req.body_pieces()
+        if fault is not None and fault.kind == "hold":
+            pieces = self._held_if_cut(pieces, fault)
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             # 0600 from the start: staged files may hold secrets (env, stdin).
@@ -2672,7 +2690,7 @@ class LocalServer:
         except OSError as exc:
             raise ApiError(400, {"path": exc.strerror or "cannot write"}) from None
         with os.fdopen(fd, "wb") as target:
-            written = self._receive_file(req, target, fault)
+            written = self._receive_file(pieces, target, fault)
         if fault is not None and fault.kind == "drop":
             req.abort()  # the file keeps what arrived, as an upload cut short leaves it
             return None
@@ -2682,14 +2700,26 @@ class LocalServer:
         req.close_connection = False
         return {"path": path, "bytes": written}
 
-    def _receive_file(self, req: _Handler, target: IO[bytes], fault: Fault | None) -> int:
-        """Copy the body to `target` piece by piece (up to the fault's bytes, or just past
+    def _held_if_cut(self, pieces: Iterable[bytes], fault: Fault) -> Iterable[bytes]:
+        """The body, read whole; cut short, handed on once the fault's `until` is set
+        (or its seconds passed), the cut raised after its pieces."""
+        arrived: list[bytes] = []
+        try:
+            arrived.extend(pieces)
+        except (ApiError, OSError) as cut:
+            assert fault.until is not None
+            self._await(fault.until.is_set, fault.seconds)
+            return pieces_then(arrived, cut)
+        return arrived
+
+    def _receive_file(self, pieces: Iterable[bytes], target: IO[bytes], fault: Fault | None) -> int:
+        """Copy the body's pieces to `target` (up to the fault's bytes, or just past
         the size limit); the number of bytes written."""
         drop = fault is not None and fault.kind == "drop"
         most = fault.after_bytes if drop else self.file_size_limit + 1
         corrupt = fault is not None and fault.kind == "corrupt"
         written = 0
-        for piece in req.body_pieces():
+        for piece in pieces:
             piece = piece[: most - written]
             if corrupt:
                 piece, corrupt = corrupted(piece), False

@@ -20,7 +20,18 @@ import threading
 
 import pytest
 import responses
-from support import EXEC, FILES, SANDBOX, SB, calls, campaign_size, figures_at_end, make_client, ok
+from support import (
+    EXEC,
+    FILES,
+    SANDBOX,
+    SB,
+    calls,
+    campaign_size,
+    figures_at_end,
+    make_client,
+    ok,
+    until,
+)
 
 import createos_exec as cx
 
@@ -210,9 +221,14 @@ def aged(path) -> None:
 
 @pytest.mark.parametrize("change", ["shrinks", "grows", "is rewritten"])
 @pytest.mark.parametrize("kind", ["a file", "a file of a directory"])
-def test_a_local_file_that_changes_while_sent_is_refused_at_once(client, tmp_path, change, kind):
+def test_a_local_file_that_changes_while_sent_is_refused_at_once(
+    client, server, tmp_path, change, kind
+):
     """Not a request waiting for the bytes its length promised: a TransferError
-    naming the local file, the destination as it was."""
+    naming the local file, the destination as it was. Nor a request cut off:
+    the service may handle that one after the removal of its temporary copy,
+    and leave a part of it (held here until put() has raised). Its body ends
+    there, whole, and its answer comes before the removal."""
     source = tmp_path / "source"
     changing = source / "data.bin" if kind != "a file" else source
     changing.parent.mkdir(exist_ok=True)
@@ -229,11 +245,14 @@ def test_a_local_file_that_changes_while_sent_is_refused_at_once(client, tmp_pat
                     file.truncate(100_000)
 
     progress.once = True
-    remote = tmp_path / "remote"
+    remote, put_raised = tmp_path / "remote", threading.Event()
+    server.hold_cut_upload(until=put_raised)
     with pytest.raises(cx.TransferError) as raised:
         client.put(SANDBOX, str(source), str(remote), progress=progress)
+    put_raised.set()
     assert raised.value.reason == "source_changed" and repr(str(changing)) in str(raised.value)
-    assert not remote.exists() and leftovers(str(tmp_path)) == []
+    answered = until(lambda: [seen.status for seen in server.requests if seen.method == "PUT"])
+    assert leftovers(str(tmp_path)) == [] and not remote.exists() and answered == [200]
 
 
 @pytest.mark.parametrize("when", ["read whole", "a cut reading goes on"])
@@ -666,13 +685,17 @@ def test_a_destination_that_cannot_be_written_is_left_as_it_was(client, tmp_path
     assert leftovers(str(tmp_path)) == []
 
 
-def test_a_source_that_fails_while_read_raises_its_own_error(client, tmp_path):
-    path = tmp_path / "kept.txt"
+def test_a_source_that_fails_while_read_raises_its_own_error(client, server, tmp_path):
+    """After its request ended whole and was answered, as one whose source changed."""
+    path, put_raised = tmp_path / "kept.txt", threading.Event()
     path.write_bytes(b"old")
+    server.hold_cut_upload(until=put_raised)
     failing = Unseekable(b"x" * 100_000, after=50_000, interrupt=lambda: OSError(5, "I/O error"))
     with pytest.raises(OSError, match="I/O error") as raised:
         client.put(SANDBOX, io.BufferedReader(failing), str(path))
+    put_raised.set()
     assert not isinstance(raised.value, cx.CreateOSError)
+    until(lambda: [seen for seen in server.requests if seen.method == "PUT"])
     assert path.read_bytes() == b"old" and leftovers(str(tmp_path)) == []
 
 
