@@ -185,8 +185,14 @@ def test_combined_output_interleaves_in_write_order_across_a_reconnect(client, s
 
 
 def test_combined_output_keeps_its_own_tail(client):
-    script = "printf 12345678; sleep 0.05; printf abcdefgh >&2"
-    result = client.execute(SANDBOX, script, shell=True, max_output_chars=10)
+    # stderr is written once stdout has come here: the order is certain, whatever the load.
+    script = "printf 12345678; read -r _; printf abcdefgh >&2"
+    proc = client.start(SANDBOX, script, shell=True, max_output_chars=10, stdin=cx.PIPE)
+    pieces = proc.iter_output()
+    assert next(pieces) == ("stdout", "12345678")  # one write, one frame
+    proc.write("go\n")
+    assert list(pieces) == [("stderr", "abcdefgh")]
+    result = proc.wait()
     assert (result.stdout, result.stderr) == ("12345678", "abcdefgh")
     assert not result.stdout_truncated and not result.stderr_truncated
     assert result.output == "78abcdefgh"
