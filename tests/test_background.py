@@ -513,7 +513,8 @@ def test_ported_lines_do_what_subprocess_does(client, snippet):
 @pytest.mark.both_readings
 def test_stderr_into_stdout_is_merged_in_order_wherever_output_goes(client):
     recorder = Recorder()
-    script = "echo o1; sleep 0.1; echo e1 >&2; sleep 0.1; echo o2; read _; exit 1"
+    # Each line is written once the one before has come here: the order is certain.
+    script = "echo o1; read _; echo e1 >&2; read _; echo o2; read _; exit 1"
     proc = client.start(
         SANDBOX, script, shell=True, stdin=subprocess.PIPE, stderr=subprocess.STDOUT,
         on_output=recorder, check=True,
@@ -523,6 +524,7 @@ def test_stderr_into_stdout_is_merged_in_order_wherever_output_goes(client):
         looped.append(piece)
         if len(looped) == 3:
             break
+        proc.write("\n")
     with pytest.raises(cx.WaitTimeout) as waited:
         proc.wait(timeout=0.2)
     proc.close_stdin()

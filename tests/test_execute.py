@@ -178,8 +178,12 @@ def test_logging_reconnects_at_info_requests_at_debug_without_secrets(client, se
 @pytest.mark.both_readings
 def test_combined_output_interleaves_in_write_order_across_a_reconnect(client, server):
     server.drop_stream(after_frames=3)
-    script = "for i in 1 2 3 4; do echo o$i; sleep 0.05; echo e$i >&2; sleep 0.05; done"
-    result = client.execute(SANDBOX, script, shell=True)
+    # Each line is written once the one before has come here: the order is certain.
+    script = "for i in 1 2 3 4; do echo o$i; read -r _; echo e$i >&2; read -r _; done"
+    proc = client.start(SANDBOX, script, shell=True, stdin=cx.PIPE)
+    for _ in proc.iter_output():
+        proc.write("\n")
+    result = proc.wait()
     assert result.output == "".join(f"o{i}\ne{i}\n" for i in range(1, 5))
     assert result.reconnects == 1 and not result.output_truncated
 
