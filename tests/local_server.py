@@ -2017,6 +2017,7 @@ class LocalServer:
         )
         if self._cgroup is not None:
             self._cgroup.remove()  # each tree removed its own once empty
+        remove_files_left(processes)
         for proc in processes:
             with proc.cond:
                 proc.cond.notify_all()  # wake streams so they see _stopping
@@ -2120,9 +2121,11 @@ class LocalServer:
         """Kill every tree of the sandbox and cut its streams (False: destroyed already)."""
         if not self._move(sandbox_id, ("running", "paused", "resuming"), "destroyed"):
             return False
-        for proc in self._processes_of(sandbox_id):
+        procs = self._processes_of(sandbox_id)
+        for proc in procs:
             proc.kill_tree(signal.SIGKILL)
             proc.freeze(False)  # a frozen tree dies once thawed
+        remove_files_left(procs)
         return True
 
     def change_sandbox(self, change: str, sandbox_id: str = DEFAULT_SANDBOX) -> bool:
@@ -2799,6 +2802,23 @@ class LocalServer:
         finally:
             self._untrack_connection(upstream)
             upstream.close()
+
+
+# What a client's wrapper leaves in the sandbox's /tmp, named after its marker: the
+# staged file, and the spool of each stream with its end (createos_exec's _SPOOL).
+CLIENT_MARKER = re.compile(r"createos_exec-[0-9a-f]{24}\Z")
+CLIENT_FILES = ("", ".stdout", ".stderr", ".stdout.end", ".stderr.end")
+
+
+def remove_files_left(procs: list[Process]) -> None:
+    """Remove what the processes' wrappers left in /tmp, which is this machine's: a
+    sandbox that goes takes its files with it, and its processes are gone."""
+    for proc in procs:
+        marker = proc.args[2] if len(proc.args) > 2 else ""
+        if proc.cmd == "bash" and CLIENT_MARKER.match(marker):
+            for ending in CLIENT_FILES:
+                with contextlib.suppress(OSError):
+                    os.remove("/tmp/.%s%s" % (marker, ending))
 
 
 def buffered_bytes(req: _Handler) -> bytes:
