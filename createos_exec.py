@@ -7369,8 +7369,10 @@ _TERMINAL_TYPE = "export TERM=xterm-256color"
 # second to end drops both spools when together they hold fewer than $3
 # bytes, which the service's journal keeps whole; bigger ones are the
 # client's to remove once it has read everything. A spooler ignores the
-# signals sent to the process group, so that a command's last words in its
-# grace period still reach the service, and says nothing anywhere itself.
+# signals sent to the process group from its birth, so that a command's
+# last words in its grace period still reach the service, and a signal the
+# command meets as it starts takes nothing it wrote; it says nothing
+# anywhere itself.
 _SPOOL = r"""set +o posix
 _cx_spool() {
     # $1: the spool's path, to which each stream's name is added; $2: the
@@ -7386,7 +7388,11 @@ _cx_spool() {
     exec >&"$out" 2>&"$err" {out}>&- {err}>&-
 }
 _cx_fork_spooler() {
+    # The spooler is born ignoring the group's signals: one sent as the
+    # command starts would otherwise end it before its trap, and with it
+    # what the command had written to its pipe.
     local stream
+    trap '' HUP INT QUIT TERM USR1 USR2 ALRM XFSZ
     exec {stream}<&0
     _cx_spooler "$@" <&"$stream" &
 }
@@ -7396,7 +7402,6 @@ _cx_spooler() {
     # closed here only once the end is written.
     local spool pipe bytes other
     exec 2>/dev/null
-    trap '' HUP INT QUIT TERM USR1 USR2 ALRM XFSZ
     IFS=$' \t\n'
     umask 077
     ulimit -f "$4"
@@ -7509,11 +7514,11 @@ _cx_grow() {
 # the tree lives (so `wait?scope=tree` is not held up): it looks at the
 # processes it signalled every 0.1 s, and scans again once they have all
 # ended; else it sends SIGKILL after the grace period, to a tree scanned
-# afresh. It ignores the signals sent to the group, and sets again what a
-# caller's env could have changed for it: IFS, GLOBIGNORE, POSIX mode (set
-# off before the functions are read: bash 5.0 reads no process substitution
-# in it). Bash builtins only: the clock is /proc/uptime (in centiseconds) and
-# a read -t on a pipe nobody writes to is its sleep.
+# afresh. It ignores the signals sent to the group from its birth, and sets
+# again what a caller's env could have changed for it: IFS, GLOBIGNORE,
+# POSIX mode (set off before the functions are read: bash 5.0 reads no
+# process substitution in it). Bash builtins only: the clock is /proc/uptime
+# (in centiseconds) and a read -t on a pipe nobody writes to is its sleep.
 _WATCHDOG = r"""set +o posix
 _cx_start_watchdog() {
     # $1, $2: the deadline and the grace period, in centiseconds. The pipe's
@@ -7525,7 +7530,9 @@ _cx_start_watchdog() {
     wait "$!"
 }
 _cx_fork_watchdog() {
+    # Born ignoring the group's signals, as a spooler is (_cx_fork_spooler).
     local ends
+    trap '' HUP INT QUIT TERM USR1 USR2
     exec {ends}<&0
     ( _cx_watch "$@" "$ends" ) </dev/null >/dev/null 2>&1 &
 }
@@ -7536,7 +7543,6 @@ _cx_watch() {
     IFS=$' \t\n'
     unset GLOBIGNORE
     set +o posix
-    trap '' HUP INT QUIT TERM USR1 USR2
     _cx_leader=$1
     _cx_agent=$2
     _cx_stat "$_cx_leader" || return 0

@@ -10,6 +10,8 @@ does through the local server is in test_deadline.py and test_creation.py.
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import contextlib
 import os
 import pathlib
@@ -145,6 +147,26 @@ def test_a_sandbox_without_tee_runs_the_command_without_a_spool(tmp_path):
     wrapper = cx._plan(["printf", "%s", "out"], cx._Options()).body["args"][1]
     done = bash(wrapper, "printf", "%s", "out", env={"PATH": str(tmp_path)})
     assert (done.returncode, done.stdout, done.stderr) == (0, "out", "")
+
+
+def test_the_spoolers_and_the_watchdog_outlive_a_signal_to_the_group_as_it_starts():
+    # The command signals its group at once, when the spoolers and the watchdog,
+    # forked just before, may not have run a line of their own yet (a race: runs
+    # at once make it likely). What it wrote stays, and the deadline still holds.
+    script = "trap 'echo got' USR1; kill -USR1 0; echo err >&2; echo end; exec sleep 30"
+    wrapper = cx._plan(["bash", "-c", script], cx._Options(timeout=0.3)).body["args"][1]
+
+    def run(_: int) -> "tuple[int, str, str]":
+        marker = cx._MARKER_PREFIX + secrets.token_hex(12)  # a spool of its own
+        done = subprocess.run(
+            ["bash", "-c", wrapper, marker, "bash", "-c", script],
+            capture_output=True, text=True, timeout=20, start_new_session=True,
+        )  # fmt: skip
+        return done.returncode, done.stdout, done.stderr
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        outcomes = collections.Counter(pool.map(run, range(40)))
+    assert outcomes == {(-signal.SIGTERM, "got\nend\n", "err\n"): 40}
 
 
 def test_the_tree_is_the_group_the_reparented_and_the_descendants_outside_it(tree):

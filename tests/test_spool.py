@@ -195,17 +195,6 @@ def test_the_spool_is_removed_once_nothing_needs_it(client, server, run):
     assert len(removals) == (0 if result.stdout == "hi\n" else 1)
 
 
-def test_the_spoolers_outlive_the_signals_sent_to_the_group(client):
-    # USR1 would end a spooler that kept the default: the command's next write then fails.
-    script = "trap 'echo got $n' USR1; echo up; for n in 1 2 3 4; do sleep 0.1; done; echo end"
-    proc = client.start(SANDBOX, ["bash", "-c", script])
-    pieces = proc.iter_output()
-    assert next(pieces) == ("stdout", "up\n")
-    proc.send_signal("SIGUSR1")
-    assert [text for _, text in pieces][-1] == "end\n" and proc.wait().exit_code == 0
-    assert "got" in proc.wait().stdout
-
-
 # -- the campaign: evictions at random points (RELIABILITY.md item 18) -------------------
 #
 # Each run prints 0.6 to 2 MiB of numbered lines on both streams, in bursts; the
