@@ -2132,6 +2132,7 @@ class RemoteProcess(Generic[_AnyStr]):
                 )
             elif isinstance(looked, SandboxError):  # the probe's own: named after this process
                 looked.process_id, looked.after = self.process_id, self._follower.cursor
+                looked.args = (str(looked),)
             raise looked  # noqa: B904 (itself, or chained from it by diagnosed())
 
     def wait_for_port(self, port: int, *, host: str = "127.0.0.1", timeout: float = 30.0) -> None:
@@ -2363,6 +2364,7 @@ class RemoteProcess(Generic[_AnyStr]):
             return ending  # Ctrl-C is raised itself; a failed cleanup was logged
         if isinstance(unconfirmed, CleanupError):
             unconfirmed.after = follower.cursor
+            unconfirmed.args = (str(unconfirmed),)  # its message names the cursor
         if error is None:
             unconfirmed.result = follower.result(
                 ending.exited, timed_out=ending.timed_out, partial=True
