@@ -53,8 +53,10 @@ SHORT = cx.RetryPolicy(max_attempts=4, budget=2.0, initial_backoff=0.01, max_bac
 
 @pytest.fixture
 def lifecycle(local_server):
-    """A server of the test's reading whose resumes take 0.2 s, and a client of it."""
-    local = local_server(resume_seconds=0.2)
+    """A server of the test's reading whose resumes take 0.2 s, and a client of it.
+    Its frames hold two bytes at most: COUNT's first nine lines are a frame each,
+    however a loaded machine bunches them."""
+    local = local_server(resume_seconds=0.2, frame_limit=2)
     with make_client(local, retry=SHORT) as client:
         yield local, client
 
