@@ -371,14 +371,16 @@ def _read_live(arrange):
     return with_reader
 
 
-def _losing_the_spool(server):
-    """An on_output that removes the spool of the server's one process at its first call."""
+def _losing_the_spool(server, act=lambda process_id: None):
+    """An on_output that, at its first call, does `act` to the server's one process,
+    then removes its spool: what the journal loses is lost for good."""
     fired = []
 
     def on_output(stream, text):
         if not fired:
             fired.append(True)
             (record,) = server.processes()
+            act(record["process_id"])
             remove_spool(server, record["process_id"])
 
     return on_output
@@ -386,17 +388,12 @@ def _losing_the_spool(server):
 
 def _evict_then_break(server):
     server.drop_stream(after_frames=1)
-    fired = []
 
-    def on_output(stream, text):
-        if not fired:
-            fired.append(True)
-            time.sleep(0.4)  # let the process print more, then lose it, spool and all
-            (record,) = server.processes()
-            server.evict(record["process_id"])
-            remove_spool(server, record["process_id"])
+    def evict(process_id):
+        time.sleep(0.4)  # let the process print more, then lose it
+        server.evict(process_id)
 
-    return {"on_output": on_output}
+    return {"on_output": _losing_the_spool(server, evict)}
 
 
 def _chaos(seed):
