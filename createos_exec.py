@@ -3692,6 +3692,21 @@ class _Sandbox:
 
         return transport.retried(once, deadline, repeatable=repeatable)
 
+    def exec_output(self, argv: List[str], operation: str, deadline: _Deadline) -> _ExecOutput:
+        """One attempt at a chore whose stdout is read as it comes: a streamed exec
+        (docs/protocol.md 6), its heartbeats awaited as a stream's are."""
+        transport = self.transport
+        response = transport.send(
+            "POST",
+            self.path + "/exec",
+            operation=operation,
+            deadline=deadline,
+            read_timeout=transport.stream_idle_timeout,
+            json_body={"cmd": argv[0], "args": argv[1:], "stream": True},
+            stream=True,
+        )
+        return _ExecOutput(response, operation, transport.base)
+
     def remove(
         self, path: Union[str, Sequence[str]], what: str, hurry: Optional[threading.Event] = None
     ) -> None:
@@ -4203,7 +4218,8 @@ def _evicted_seq(response: requests.Response) -> Optional[int]:
 # (_PUT_APPEND) while the next one travels; a get() cut past a piece goes on
 # from the last whole one, the rest cut into pieces in the sandbox (_GET_CUT),
 # each checked. A directory moves as one tar archive, made as it is read here
-# (_Tree) or by tar there (_cx_pack), unpacked into a staged tree whose
+# (_Tree) or by tar there (_cx_stream, printed through a streamed exec;
+# _cx_pack, staged, where none is), unpacked into a staged tree whose
 # manifest (_tree_record) is checked, and renamed into place whole. Every
 # temporary file is removed on every failure, once the requests that write
 # it were answered: an upload this side stops still ends whole (_Outgoing).
@@ -4236,6 +4252,7 @@ _SERVICE_FILE_LIMIT = 500e6
 # for, in bytes read: a directory of 4 GB, read twice (190 s at _HASH_RATE).
 _TREE_PACKED = 2 * 4e9
 _TAR_BLOCK = 512
+_DESCRIPTION_LIMIT = 4096  # the longest first line a streamed description may have
 _PAX_LIMIT = 1024 * 1024  # the longest extended header (names, link targets) an archive may hold
 
 
@@ -4257,6 +4274,77 @@ def _ran(data: Any, operation: str) -> _Ran:
     if not _is_int(exited) or not isinstance(stdout, str):
         raise ProtocolError(f"the answer to {operation} holds no exit code")
     return _Ran(exited, stdout)
+
+
+class _ExecOutput:
+    """The stdout of a streamed exec as it comes (docs/protocol.md 6), then how
+    it ended: its NDJSON frames read strictly, a frame of any other shape a
+    ProtocolError; a stream that ends before its exit code was cut (_Retryable).
+    stderr is read and left: the scripts say what went wrong by their exits."""
+
+    _KEYS = frozenset({"stdout", "stderr", "error", "exit_code", "hb"})
+
+    def __init__(self, response: requests.Response, operation: str, origin: str) -> None:
+        self._response = response
+        self._operation = operation
+        self._origin = origin
+        self._texts = self._stdout()
+        self._kept = ""  # read past the last line() asked for
+        self.exited: Optional[int] = None  # None once ended: the command could not start
+
+    def line(self, most: int) -> str:
+        """The next line of stdout, its "\n" included, or what is left ("" at its end)."""
+        while "\n" not in self._kept and len(self._kept) <= most:
+            text = next(self._texts, None)
+            if text is None:
+                break
+            self._kept += text
+        if len(self._kept.partition("\n")[0]) > most:
+            raise ProtocolError(f"the answer to the {self._operation} has a line too long")
+        line, newline, self._kept = self._kept.partition("\n")
+        return line + newline
+
+    def rest(self) -> Iterator[str]:
+        """The rest of stdout, as it comes."""
+        if self._kept:
+            yield self._kept
+            self._kept = ""
+        yield from self._texts
+
+    def close(self) -> None:
+        self._texts.close()
+        self._response.close()
+
+    def _stdout(self) -> Generator[str, None, None]:
+        with self._response, _transport_errors(self._operation, self._origin):
+            for line in self._response.iter_lines(_READ_SIZE):
+                if not line:
+                    continue
+                frame = self._frame(line)
+                if "stdout" in frame:
+                    yield frame["stdout"]
+                if "error" in frame or "exit_code" in frame:
+                    self.exited = frame.get("exit_code") if "error" not in frame else None
+                    return
+        address = _address(self._origin)
+        raise _Retryable(self._operation, address=address, reason="reset")
+
+    def _frame(self, line: bytes) -> Dict[str, Any]:
+        try:
+            frame = json.loads(line)
+        except (ValueError, RecursionError):
+            frame = None
+        valid = (
+            isinstance(frame, dict)
+            and bool(frame)
+            and self._KEYS.issuperset(frame)
+            and all(isinstance(frame.get(key, ""), str) for key in ("stdout", "stderr", "error"))
+            and frame.get("hb", True) is True
+            and _is_int(frame.get("exit_code", 0))
+        )
+        if not valid:
+            raise ProtocolError(f"the answer to the {self._operation} holds a frame not understood")
+        return frame  # type: ignore[no-any-return]
 
 
 def _hashing_time(transport: _Transport, size: float) -> float:
@@ -4981,7 +5069,8 @@ class _Checks:
 class _Remote(NamedTuple):
     """What the sandbox says of get()'s path: a file ("file": its size, SHA-256,
     mode in octal and stamp) or a directory it packed ("tree": the archive's size,
-    the SHA-256 of the tree's manifest, and in `where` the archive's path)."""
+    -1 when not known, the SHA-256 of the tree's manifest, and in `where` the
+    archive's path, "" when the archive follows in the stream that said it)."""
 
     kind: str
     size: int
@@ -5055,6 +5144,7 @@ class _Download:
         self.total: Optional[int] = None  # what progress() is told the whole is
         self.operation = f"download of {_shown(path, 200)}"
         self.made: List[str] = []  # the temporary files of this download in the sandbox
+        self.archive: Optional[_ExecOutput] = None  # a directory's, read after its description
         self.began = time.monotonic()
         self._done = threading.Event()  # run() has returned or raised
 
@@ -5070,6 +5160,8 @@ class _Download:
             raise carried.args[0] from None
         finally:
             self._done.set()
+            if self.archive is not None:
+                self.archive.close()
             self._remove(list(self.made))
 
     def _remove(self, made: List[str]) -> None:
@@ -5080,8 +5172,25 @@ class _Download:
         _teller(self.progress, self.total)(done)
 
     def _describe(self, deadline: _Deadline) -> _Remote:
-        """The sandbox's description of the path: a file hashed, or a directory
-        packed where the sink takes one (_TREE_PACKED says for how long)."""
+        """The sandbox's description of the path: a file hashed, or, where the sink
+        takes a directory, one packed, its archive streamed after the description
+        (_streamed), or staged in the sandbox where the control plane streams no
+        exec (_TREE_PACKED says for how long its packing is awaited)."""
+        transport = self.sandbox.transport
+        if self.sink.takes_trees and transport.streams_exec:
+            try:
+                return transport.retried(self._streamed, deadline)
+            except APIError as refused:
+                if refused.status != 404:
+                    raise
+            remote = self._staged(deadline)  # a sandbox gone answers 404 here too
+            transport.streams_exec = False
+            return remote
+        return self._staged(deadline)
+
+    def _staged(self, deadline: _Deadline) -> _Remote:
+        """The description through an exec answered at its end: a file's, or a
+        directory's packed into an archive staged beside it."""
         archive, most = "", _SERVICE_FILE_LIMIT
         if self.sink.takes_trees:
             head, name = posixpath.split(self.path.rstrip("/"))
@@ -5094,19 +5203,46 @@ class _Download:
             repeatable=True,
             read_timeout=_hashing_time(self.sandbox.transport, most),
         )
-        if ran.exited != 0:
-            raise TransferError(self.path, _DESCRIBE_FAILURES.get(ran.exited or 0, "no_tools"))
-        said = re.fullmatch(
-            r"(file|tree) ([0-9]+) ([0-9a-f]{64}) ([0-7]+|-) (.+)\n", ran.stdout, re.S
-        )
-        if said is None:
-            raise ProtocolError(f"the answer to the {operation} does not describe a file")
-        remote = _Remote(said[1], int(said[2]), said[3], said[4], said[5])
+        remote = self._described(ran.exited, ran.stdout, operation)
         if remote.kind == "tree":
             self.made.append(remote.where)
             if self._done.is_set():  # nobody waits for it any more
                 self._remove([remote.where])
         return remote
+
+    def _streamed(self, deadline: _Deadline) -> _Remote:
+        """The description through a streamed exec: a file's whole, or a directory's
+        first line, its archive then kept in `archive` to be read."""
+        operation = f"check of {_shown(self.path, 200)}"
+        argv = ["bash", "-c", _GET_DESCRIBE, "createos_exec-get", self.path, "-"]
+        output = self.sandbox.exec_output(argv, operation, deadline)
+        try:
+            said = output.line(_DESCRIPTION_LIMIT)
+            tree = re.fullmatch(r"tree ([0-9a-f]{64}) ([0-9]+|-)\n", said)
+            if tree is not None:
+                self.archive = output
+                if self._done.is_set():  # nobody reads it any more
+                    self.archive = None
+                size = -1 if tree[2] == "-" else int(tree[2])
+                return _Remote("tree", size, tree[1], "-", "")
+            if any(output.rest()):
+                raise ProtocolError(f"the answer to the {operation} does not describe a file")
+            return self._described(output.exited, said, operation)
+        finally:
+            if self.archive is not output:
+                output.close()
+
+    def _described(self, exited: Optional[int], said: str, operation: str) -> _Remote:
+        """The description an exec printed, or the TransferError its exit says."""
+        self._check_exit(exited)
+        found = re.fullmatch(r"(file|tree) ([0-9]+) ([0-9a-f]{64}) ([0-7]+|-) (.+)\n", said, re.S)
+        if found is None:
+            raise ProtocolError(f"the answer to the {operation} does not describe a file")
+        return _Remote(found[1], int(found[2]), found[3], found[4], found[5])
+
+    def _check_exit(self, exited: Optional[int]) -> None:
+        if exited != 0:
+            raise TransferError(self.path, _DESCRIBE_FAILURES.get(exited or 0, "no_tools"))
 
     def _file(self, described: _Described, deadline: _Deadline) -> _Remote:
         """The file, read whole; or the description of a directory (a path that
@@ -5253,16 +5389,39 @@ class _Download:
 
     def _tree(self, remote: _Remote, deadline: _Deadline) -> FileInfo:
         """The directory's archive, unpacked as it comes into a tree beside the
-        destination (from its start again after a cut), checked and renamed into place."""
+        destination (from its start again after a cut: the stream asked for
+        anew, or the staged archive read again), checked and renamed into place."""
         tree = self.sink.tree(posixpath.basename(self.path.rstrip("/")), self.path)
-        self.total = remote.size
+        self.total = None if remote.size < 0 else remote.size
+        unpack = self._unpack if remote.where else self._unpack_streamed
         try:
-            self.sandbox.transport.retried(functools.partial(self._unpack, tree, remote), deadline)
-            return tree.commit(remote.sha256)
+            manifest = self.sandbox.transport.retried(
+                functools.partial(unpack, tree, remote), deadline
+            )
+            return tree.commit(manifest)
         finally:
             tree.discard()
 
-    def _unpack(self, tree: "_TreeSink", remote: _Remote, deadline: _Deadline) -> None:
+    def _unpack_streamed(self, tree: "_TreeSink", remote: _Remote, deadline: _Deadline) -> str:
+        if self.archive is None:  # cut before: the directory described anew
+            remote = self._streamed(deadline)
+            if self.archive is None:
+                raise TransferError(self.path, "changed")  # no directory any more
+            self.total = None if remote.size < 0 else remote.size
+        output, self.archive = self.archive, None
+        tree.restart()
+        got = 0
+        try:
+            for data in _base64_decoded(output.rest(), self.path):
+                tree.write(data)
+                got += len(data)
+                self._tell(got)
+        finally:
+            output.close()
+        self._check_exit(output.exited)
+        return remote.sha256
+
+    def _unpack(self, tree: "_TreeSink", remote: _Remote, deadline: _Deadline) -> str:
         tree.restart()
         got = 0
         base = self.sandbox.transport.base
@@ -5274,6 +5433,27 @@ class _Download:
                 self._tell(got)
         if got < remote.size:
             raise _Retryable(self.operation, address=_address(base), reason="reset")
+        return remote.sha256
+
+
+def _base64_decoded(texts: Iterable[str], path: str) -> Iterator[bytes]:
+    """The bytes of base64 text that comes in pieces of any length, decoded four
+    characters at a time; a character outside its alphabet, or an end that
+    cuts a group of four, is damage on the way."""
+    kept = ""
+    for text in texts:
+        kept += text
+        whole = len(kept) - len(kept) % 4
+        if whole:
+            if _BASE64_TEXT.fullmatch(kept, 0, whole) is None:
+                raise TransferError(path, "mismatch")
+            yield binascii.a2b_base64(kept[:whole])
+            kept = kept[whole:]
+    if kept:
+        raise TransferError(path, "mismatch")
+
+
+_BASE64_TEXT = re.compile(r"[A-Za-z0-9+/]*={0,2}")
 
 
 def _content_length(response: requests.Response) -> Optional[int]:
@@ -6358,6 +6538,9 @@ class _Transport:
         # fits in the cleanup deadline; the sandbox's watchdog keeps the same.
         self.termination_grace = min(_TERMINATE_GRACE, cleanup_timeout / 2)
         self.retry = retry
+        # Whether the control plane streams an exec's output: some answer 404
+        # (docs/protocol.md 6), which is learned once, at the first one asked.
+        self.streams_exec = True
         self._auth = _OnlyTheKey(api_key)
         self._session = session
         self._limiter = limiter
@@ -8060,14 +8243,43 @@ _DESCRIBE_FILE = r"""_cx_pack() {
     [[ $(_cx_tree_stamp "$1") == "$stamp" ]] || _cx_drop "$archive" 7
     printf 'tree %s %s - %s\n' "$(stat -c %s -- "$archive")" "$_cx_manifest" "$archive"
 }
+_cx_stream() {
+    # $1: a directory. Prints "tree", the SHA-256 of the tree's manifest and
+    # its archive's size ("-" where tar cannot tell it beforehand) on a line,
+    # then the archive in base64 on one line; exits as _cx_pack does (7 once
+    # the archive was printed).
+    local stamp totals size=-
+    _cx_need_tar && type -P base64 >/dev/null || exit 4
+    stamp=$(_cx_tree_stamp "$1") || exit 6
+    _cx_manifest "$1"
+    case $? in
+        0) ;;
+        8) exit 8 ;;
+        *) exit 6 ;;
+    esac
+    # GNU tar counts an archive written to /dev/null without reading the files.
+    totals=$(LC_ALL=C tar -c -f /dev/null --totals -C "$1" . 2>&1 >/dev/null) || :
+    if [[ $totals =~ ^Total\ bytes\ written:\ ([0-9]+) ]]; then
+        size=${BASH_REMATCH[1]}
+    fi
+    printf 'tree %s %s\n' "$_cx_manifest" "$size"
+    set -o pipefail
+    tar -c -f - -C "$1" . 2>/dev/null | base64 -w 0 || exit 6
+    [[ $(_cx_tree_stamp "$1") == "$stamp" ]] || exit 7
+}
 _cx_describe() {
     # $1: a path, $2: where a directory's archive goes ("": a directory is
-    # refused). Prints "file", its size, SHA-256, mode in octal and stamp
-    # (_cx_stamp), or a directory's as _cx_pack; exits 3 (no such file), 4
-    # (no sha256sum), 5 (not a regular file), 6 (unreadable) or 7 (it changed
-    # while it was hashed).
+    # refused; "-": its archive follows, as _cx_stream prints it). Prints
+    # "file", its size, SHA-256, mode in octal and stamp (_cx_stamp), or a
+    # directory's as _cx_pack; exits 3 (no such file), 4 (no sha256sum), 5
+    # (not a regular file), 6 (unreadable) or 7 (it changed while it was
+    # hashed).
     local stamp
     [[ -e $1 ]] || exit 3
+    if [[ -d $1 && $2 == - ]]; then
+        _cx_stream "$1"
+        exit
+    fi
     if [[ -d $1 && -n $2 ]]; then
         _cx_pack "$1" "$2"
         exit

@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import hashlib
 import io
+import json
 import os
 import random
 import shutil
@@ -480,22 +481,32 @@ def test_a_directory_replaces_the_one_there_whole_and_a_slash_takes_it_in(client
     assert leftovers(str(tmp_path)) == []
 
 
-def test_a_directory_of_many_files_takes_the_requests_of_one_file(client, server, tmp_path):
-    """One archive, not a request a file: a put is its PUT and one exec; a get one
-    exec (it packs), the GET and the removal of the archive (the GET of the
-    path itself too, sent beside the exec, unless the path ends in "/")."""
+@pytest.mark.parametrize("streams", [True, False], ids=["exec streamed", "exec answered whole"])
+def test_a_directory_of_many_files_takes_the_requests_of_one_file(local_server, tmp_path, streams):
+    """One archive, not a request a file: a put is its PUT and one exec; a get is
+    one streamed exec, which describes the path and then prints its archive (the
+    GET of the path itself too, sent beside it, unless the path ends in "/").
+    Where the control plane answers a streamed exec 404, learned once, a get's
+    exec packs an archive beside the path, then its GET and its removal."""
+    server = local_server(streamed_exec=streams)
     (tmp_path / "many").mkdir()
     for number in range(300):
         (tmp_path / "many" / f"{number}.txt").write_bytes(b"%d\n" % number)
-    remote = str(tmp_path / "sandbox")
-    put = requests_of(server, lambda: client.put(SANDBOX, str(tmp_path / "many"), remote))
-    assert put == [("PUT", "files", 200), ("POST", "exec", 200)]
-    get = requests_of(server, lambda: client.get(SANDBOX, remote + "/", str(tmp_path / "back")))
-    assert get == [("POST", "exec", 200), ("GET", "files", 200), ("POST", "exec", 200)]
-    get = requests_of(server, lambda: client.get(SANDBOX, remote, str(tmp_path / "back")))
-    assert (
-        sorted(get) == [("GET", "files", 200), ("GET", "files", 400)] + [("POST", "exec", 200)] * 2
-    )
+    remote, back = str(tmp_path / "sandbox"), str(tmp_path / "back")
+    with make_client(server) as client:
+        put = requests_of(server, lambda: client.put(SANDBOX, str(tmp_path / "many"), remote))
+        assert put == [("PUT", "files", 200), ("POST", "exec", 200)]
+        learned = requests_of(server, lambda: client.get(SANDBOX, remote + "/", back))
+        slashed = requests_of(server, lambda: client.get(SANDBOX, remote + "/", back))
+        get = requests_of(server, lambda: client.get(SANDBOX, remote, back))
+    exec_ = ("POST", "exec", 200)
+    if streams:
+        assert learned == slashed == [exec_]
+        assert sorted(get) == [("GET", "files", 400), exec_]
+    else:
+        assert learned == [("POST", "exec", 404)] + slashed
+        assert slashed == [exec_, ("GET", "files", 200), exec_]
+        assert sorted(get) == [("GET", "files", 200), ("GET", "files", 400), exec_, exec_]
     assert tree_of(tmp_path / "back") == tree_of(tmp_path / "many")
 
 
@@ -742,6 +753,33 @@ def test_an_exec_answer_that_says_nothing_usable_stops_a_get(rsps, answer, raise
     assert len(calls(rsps, "GET", FILES)) <= 1
 
 
+def frames(*frames) -> bytes:
+    return b"".join(json.dumps(frame).encode() + b"\n" for frame in frames)
+
+
+@pytest.mark.parametrize(
+    "answer, raised, says",
+    [
+        (frames({"stdout": DESCRIBED, "exit": 0}), cx.ProtocolError, "frame not understood"),
+        (frames({"stdout": 5}, {"exit_code": 0}), cx.ProtocolError, "frame not understood"),
+        (frames({"hb": False}, {"exit_code": 0}), cx.ProtocolError, "frame not understood"),
+        (b"{}\n", cx.ProtocolError, "frame not understood"),
+        (frames({"stdout": DESCRIBED + "more"}, {"exit_code": 0}), cx.ProtocolError, "describe"),
+        (frames({"stdout": "x" * 5000}), cx.ProtocolError, "line too long"),
+        (frames({"error": "exec: bash not found"}), cx.TransferError, "bash and sha256sum"),
+        (frames({"stdout": DESCRIBED}), cx.TransportError, "connection was reset"),
+    ],
+)
+def test_a_streamed_exec_is_read_strictly(rsps, tmp_path, answer, raised, says):
+    """A get into a path reads its description from a streamed exec's frames: one
+    it does not understand stops it, one that ends before its exit code is cut."""
+    rsps.add(responses.POST, EXEC, body=answer, content_type="application/x-ndjson")
+    rsps.add(responses.GET, FILES, body=b"hello")
+    with make_client() as client, pytest.raises(raised, match=says):
+        client.get(SB, "/app/x", str(tmp_path / "x"))
+    assert not (tmp_path / "x").exists()
+
+
 def test_a_body_cut_short_without_an_error_is_read_again_then_given_up(rsps):
     rsps.add(responses.POST, EXEC, json=exec_answer(stdout=DESCRIBED, exit_code=0))
     rsps.add(responses.GET, FILES, body=b"hel")
@@ -812,13 +850,15 @@ def faults(size: int) -> list:
 
 
 def inject(server, endpoint: str, name: str, at, skip: int = 0) -> None:
-    """The fault `name` on the next request of `endpoint` (a cut `at` bytes), or
-    the one after `skip` more."""
+    """The fault `name` on the next request of `endpoint` (a cut `at` bytes, or
+    characters of a streamed exec's output), or the one after `skip` more."""
     if name == "cut":
-        drop = server.drop_upload if endpoint == "files_put" else server.drop_download
-        drop(after_bytes=at, skip=skip)
+        drops = {"files_put": server.drop_upload, "exec": server.drop_exec_stream}
+        drops.get(endpoint, server.drop_download)(after_bytes=at, skip=skip)
     elif name in ("503", "429"):
         server.fail(endpoint, int(name), retry_after="0")
+    elif name == "corrupted" and endpoint == "exec":
+        server.corrupt_exec_stream(skip=skip)
     elif name == "corrupted":
         server.corrupt_files(endpoint, skip=skip)
     elif name == "check's answer lost":
@@ -937,12 +977,20 @@ _tree_figures = figures_at_end(
 )
 
 
-@pytest.mark.parametrize("way", ["put", "get"])
-def test_directories_under_faults_leave_the_old_tree_or_the_whole_new_one(server, tmp_path, way):
+@pytest.mark.parametrize("way", ["put", "get", "get, exec answered whole"])
+def test_directories_under_faults_leave_the_old_tree_or_the_whole_new_one(
+    local_server, tmp_path, way
+):
+    """A get reads the archive its streamed exec prints, or, where the control
+    plane answers that 404, the one its exec staged."""
+    server = local_server(streamed_exec=way == "get")
     big = campaign_size("CREATEOS_FILES_TREE", 64 * 1024, 8 * 1024 * 1024 + 17)
     new, old = make_tree(tmp_path / "new", big=big), make_tree(tmp_path / "old", big=3)
     there = tmp_path / "there" / "app"
-    endpoint, named = ("files_put", there) if way == "put" else ("files_get", f"{tmp_path}/new/")
+    endpoint, named = {
+        "put": ("files_put", there),
+        "get": ("exec", f"{tmp_path}/new/"),
+    }.get(way, ("files_get", f"{tmp_path}/new/"))
     with make_client(server) as client:
         move = functools.partial(client.put if way == "put" else client.get, SANDBOX)
         told: list = []
