@@ -11,8 +11,9 @@ replay journal with whole-frame eviction, ``wait`` long-polls and
 termination of the whole tree with a grace period, and PTY processes on real
 pseudo-terminals (resize, the foreground job). Tests can also inject faults
 (error statuses, dropped / ended / stalled / corrupted streams, eviction, a
-lost create response, a lost answer to a delivered input or to an exec, a file
-upload or download cut or corrupted), and turn on strict
+lost create response, a lost answer to a delivered input or to an exec, a
+streamed exec cut or with a character changed, a file upload or download cut
+or corrupted), and turn on strict
 POST framing and a per-address rate limit
 (``LocalServer(strict=True, rate_limit=(N, seconds))``).
 
@@ -47,6 +48,7 @@ from __future__ import annotations
 import argparse
 import base64
 import binascii
+import codecs
 import collections
 import contextlib
 import dataclasses
@@ -60,6 +62,7 @@ import itertools
 import json
 import math
 import os
+import queue
 import re
 import secrets
 import shutil
@@ -200,7 +203,7 @@ ROUTES = tuple(
 # Fault kinds. The faults of one endpoint wait in one FIFO and each is
 # consumed at the moment it applies to: a status fault at request start, a
 # stream fault once a stream has started, a lost or refused (429) response after a create or
-# after an input written to the process. A
+# after an input written to the process, an exec stream's once its command started. A
 # head fault that does not apply yet holds back those behind it, so
 # drop_stream() then fail("connect", 503) breaks the first stream and answers
 # 503 to the next connect. A replay fault only moves a connect's starting
@@ -1717,6 +1720,159 @@ class OutputStream:
 
 
 # --------------------------------------------------------------------------
+# The answer of a streamed exec (POST …/exec?stream=true)
+
+EXEC_STOP_CHECK = 0.2  # seconds a silent streamed exec waits before it looks for a stop
+
+
+def shell_status(returncode: int) -> int:
+    """An exec's exit_code: a signal death as 128 + N, the shell's convention."""
+    return returncode if returncode >= 0 else 128 - returncode
+
+
+class ExecStream:
+    """Relays one running exec as NDJSON lines (docs/protocol.md §6):
+    ``{"stdout": text}`` and ``{"stderr": text}`` as the command writes them,
+    ``{"hb": true}`` after a heartbeat interval without a line, and
+    ``{"exit_code": n}`` last, once both pipes ended and the command exited.
+
+    A thread per pipe puts what it reads (at most ``FRAME_LIMIT`` bytes at a
+    time) in one queue, so the two streams keep the order they were written
+    in; each is decoded incrementally, so that a character split between two
+    reads arrives whole. A fault changes what is sent (see
+    ``drop_exec_stream``, ``corrupt_exec_stream``, ``lose_exec_response``). A
+    stream broken before the command's end, by a fault, its client or the
+    server's stop, SIGKILLs the command's process group.
+    """
+
+    def __init__(
+        self,
+        app: LocalServer,
+        req: _Handler,
+        child: subprocess.Popen[bytes],
+        stdin: bytes,
+        fault: Fault | None,
+    ):
+        self.app = app
+        self.req = req
+        self.child = child
+        self.fault_kind = None if fault is None else fault.kind
+        self.pieces: queue.Queue[tuple[str, bytes]] = queue.Queue()
+        self.decoders = {
+            stream: codecs.getincrementaldecoder("utf-8")("replace")
+            for stream in ("stdout", "stderr")
+        }
+        # The stdout characters still to send before a drop fault breaks the stream.
+        self.stdout_left = fault.after_bytes if fault and fault.kind == "drop" else math.inf
+        self.corrupting = self.fault_kind == "corrupt"
+        self.past_header = False  # the stdout text went past its first newline
+        self.last_write = time.monotonic()
+        assert child.stdin and child.stdout and child.stderr  # started with three PIPEs
+        feed = (self._feed, (child.stdin, stdin))
+        pumps = [
+            (self._pump, (pipe, name))
+            for pipe, name in ((child.stdout, "stdout"), (child.stderr, "stderr"))
+        ]
+        for target, args in [feed] + pumps:
+            threading.Thread(target=target, args=args, daemon=True).start()
+
+    @staticmethod
+    def _feed(pipe: IO[bytes], data: bytes) -> None:
+        with contextlib.suppress(OSError), pipe:  # a command may leave its stdin unread
+            pipe.write(data)
+
+    def _pump(self, pipe: IO[bytes], stream: str) -> None:
+        """Queue what one pipe gives until its end, queued as an empty piece."""
+        with pipe:
+            while True:
+                try:
+                    data = os.read(pipe.fileno(), FRAME_LIMIT)
+                except OSError:
+                    data = b""
+                self.pieces.put((stream, data))
+                if not data:
+                    return
+
+    def run(self) -> None:
+        kind = self.fault_kind
+        self.req.start_chunked("application/x-ndjson", 0 if kind in ("drop", "lose") else 200)
+        try:
+            whole = self._relay()
+            if not whole:
+                self._kill()
+            code = self.child.wait()
+            if whole and kind in (None, "corrupt"):
+                self._write({"exit_code": shell_status(code)})
+                self.req.end_chunked()
+            else:
+                self.req.abort()  # without the exit_code line
+        except OSError:  # the client went away
+            self.req.close_connection = True
+        finally:
+            self._kill()  # nothing once the command was reaped
+            self.child.wait()
+
+    def _relay(self) -> bool:
+        """Send the output until both pipes ended (True), or until the stream is to
+        break: a drop fault's characters sent, or the server stopping (False)."""
+        open_pipes = 2
+        while open_pipes:
+            idle = self.last_write + self.app.heartbeat_interval - time.monotonic()
+            try:
+                stream, data = self.pieces.get(timeout=max(0.0, min(idle, EXEC_STOP_CHECK)))
+            except queue.Empty:
+                if self.app._stopping.is_set():
+                    return False
+                if idle <= 0:
+                    self._write({"hb": True})
+                continue
+            open_pipes -= not data
+            text = self.decoders[stream].decode(data, final=not data)
+            if text and not self._send(stream, text):
+                return False
+        return True
+
+    def _send(self, stream: str, text: str) -> bool:
+        """Send one piece of text; False once a drop fault's characters are sent."""
+        if stream == "stdout":
+            if self.corrupting:
+                text = self._corrupted(text)
+            if len(text) >= self.stdout_left:
+                if self.stdout_left:
+                    self._write({stream: text[: int(self.stdout_left)]})
+                return False
+            self.stdout_left -= len(text)
+        self._write({stream: text})
+        return True
+
+    def _corrupted(self, text: str) -> str:
+        """`text` with the first character after the stdout's first newline changed
+        to "A" ("B" where it is "A"), once: the byte of a payload after a header."""
+        start = 0
+        if not self.past_header:
+            newline = text.find("\n")
+            if newline < 0:
+                return text
+            self.past_header = True
+            start = newline + 1
+        if start == len(text):
+            return text
+        self.corrupting = False
+        return text[:start] + ("B" if text[start] == "A" else "A") + text[start + 1 :]
+
+    def _write(self, line: dict[str, Any]) -> None:
+        self.req.write_chunk(frame_line(line))
+        self.last_write = time.monotonic()
+
+    def _kill(self) -> None:
+        """SIGKILL the command's process group while its leader is unreaped (its
+        id cannot have been reused then)."""
+        if self.child.returncode is None:
+            with contextlib.suppress(OSError):
+                os.killpg(self.child.pid, signal.SIGKILL)
+
+
+# --------------------------------------------------------------------------
 # The server
 
 
@@ -1865,6 +2021,11 @@ class LocalServer:
     anything else is looked at: no process is created, no fault is consumed.
     They are recorded in ``requests`` like every answer. ``None`` (the
     default): no limit.
+
+    ``streamed_exec=True`` (the default) answers an exec with ``?stream=true``
+    (or ``"stream": true``) as a stream of NDJSON lines, as the service
+    documents it (see ``ExecStream``); ``False`` answers it 404 with a JSend
+    fail, as some control planes do (docs/protocol.md §6).
     """
 
     def __init__(
@@ -1885,6 +2046,7 @@ class LocalServer:
         cgroups: bool = True,
         auto_pause_after: float | None = None,
         resume_seconds: float = 0.2,
+        streamed_exec: bool = True,
         verbose: bool = False,
     ):
         reading = reading_of(reading)
@@ -1927,6 +2089,7 @@ class LocalServer:
         self.cgroups = cgroups
         self.auto_pause_after = auto_pause_after
         self.resume_seconds = resume_seconds
+        self.streamed_exec = streamed_exec
         self._cgroup: Cgroup | None = None  # the parent of the processes' cgroups, once started
         self.verbose = verbose
         self.url = ""
@@ -2263,8 +2426,23 @@ class LocalServer:
         self._queue(endpoint, Fault("corrupt", count, skip=skip))
 
     def lose_exec_response(self, *, count: int = 1) -> None:
-        """Run the next execs to their end, then close the socket without an answer."""
+        """Run the next execs to their end, then close the socket without an answer:
+        a streamed one sends every line but its ``exit_code`` line."""
         self._queue("exec", Fault("lose", count))
+
+    def drop_exec_stream(self, *, after_bytes: int = 0, count: int = 1, skip: int = 0) -> None:
+        """Send only the first `after_bytes` characters of the stdout of the next
+        streamed execs (after `skip` more whole ones), the last ``stdout`` line cut
+        to fit, then break the connection, without an ``exit_code`` line; the
+        command's process group is then SIGKILLed. A buffered exec leaves it queued."""
+        self._queue("exec", Fault("drop", count, after_bytes=after_bytes, skip=skip))
+
+    def corrupt_exec_stream(self, *, count: int = 1, skip: int = 0) -> None:
+        """Change one character of the stdout of the next streamed execs (after `skip`
+        more whole ones): the first after its first newline (after a header line)
+        becomes "A", or "B" where it is "A"; the rest, ``exit_code`` included, as
+        usual. A buffered exec leaves it queued."""
+        self._queue("exec", Fault("corrupt", count, skip=skip))
 
     def pause_at(self, endpoint: str, *, after_frames: int = 0, count: int = 1) -> None:
         """Pause the sandbox when the next `count` requests of `endpoint` arrive, which
@@ -2739,7 +2917,8 @@ class LocalServer:
     def _ep_exec(self, req: _Handler, sandbox_id: str) -> dict[str, Any] | None:
         sandbox = self._sandbox(sandbox_id)
         spec = req.json_body()
-        if req.query.get("stream") == "true" or spec.get("stream") is True:
+        streamed = req.query.get("stream") == "true" or spec.get("stream") is True
+        if streamed and not self.streamed_exec:
             raise ApiError(404, {"stream": "streaming exec is not supported by the local server"})
         cmd, args = command_of(spec)
         env = environment_of(spec, sandbox)
@@ -2748,9 +2927,9 @@ class LocalServer:
             raise ApiError(400, {"stdin": "must be a string"})
         started = time.monotonic()
         try:
-            done = subprocess.run(
+            child = subprocess.Popen(
                 [cmd] + args,
-                input=(stdin or "").encode("utf-8"),
+                stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 cwd=sandbox.workdir(),
@@ -2759,16 +2938,21 @@ class LocalServer:
             )
         except (OSError, ValueError) as exc:
             raise start_error(exc) from None
-        code = done.returncode
+        given = (stdin or "").encode("utf-8")
+        if streamed:
+            # Only a streamed exec takes these: a buffered one leaves them queued.
+            fault = self._take_fault("exec", ("lose", "drop", "corrupt"))
+            ExecStream(self, req, child, given, fault).run()
+            return None
+        stdout, stderr = child.communicate(given)
         if self._take_fault("exec", ("lose",)) is not None:
             req.abort()
             return None
         return {
             "result": {
-                "stdout": done.stdout.decode("utf-8", "replace"),
-                "stderr": done.stderr.decode("utf-8", "replace"),
-                # Shell convention for a signal death: exit_code is always an int here.
-                "exit_code": code if code >= 0 else 128 - code,
+                "stdout": stdout.decode("utf-8", "replace"),
+                "stderr": stderr.decode("utf-8", "replace"),
+                "exit_code": shell_status(child.returncode),
             },
             "exec_ms": (time.monotonic() - started) * 1000.0,
         }
@@ -3000,6 +3184,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="SECONDS",
         help="how long a sandbox stays 'resuming' before it runs again (default 0.2)",
     )
+    parser.add_argument(
+        "--no-streamed-exec",
+        dest="streamed_exec",
+        action="store_false",
+        help="answer an exec with ?stream=true 404, as some control planes do (default: "
+        "a stream of NDJSON lines, as the service documents it)",
+    )
     parser.add_argument("--verbose", action="store_true", help="log requests to stderr")
     options = parser.parse_args(argv)
     try:
@@ -3019,6 +3210,7 @@ def main(argv: list[str] | None = None) -> int:
             cgroups=options.cgroups,
             auto_pause_after=options.auto_pause,
             resume_seconds=options.resume_seconds,
+            streamed_exec=options.streamed_exec,
             verbose=options.verbose,
         )
     except ValueError as exc:

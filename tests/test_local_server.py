@@ -81,9 +81,10 @@ class Api:
         return response.json()["data"]
 
 
-def read_frames(response: requests.Response) -> list:
-    """Decode an NDJSON stream, checking that every HTTP chunk holds exactly one line."""
-    frames = []
+def read_frames(response: requests.Response, frames: list | None = None) -> list:
+    """Decode an NDJSON stream into `frames`, checking that every HTTP chunk holds
+    exactly one line."""
+    frames = [] if frames is None else frames
     for chunk in response.raw.read_chunked(decode_content=False):
         assert chunk.endswith(b"\n") and chunk.count(b"\n") == 1, chunk
         frames.append(json.loads(chunk))
@@ -755,7 +756,7 @@ def test_file_faults_cut_corrupt_and_lose_answers(server, api, tmp_path):
         server.corrupt_files("exec")
 
 
-def test_exec_is_buffered_only(server, api):
+def test_a_buffered_exec_answers_once_the_command_ended(server, api):
     response = api.request(
         "POST",
         "/exec",
@@ -764,8 +765,86 @@ def test_exec_is_buffered_only(server, api):
     data = response.json()["data"]
     assert data["result"] == {"stdout": "in", "stderr": "err", "exit_code": 4}
     assert isinstance(data["exec_ms"], float) and data["exec_ms"] >= 0
-    assert api.request("POST", "/exec?stream=true", json={"cmd": "true"}).status_code == 404
-    assert api.request("POST", "/exec", json={"cmd": "true", "stream": True}).status_code == 404
+
+
+def exec_stream(api: Api, script: str, **spec) -> tuple:
+    """A streamed exec of `script` (sh -c): (its lines, whether its body ended cleanly)."""
+    body = dict(spec, cmd="sh", args=["-c", script])
+    response = api.request("POST", "/exec?stream=true", json=body, stream=True)
+    assert response.status_code == 200, response.text
+    assert response.headers["Content-Type"] == "application/x-ndjson"
+    lines: list = []
+    try:
+        read_frames(response, lines)
+    except urllib3.exceptions.ProtocolError:  # broken, or closed without the last chunk
+        return lines, False
+    return lines, True
+
+
+def runs_of(lines: list) -> list:
+    """(stream, text) of each run of output lines of one stream, heartbeats left out."""
+    runs: list = []
+    for line in lines:
+        ((stream, text),) = line.items()
+        if stream in ("stdout", "stderr"):
+            if runs and runs[-1][0] == stream:
+                runs[-1] = (stream, runs[-1][1] + text)
+            else:
+                runs.append((stream, text))
+    return runs
+
+
+def test_a_streamed_exec_relays_both_streams_as_written_then_the_exit_code(server, api):
+    # "é" is written in two halves a tenth of a second apart: two reads of the pipe.
+    script = "cat; printf 'h\\303'; sleep 0.1; printf '\\251\\n'; sleep 0.1; printf err >&2; exit 4"
+    lines, ended = exec_stream(api, script, stdin="in")
+    assert ended and lines[-1] == {"exit_code": 4}
+    assert runs_of(lines) == [("stdout", "inh\u00e9\n"), ("stderr", "err")]
+    assert exec_stream(api, "kill -KILL $$") == ([{"exit_code": 137}], True)
+    body = {"cmd": "/nonexistent/command", "stream": True}  # the body's field, as ?stream=true
+    refused = api.request("POST", "/exec", json=body)
+    assert refused.status_code == 400 and "cannot start" in refused.json()["data"]["cmd"]
+    server.fail("exec", 503)
+    assert api.request("POST", "/exec", json=dict(body, cmd="true")).status_code == 503
+
+
+def test_a_silent_streamed_exec_sends_heartbeats():
+    with LocalServer(heartbeat_interval=0.2) as server:
+        lines, ended = exec_stream(Api(server), "sleep 0.7; echo done")
+    assert ended and lines[-2:] == [{"stdout": "done\n"}, {"exit_code": 0}]
+    assert len(lines) >= 3 and all(line == {"hb": True} for line in lines[:-2])
+
+
+EXEC_SCRIPT = "printf 'head\\n'; sleep 0.1; printf 'ABC\\n'; sleep 0.1; printf end"
+EXEC_OUTPUT = "head\nABC\nend"
+
+
+@pytest.mark.parametrize(
+    "fault, stdout, exit_code",
+    [("drop", "head\nAB", None), ("corrupt", "head\nBBC\nend", 0), ("lose", EXEC_OUTPUT, None)],
+)
+def test_exec_stream_faults_cut_change_or_lose_the_end(
+    server, api, tmp_path, fault, stdout, exit_code
+):
+    if fault == "lose":
+        server.lose_exec_response()
+    else:  # a buffered exec leaves them queued, and `skip` spares a whole stream
+        options = {"after_bytes": 7} if fault == "drop" else {}
+        getattr(server, fault + "_exec_stream")(skip=1, **options)
+        buffered = api.request("POST", "/exec", json={"cmd": "sh", "args": ["-c", EXEC_SCRIPT]})
+        assert buffered.json()["data"]["result"]["stdout"] == EXEC_OUTPUT
+        assert exec_stream(api, EXEC_SCRIPT)[0][-1] == {"exit_code": 0}
+    pid_file = tmp_path / "pid"
+    # A cut stream's command is killed: it would otherwise sleep on.
+    linger = "echo $$ > %s; %s; exec sleep 60" % (shlex.quote(str(pid_file)), EXEC_SCRIPT)
+    lines, ended = exec_stream(api, linger if fault == "drop" else EXEC_SCRIPT)
+    assert runs_of(lines) == [("stdout", stdout)]
+    assert ended == (exit_code is not None)
+    assert ("exit_code" in lines[-1]) == ended and lines[-1].get("exit_code") == exit_code
+    if fault == "drop":
+        assert not alive(int(pid_file.read_text()))
+    lines, ended = exec_stream(api, EXEC_SCRIPT)  # the fault is spent
+    assert ended and runs_of(lines) == [("stdout", EXEC_OUTPUT)]
 
 
 # -- fault injection ------------------------------------------------------------
@@ -1008,6 +1087,15 @@ def test_cli_help_carries_the_warning():
     assert "RUNS COMMANDS ON THIS MACHINE" in text and "loopback" in text
     assert "signal_target group / leader" in text  # every field of the reading, both values
     assert "cgroup v2 of its own where it may" in text and "--no-cgroups" in text
+
+
+def test_cli_no_streamed_exec_flag_answers_a_streamed_exec_404():
+    with cli_server("--no-streamed-exec") as api:
+        for path, body in (("/exec?stream=true", {}), ("/exec", {"stream": True})):
+            refused = api.request("POST", path, json=dict(body, cmd="true"))
+            assert refused.status_code == 404 and refused.json()["status"] == "fail"
+        answer = api.request("POST", "/exec", json={"cmd": "echo", "args": ["buffered"]})
+        assert answer.json()["data"]["result"]["stdout"] == "buffered\n"
 
 
 def test_cli_no_cgroups_flag():
