@@ -753,6 +753,9 @@ def test_an_exec_answer_that_says_nothing_usable_stops_a_get(rsps, answer, raise
     assert len(calls(rsps, "GET", FILES)) <= 1
 
 
+DAMAGED = "what arrived differs from what was sent"
+
+
 def frames(*frames) -> bytes:
     return b"".join(json.dumps(frame).encode() + b"\n" for frame in frames)
 
@@ -764,19 +767,23 @@ def frames(*frames) -> bytes:
         (frames({"stdout": 5}, {"exit_code": 0}), cx.ProtocolError, "frame not understood"),
         (frames({"hb": False}, {"exit_code": 0}), cx.ProtocolError, "frame not understood"),
         (b"{}\n", cx.ProtocolError, "frame not understood"),
+        (b"\n{no json}\n", cx.ProtocolError, "frame not understood"),
         (frames({"stdout": DESCRIBED + "more"}, {"exit_code": 0}), cx.ProtocolError, "describe"),
         (frames({"stdout": "x" * 5000}), cx.ProtocolError, "line too long"),
         (frames({"error": "exec: bash not found"}), cx.TransferError, "bash and sha256sum"),
         (frames({"stdout": DESCRIBED}), cx.TransportError, "connection was reset"),
+        (frames({"stdout": f"tree {SUM} -\nAA*A"}, {"exit_code": 0}), cx.TransferError, DAMAGED),
+        (frames({"stdout": f"tree {SUM} 9\nAAAAA"}, {"exit_code": 0}), cx.TransferError, DAMAGED),
     ],
 )
 def test_a_streamed_exec_is_read_strictly(rsps, tmp_path, answer, raised, says):
     """A get into a path reads its description from a streamed exec's frames: one
-    it does not understand stops it, one that ends before its exit code is cut."""
+    it does not understand stops it, one that ends before its exit code is cut;
+    a directory's archive after it that is not base64 arrived damaged."""
     rsps.add(responses.POST, EXEC, body=answer, content_type="application/x-ndjson")
     rsps.add(responses.GET, FILES, body=b"hello")
     with make_client() as client, pytest.raises(raised, match=says):
-        client.get(SB, "/app/x", str(tmp_path / "x"))
+        client.get(SB, "/app/x/", str(tmp_path / "x"))
     assert not (tmp_path / "x").exists()
 
 
