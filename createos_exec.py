@@ -4224,7 +4224,7 @@ def _evicted_seq(response: requests.Response) -> Optional[int]:
 # temporary file is removed on every failure, once the requests that write
 # it were answered: an upload this side stops still ends whole (_Outgoing).
 #
-# At some 1,400 lines it is the longest section, and one on purpose: a file, a
+# At some 1,600 lines it is the longest section, and one on purpose: a file, a
 # file in pieces and a tree share one shape (a temporary beside the
 # destination, a check, one rename) and one set of failures (TransferError's
 # reasons, every temporary removed), which a reader follows in one place; the
