@@ -8222,25 +8222,31 @@ _SCRATCH = r"""_cx_scratch() {
     fi
     mktemp -- "${TMPDIR:-/tmp}/.createos_exec.XXXXXXXXXX.part"
 }"""
-_DESCRIBE_FILE = r"""_cx_pack() {
-    # $1: a directory, $2: where its archive goes. Prints "tree", the
-    # archive's size, the SHA-256 of the tree's manifest, "-" and the
-    # archive's path; exits 4 (no tools), 6 (unreadable), 7 (it changed
-    # while it was packed) or 8 (it holds something other than files,
-    # directories and symlinks).
-    local archive stamp
-    _cx_need_tar || exit 4
-    rm -f -- "$2"
-    stamp=$(_cx_tree_stamp "$1") || exit 6
+_DESCRIBE_FILE = r"""_cx_listed() {
+    # $1: a directory, its stamp then put in _cx_tree_was and the SHA-256 of
+    # its manifest in _cx_manifest; exits 6 (unreadable) or 8 (it holds
+    # something other than files, directories and symlinks).
+    _cx_tree_was=$(_cx_tree_stamp "$1") || exit 6
     _cx_manifest "$1"
     case $? in
         0) ;;
         8) exit 8 ;;
         *) exit 6 ;;
     esac
+}
+_cx_pack() {
+    # $1: a directory, $2: where its archive goes. Prints "tree", the
+    # archive's size, the SHA-256 of the tree's manifest, "-" and the
+    # archive's path; exits 4 (no tools), 6 (unreadable), 7 (it changed
+    # while it was packed) or 8 (it holds something other than files,
+    # directories and symlinks).
+    local archive
+    _cx_need_tar || exit 4
+    rm -f -- "$2"
+    _cx_listed "$1"
     archive=$(_cx_scratch "$2") || exit 6
     tar -c -f "$archive" -C "$1" . 2>/dev/null || _cx_drop "$archive" 6
-    [[ $(_cx_tree_stamp "$1") == "$stamp" ]] || _cx_drop "$archive" 7
+    [[ $(_cx_tree_stamp "$1") == "$_cx_tree_was" ]] || _cx_drop "$archive" 7
     printf 'tree %s %s - %s\n' "$(stat -c %s -- "$archive")" "$_cx_manifest" "$archive"
 }
 _cx_stream() {
@@ -8248,15 +8254,9 @@ _cx_stream() {
     # its archive's size ("-" where tar cannot tell it beforehand) on a line,
     # then the archive in base64 on one line; exits as _cx_pack does (7 once
     # the archive was printed).
-    local stamp totals size=-
+    local totals size=-
     _cx_need_tar && type -P base64 >/dev/null || exit 4
-    stamp=$(_cx_tree_stamp "$1") || exit 6
-    _cx_manifest "$1"
-    case $? in
-        0) ;;
-        8) exit 8 ;;
-        *) exit 6 ;;
-    esac
+    _cx_listed "$1"
     # GNU tar counts an archive written to /dev/null without reading the files.
     totals=$(LC_ALL=C tar -c -f /dev/null --totals -C "$1" . 2>&1 >/dev/null) || :
     if [[ $totals =~ ^Total\ bytes\ written:\ ([0-9]+) ]]; then
@@ -8265,7 +8265,7 @@ _cx_stream() {
     printf 'tree %s %s\n' "$_cx_manifest" "$size"
     set -o pipefail
     tar -c -f - -C "$1" . 2>/dev/null | base64 -w 0 || exit 6
-    [[ $(_cx_tree_stamp "$1") == "$stamp" ]] || exit 7
+    [[ $(_cx_tree_stamp "$1") == "$_cx_tree_was" ]] || exit 7
 }
 _cx_describe() {
     # $1: a path, $2: where a directory's archive goes ("": a directory is
