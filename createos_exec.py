@@ -911,6 +911,16 @@ class SandboxGoneError(SandboxError):
         return self.sandbox_status == "not found"
 
 
+def _taken_up_at(
+    error: Union[CleanupError, SandboxError], process_id: Optional[str], after: Optional[int]
+) -> None:
+    """Name the process and the cursor to take it up at in an error made before
+    they were known: its message names them, and so must its args, which
+    repr() and logging show."""
+    error.process_id, error.after = process_id, after
+    error.args = (str(error),)
+
+
 # The sandbox's statuses (docs/protocol.md 4): those on the way to running,
 # waited out within a run's deadline; those in which its processes are frozen
 # (the first of them too, past the deadline); those in which they are gone;
@@ -2131,8 +2141,7 @@ class RemoteProcess(Generic[_AnyStr]):
                     refused, self.process_id, self._follower.cursor
                 )
             elif isinstance(looked, SandboxError):  # the probe's own: named after this process
-                looked.process_id, looked.after = self.process_id, self._follower.cursor
-                looked.args = (str(looked),)
+                _taken_up_at(looked, self.process_id, self._follower.cursor)
             raise looked  # noqa: B904 (itself, or chained from it by diagnosed())
 
     def wait_for_port(self, port: int, *, host: str = "127.0.0.1", timeout: float = 30.0) -> None:
@@ -2255,8 +2264,8 @@ class RemoteProcess(Generic[_AnyStr]):
         except _TimedOut:
             return ending  # still paused: nothing to terminate
         except SandboxError as gone:  # destroyed while it resumed, or in a state unknown
-            gone.process_id, gone.after, gone.result = self.process_id, paused.after, paused.result
-            gone.args = (str(gone),)
+            gone.result = paused.result
+            _taken_up_at(gone, self.process_id, paused.after)
             return _Ending(error=gone, gone=True)
         except APIError as refused:
             if refused.status != 404:
@@ -2363,8 +2372,7 @@ class RemoteProcess(Generic[_AnyStr]):
         if unconfirmed is None or isinstance(error, KeyboardInterrupt):
             return ending  # Ctrl-C is raised itself; a failed cleanup was logged
         if isinstance(unconfirmed, CleanupError):
-            unconfirmed.after = follower.cursor
-            unconfirmed.args = (str(unconfirmed),)  # its message names the cursor
+            _taken_up_at(unconfirmed, unconfirmed.process_id, follower.cursor)
         if error is None:
             unconfirmed.result = follower.result(
                 ending.exited, timed_out=ending.timed_out, partial=True
@@ -5392,7 +5400,6 @@ class _Download:
         destination (from its start again after a cut: the stream asked for
         anew, or the staged archive read again), checked and renamed into place."""
         tree = self.sink.tree(posixpath.basename(self.path.rstrip("/")), self.path)
-        self.total = None if remote.size < 0 else remote.size
         unpack = self._unpack if remote.where else self._unpack_streamed
         try:
             manifest = self.sandbox.transport.retried(
@@ -5407,33 +5414,34 @@ class _Download:
             remote = self._streamed(deadline)
             if self.archive is None:
                 raise TransferError(self.path, "changed")  # no directory any more
-            self.total = None if remote.size < 0 else remote.size
         output, self.archive = self.archive, None
-        tree.restart()
-        got = 0
+        self.total = None if remote.size < 0 else remote.size
         try:
-            for data in _base64_decoded(output.rest(), self.path):
-                tree.write(data)
-                got += len(data)
-                self._tell(got)
+            self._fill(tree, _base64_decoded(output.rest(), self.path))
         finally:
             output.close()
         self._check_exit(output.exited)
         return remote.sha256
 
     def _unpack(self, tree: "_TreeSink", remote: _Remote, deadline: _Deadline) -> str:
-        tree.restart()
-        got = 0
+        self.total = remote.size
         base = self.sandbox.transport.base
         response = self.sandbox.get_file(remote.where, self.operation, deadline)
         with response, _transport_errors(self.operation, base):
-            for data in response.iter_content(_READ_SIZE):
-                tree.write(data)
-                got += len(data)
-                self._tell(got)
+            got = self._fill(tree, response.iter_content(_READ_SIZE))
         if got < remote.size:
             raise _Retryable(self.operation, address=_address(base), reason="reset")
         return remote.sha256
+
+    def _fill(self, tree: "_TreeSink", archive: Iterable[bytes]) -> int:
+        """An archive's pieces, from its start, into `tree`; how many bytes came."""
+        tree.restart()
+        got = 0
+        for data in archive:
+            tree.write(data)
+            got += len(data)
+            self._tell(got)
+        return got
 
 
 def _base64_decoded(texts: Iterable[str], path: str) -> Iterator[bytes]:
@@ -5442,7 +5450,7 @@ def _base64_decoded(texts: Iterable[str], path: str) -> Iterator[bytes]:
     cuts a group of four, is damage on the way."""
     kept = ""
     for text in texts:
-        kept += text
+        kept = kept + text if kept else text
         whole = len(kept) - len(kept) % 4
         if whole:
             if _BASE64_TEXT.fullmatch(kept, 0, whole) is None:
