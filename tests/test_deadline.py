@@ -180,12 +180,17 @@ def killed_at_random(server: LocalServer) -> None:
 
 
 @pytest.mark.both_readings
-def test_the_watchdog_ends_a_tree_that_obeys_sigterm_at_once(client, server):
-    proc = client.start(SANDBOX, "sleep 60 & sleep 60", shell=True, timeout=1.0)
-    created = time.monotonic()
-    seconds = seconds_to_gone(server, proc.process_id, created + 1.0)
-    assert seconds < 0.5, "SIGTERM ended the tree: no grace period is waited out"
-    result = proc.wait()
+def test_the_watchdog_ends_a_tree_that_obeys_sigterm_at_once(server, monkeypatch):
+    # A grace period long beside what a loaded machine takes to scan and signal
+    # a tree: one gone well before it could end was ended by SIGTERM alone.
+    monkeypatch.setattr(cx, "_TERMINATE_GRACE", 6.0)
+    with make_client(server, cleanup_timeout=12.0) as client:
+        assert client._transport.termination_grace == 6.0
+        proc = client.start(SANDBOX, "sleep 60 & sleep 60", shell=True, timeout=1.0)
+        created = time.monotonic()
+        seconds = seconds_to_gone(server, proc.process_id, created + 1.0)
+        assert seconds <= GRACE + SLACK, "the watchdog waited out its grace period"
+        result = proc.wait()
     assert result.timed_out and result.exit_code is None and result.signal == "SIGTERM"
 
 
@@ -292,11 +297,10 @@ def test_what_the_program_left_in_the_background_is_left_alone(client, server, t
 def test_the_watchdog_goes_with_the_program(client, server):
     proc = client.start(SANDBOX, ["true"], timeout=60.0)
     result = proc.wait()
-    ended = time.monotonic()
     assert result.exit_code == 0 and not result.timed_out
-    while server.tree_alive(proc.process_id):  # `wait?scope=tree` waits for this
-        assert time.monotonic() - ended < 0.2 + 0.1, "the watchdog outlived the program"
-        time.sleep(0.01)
+    # `wait?scope=tree` waits for this: the watchdog leaves with the program,
+    # not at its deadline, a minute away.
+    assert server.wait_tree_gone(proc.process_id, 10.0), "the watchdog outlived the program"
 
 
 def test_without_timeout_nothing_is_added_to_the_wrapper(client, server):
