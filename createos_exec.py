@@ -5191,14 +5191,14 @@ class _Download:
             except APIError as refused:
                 if refused.status != 404:
                     raise
-            remote = self._staged(deadline)  # a sandbox gone answers 404 here too
-            transport.streams_exec = False
-            return remote
+            return self._staged(deadline, after_404=True)
         return self._staged(deadline)
 
-    def _staged(self, deadline: _Deadline) -> _Remote:
+    def _staged(self, deadline: _Deadline, *, after_404: bool = False) -> _Remote:
         """The description through an exec answered at its end: a file's, or a
-        directory's packed into an archive staged beside it."""
+        directory's packed into an archive staged beside it. `after_404`: a
+        streamed exec was answered 404, by a control plane that has none or by
+        a sandbox gone; this exec's answer, whatever it says, tells which."""
         archive, most = "", _SERVICE_FILE_LIMIT
         if self.sink.takes_trees:
             head, name = posixpath.split(self.path.rstrip("/"))
@@ -5211,6 +5211,8 @@ class _Download:
             repeatable=True,
             read_timeout=_hashing_time(self.sandbox.transport, most),
         )
+        if after_404:
+            self.sandbox.transport.streams_exec = False
         remote = self._described(ran.exited, ran.stdout, operation)
         if remote.kind == "tree":
             self.made.append(remote.where)
