@@ -2239,6 +2239,15 @@ class LocalServer:
     def process(self, process_id: str) -> dict[str, Any]:
         return self._get_process(process_id).record()
 
+    def journalled(self, process_id: str) -> list[tuple[str, bytes]]:
+        """The data frames the journal holds, oldest first, as (stream, data): a
+        frame holds what one read of a pipe brought, which a loaded machine can
+        make two writes of the program."""
+        proc = self._get_process(process_id)
+        with proc.cond:
+            frames = [json.loads(frame.line) for frame in proc.journal]
+        return [(frame["stream"], base64.b64decode(frame["data_base64"])) for frame in frames]
+
     def tree_alive(self, process_id: str) -> bool:
         """Whether the leader or any non-zombie process of its tree lives."""
         return not self._get_process(process_id).tree_exited()

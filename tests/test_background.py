@@ -187,14 +187,18 @@ def test_the_command_timeout_contains_the_tree_during_a_loop(client, server):
 
 
 @pytest.mark.both_readings
-def test_eviction_during_a_loop_raises_with_what_was_read(client, server):
+def test_eviction_during_a_loop_raises_with_what_was_read(client, server, tmp_path):
     server.drop_stream(after_frames=1)  # the connection breaks after "one"
+    go = tmp_path / "go"
     code = (
-        "import os, time\nos.write(1, b'one\\n')\ntime.sleep(0.1)\nos.write(1, b'two\\nthree\\n')\n"
+        "import os, time\nos.write(1, b'one\\n')\n"
+        f"while not os.path.exists({str(go)!r}): time.sleep(0.01)\n"
+        "os.write(1, b'two\\nthree\\n')\n"
     )
     proc = client.start(SANDBOX, python(code + "time.sleep(60)"))
     loop = proc.iter_output()
     assert next(loop) == ("stdout", "one\n")
+    go.touch()
     # The loop's body takes its time: "two" and "three" are journalled meanwhile.
     until(lambda: server.process(proc.process_id)["output"]["newest_seq"] >= 2)
     server.evict(proc.process_id)  # and lost before the loop reads them, spool and all
