@@ -4493,10 +4493,11 @@ class _Outgoing:
     (into `sha256`, and into `whole` when given, once finish() returned) and
     counted on its way, never past `length`; `tell` hears of each. Chunked,
     not of a Content-Length, so that what stops it midway (the source changed
-    or failed while read, `tell` raised) can end it there, whole:
-    raise_stopped() raises that once the service has answered, having written
-    what came, and only then is the temporary file removed. A request cut off
-    instead may be handled after that removal, and leave a part behind. An
+    or failed while read, `tell` raised, a Ctrl-C came meanwhile) can end it
+    there, whole: raise_stopped() raises that once the service has answered,
+    having written what came, and only then is the temporary file removed. A
+    request cut off instead (the network, a Ctrl-C while a piece is on its
+    way) may be handled after that removal, and leave a part behind. An
     iterator, not file-like: the HTTP stack sends each piece whole, where it
     would read a file-like body 16 KiB at a time (a third slower over
     loopback, its hashing included)."""
@@ -4514,7 +4515,7 @@ class _Outgoing:
         self.sent = 0
         self.sha256 = hashlib.sha256()
         self.whole = whole
-        self._stopped: Optional[Exception] = None
+        self._stopped: Optional[BaseException] = None
         self._hashing = _Hashing(self.sha256, whole)
 
     def finish(self) -> None:
@@ -4542,12 +4543,13 @@ class _Outgoing:
             while piece:
                 yield piece
                 piece = self._piece()
-        except Exception as stopped:  # raised by raise_stopped()
-            self._stopped = stopped
+        except (Exception, KeyboardInterrupt) as stopped:  # raised by raise_stopped()
+            self._stopped = stopped  # a Ctrl-C as the source is read too: ended whole
 
     def raise_stopped(self) -> None:
         """What stopped the body, if anything did: the caller's own exception
-        (its source's read, its progress callback), or _SourceChanged."""
+        (its source's read, its progress callback, a Ctrl-C meanwhile), or
+        _SourceChanged."""
         if isinstance(self._stopped, _Carried):
             raise self._stopped.args[0] from None
         if self._stopped is not None:
