@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import sys
 
@@ -24,6 +25,26 @@ from support import Figures, make_client  # noqa: E402
 # own handler here is reset to the default in every child.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+# The docs' examples run in "the sandbox" of the local server, which is this
+# machine: the directory they write there is removed once the whole run is
+# over (by the controller, after every worker), unless it was there before.
+DOCS_SANDBOX_DIR = "/tmp/demo"
+
+
+def pytest_sessionstart(session):
+    if not hasattr(session.config, "workerinput"):
+        session.config.stash[_DOCS_DIR_WAS_THERE] = os.path.exists(DOCS_SANDBOX_DIR)
+
+
+def pytest_sessionfinish(session):
+    config = session.config
+    if not hasattr(config, "workerinput") and not config.stash.get(_DOCS_DIR_WAS_THERE, True):
+        shutil.rmtree(DOCS_SANDBOX_DIR, ignore_errors=True)
+
+
+_DOCS_DIR_WAS_THERE = pytest.StashKey[bool]()
 
 
 def pytest_make_parametrize_id(config, val, argname):
