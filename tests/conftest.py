@@ -27,24 +27,29 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-# The docs' examples run in "the sandbox" of the local server, which is this
-# machine: the directory they write there is removed once the whole run is
-# over (by the controller, after every worker), unless it was there before.
-DOCS_SANDBOX_DIR = "/tmp/demo"
+# The docs' examples, and the line an eviction message gives, run in "the
+# sandbox" of the local server, which is this machine: what they write there
+# is removed once the whole run is over (by the controller, after every
+# worker), unless it was there before.
+IN_THE_SANDBOX = ("/tmp/demo", "/tmp/out.log")
 
 
 def pytest_sessionstart(session):
     if not hasattr(session.config, "workerinput"):
-        session.config.stash[_DOCS_DIR_WAS_THERE] = os.path.exists(DOCS_SANDBOX_DIR)
+        session.config.stash[_NEW_IN_THE_SANDBOX] = [
+            path for path in IN_THE_SANDBOX if not os.path.lexists(path)
+        ]
 
 
 def pytest_sessionfinish(session):
-    config = session.config
-    if not hasattr(config, "workerinput") and not config.stash.get(_DOCS_DIR_WAS_THERE, True):
-        shutil.rmtree(DOCS_SANDBOX_DIR, ignore_errors=True)
+    for path in session.config.stash.get(_NEW_IN_THE_SANDBOX, []):
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        elif os.path.lexists(path):
+            os.remove(path)
 
 
-_DOCS_DIR_WAS_THERE = pytest.StashKey[bool]()
+_NEW_IN_THE_SANDBOX = pytest.StashKey[list]()
 
 
 def pytest_make_parametrize_id(config, val, argname):
